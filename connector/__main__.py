@@ -1,0 +1,3 @@
+from connector.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,125 @@
+"""Descriptors: block ids -> coalesced (addr, len) pairs, applied to real buffers and checked byte for byte."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from connector.descriptors import DescriptorError, route_descriptors
+from connector.layout import Region
+
+
+def buffer_region(buf: np.ndarray, pool: str, layer: int, heads: tuple[int, int], parts: int,
+                  padding: int = 0) -> Region:
+    """Region over `buf` shaped (parts, blocks, heads, bytes_per_head) uint8, with `padding` bytes between blocks
+    emulated by a larger per-block stride (the buffer's last axis carries it)."""
+    n_parts, n_blocks, n_heads, per_head = buf.shape
+    assert n_parts == parts and n_heads == heads[1] - heads[0]
+    bytes_per_block = n_heads * per_head - padding
+    return Region(pool=pool, layer=layer, slot=0, base_addr=buf.ctypes.data, num_blocks=n_blocks,
+                  bytes_per_block=bytes_per_block, block_stride=n_heads * per_head, heads=heads,
+                  num_parts=parts, part_stride=n_blocks * n_heads * per_head)
+
+
+def apply(descs, src_buf: np.ndarray, dst_buf: np.ndarray) -> None:
+    """Do what a NIXL WRITE would, with memmove, after checking every range is inside the buffers."""
+    s_lo, d_lo = src_buf.ctypes.data, dst_buf.ctypes.data
+    for s, d, n in zip(descs.src_addrs.tolist(), descs.dst_addrs.tolist(), descs.lengths.tolist()):
+        assert s_lo <= s and s + n <= s_lo + src_buf.nbytes
+        assert d_lo <= d and d + n <= d_lo + dst_buf.nbytes
+        ctypes.memmove(d, s, n)
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_route_copies_exactly_the_requested_heads_of_the_requested_blocks(data):
+    parts = data.draw(st.sampled_from([1, 2]))
+    total_heads = data.draw(st.sampled_from([1, 2, 4, 8]))
+    src_tp = data.draw(st.sampled_from([t for t in (1, 2, 4, 8) if total_heads % t == 0]))
+    dst_tp = data.draw(st.sampled_from([t for t in (1, 2, 4, 8) if total_heads % t == 0]))
+    src_rank, dst_rank = data.draw(st.integers(0, src_tp - 1)), data.draw(st.integers(0, dst_tp - 1))
+    s_heads = (src_rank * total_heads // src_tp, (src_rank + 1) * total_heads // src_tp)
+    d_heads = (dst_rank * total_heads // dst_tp, (dst_rank + 1) * total_heads // dst_tp)
+    lo, hi = max(s_heads[0], d_heads[0]), min(s_heads[1], d_heads[1])
+    if lo >= hi:
+        return
+    per_head = data.draw(st.sampled_from([4, 16, 64]))
+    n_src, n_dst = data.draw(st.integers(1, 24)), data.draw(st.integers(1, 24))
+    count = data.draw(st.integers(0, min(n_src, n_dst)))
+    src_ids = data.draw(st.permutations(range(n_src)))[:count]
+    dst_ids = data.draw(st.permutations(range(n_dst)))[:count]
+    if data.draw(st.booleans()):  # contiguous runs are the common case: make some
+        src_ids, dst_ids = sorted(src_ids), sorted(dst_ids)
+    rng = np.random.default_rng(count)
+    src = rng.integers(0, 255, (parts, n_src, s_heads[1] - s_heads[0], per_head), dtype=np.uint8)
+    dst = np.zeros((parts, n_dst, d_heads[1] - d_heads[0], per_head), dtype=np.uint8)
+    descs = route_descriptors(buffer_region(src, "kv", 5, s_heads, parts), buffer_region(dst, "kv", 5, d_heads, parts),
+                              src_ids, dst_ids, (lo, hi))
+    apply(descs, src, dst)
+    expect = np.zeros_like(dst)
+    for s_b, d_b in zip(src_ids, dst_ids):
+        expect[:, d_b, lo - d_heads[0]:hi - d_heads[0]] = src[:, s_b, lo - s_heads[0]:hi - s_heads[0]]
+    assert np.array_equal(dst, expect)
+    assert descs.nbytes == parts * count * (hi - lo) * per_head
+
+
+def test_contiguous_runs_become_one_descriptor_each():
+    src = np.zeros((1, 64, 1, 256), np.uint8)
+    dst = np.zeros((1, 64, 1, 256), np.uint8)
+    rs, rd = buffer_region(src, "index_k", 3, (0, 1), 1), buffer_region(dst, "index_k", 3, (0, 1), 1)
+    # runs on both sides: [0..9]->[20..29], [10..14]->[40..44], [30]->[0]
+    src_ids = list(range(0, 15)) + [30]
+    dst_ids = list(range(20, 30)) + list(range(40, 45)) + [0]
+    descs = route_descriptors(rs, rd, src_ids, dst_ids, (0, 1))
+    assert len(descs) == 3
+    assert descs.lengths.tolist() == [10 * 256, 5 * 256, 256]
+
+
+def test_k_and_v_halves_are_separate_runs():
+    src = np.zeros((2, 16, 4, 32), np.uint8)
+    dst = np.zeros((2, 16, 4, 32), np.uint8)
+    descs = route_descriptors(buffer_region(src, "kv", 0, (0, 4), 2), buffer_region(dst, "kv", 0, (0, 4), 2),
+                              [2, 3, 4], [7, 8, 9], (0, 4))
+    assert len(descs) == 2  # one run in K, one in V
+    assert descs.lengths.tolist() == [3 * 128, 3 * 128]
+
+
+def test_head_slice_inside_blocks_cannot_coalesce_across_blocks():
+    src = np.zeros((2, 8, 4, 32), np.uint8)   # prefill tp1: heads 0-3
+    dst = np.zeros((2, 8, 2, 32), np.uint8)   # decode tp2 rank 1: heads 2-3
+    descs = route_descriptors(buffer_region(src, "kv", 0, (0, 4), 2), buffer_region(dst, "kv", 0, (2, 4), 2),
+                              [0, 1, 2], [0, 1, 2], (2, 4))
+    assert len(descs) == 6  # gaps on the source side between blocks
+    assert set(descs.lengths.tolist()) == {64}
+
+
+def test_padded_block_stride_is_respected():
+    src = np.zeros((1, 8, 1, 64), np.uint8)
+    dst = np.zeros((1, 8, 1, 64), np.uint8)
+    region = buffer_region(src, "index_k", 1, (0, 1), 1, padding=16)
+    descs = route_descriptors(region, buffer_region(dst, "index_k", 1, (0, 1), 1, padding=16), [0, 1], [0, 1], (0, 1))
+    assert descs.lengths.tolist() == [48, 48]  # stride 64 > 48 bytes per block: no merge
+
+
+@pytest.mark.parametrize("src_ids, dst_ids, heads, match", [
+    ([0, 16], [0, 1], (0, 4), r"source block ids \[16\] are outside kv layer 0's 16 blocks"),
+    ([0, 1], [-1, 1], (0, 4), r"destination block ids \[-1\]"),
+    ([0, 1], [0], (0, 4), "2 source blocks but 1 destination"),
+    ([0], [0], (2, 6), "heads 2-5 are not all held"),
+])
+def test_bad_input_is_refused_before_anything_is_built(src_ids, dst_ids, heads, match):
+    buf = np.zeros((2, 16, 4, 8), np.uint8)
+    region = buffer_region(buf, "kv", 0, (0, 4), 2)
+    with pytest.raises(DescriptorError, match=match):
+        route_descriptors(region, region, src_ids, dst_ids, heads)
+
+
+def test_mismatched_block_size_is_named():
+    a = buffer_region(np.zeros((1, 4, 1, 64), np.uint8), "index_k", 3, (0, 1), 1)
+    b = buffer_region(np.zeros((1, 4, 1, 32), np.uint8), "index_k", 3, (0, 1), 1)
+    with pytest.raises(DescriptorError, match="64 B per block on prefill but 32 B on decode"):
+        route_descriptors(a, b, [0], [0], (0, 1))
