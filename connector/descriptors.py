@@ -34,6 +34,10 @@ class Descriptors:
     def nbytes(self) -> int:
         return int(self.lengths.sum())
 
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(src Nx2, dst Nx2) uint64 arrays of (addr, nbytes): the fast form the transport takes."""
+        return np.stack([self.src_addrs, self.lengths], axis=1), np.stack([self.dst_addrs, self.lengths], axis=1)
+
     def pairs(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """(src [(addr, len)], dst [(addr, len)]) as Python lists (tests, small requests)."""
         lens = self.lengths.tolist()

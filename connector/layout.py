@@ -231,6 +231,8 @@ class Region(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     part_stride: int = 0
     """Bytes from part 0 (K) to part 1 (V) of the same block."""
     device_id: int = 0
+    group: int = 0
+    """KV-cache group on this rank: block ids are per group (vLLM allocates each group its own blocks)."""
 
     @property
     def key(self) -> tuple[str, int]:
