@@ -1,0 +1,38 @@
+"""Checks on a peer's Hello before it is accepted: its parallel layout and its region table must be exactly what
+the transfer plan says that rank holds. Pure."""
+
+from __future__ import annotations
+
+from connector.frames import Hello
+from connector.layout import POOLS, LayoutError, ModelLayout, ParallelLayout, RankLayout, Region
+from connector.plan import TransferPlan
+
+
+def layout_of(hello: Hello, model: ModelLayout) -> ParallelLayout:
+    """The peer's ParallelLayout from its Hello (tp size and PP stage ranges)."""
+    counts = [end - start for start, end in hello.stages]
+    if len(counts) != hello.pp_size:
+        raise LayoutError(f"{hello.role} {hello.engine_id} rank ({hello.pp_rank},{hello.tp_rank}) sent "
+                          f"{len(counts)} stages for pp={hello.pp_size}: peers run different versions")
+    return ParallelLayout.build(model.num_layers, hello.tp_size, hello.pp_size, counts)
+
+
+def check_peer_regions(hello: Hello, plan: TransferPlan, side: str) -> dict[tuple[str, int], Region]:
+    """Regions by (pool, layer), after checking they are exactly the layers and heads the peer's rank holds."""
+    lay: RankLayout = plan.rank_layout(side, (hello.pp_rank, hello.tp_rank))
+    who = f"{side} rank ({hello.pp_rank},{hello.tp_rank})"
+    regions = {r.key: r for r in hello.regions}
+    for pool in POOLS:
+        want = set(lay.layers(pool))
+        have = {layer for p, layer in regions if p == pool}
+        if have - want:
+            raise LayoutError(f"{who} has {pool} for layers {sorted(have - want)} that its layout does not hold "
+                              f"(stage {lay.stage[0]}-{lay.stage[1] - 1}): the model configs differ")
+        if want - have:
+            raise LayoutError(f"{who} has no {pool} for layers {sorted(want - have)} that its layout holds: "
+                              f"the model configs differ")
+        for layer in want:
+            if regions[(pool, layer)].heads != lay.heads(pool):
+                raise LayoutError(f"{who} holds heads {regions[(pool, layer)].heads} of {pool} layer {layer}, "
+                                  f"expected {lay.heads(pool)} for tp={plan.rank_layout(side, (0, 0)).parallel.tp}")
+    return regions

@@ -1,0 +1,79 @@
+"""One asyncio event loop per process, in its own thread. Framework threads (vLLM's model runner, the demo's
+compute loop) hand work to it without blocking: a save hook must return in microseconds."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from typing import Any, Awaitable, Callable, TypeVar
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+
+class LoopThread:
+    def __init__(self, name: str = "sparse-kv-loop") -> None:
+        self._name = name
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            raise RuntimeError("LoopThread is not started: call start() first")
+        return self._loop
+
+    def start(self) -> "LoopThread":
+        if self._thread is not None:
+            return self
+        ready = threading.Event()
+
+        def run() -> None:
+            self._loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(self._loop)
+            ready.set()
+            self._loop.run_forever()
+            self._loop.close()
+
+        self._thread = threading.Thread(target=run, name=self._name, daemon=True)
+        self._thread.start()
+        if not ready.wait(10):
+            raise RuntimeError(f"event loop thread {self._name} did not start within 10 s")
+        return self
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run `fn(*args)` on the loop thread soon; returns at once (FIFO with other calls)."""
+        self.loop.call_soon_threadsafe(fn, *args)
+
+    def submit(self, coro: Awaitable[T]) -> "concurrent.futures.Future[T]":
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)  # type: ignore[arg-type]
+
+    def run(self, coro: Awaitable[T], timeout: float) -> T:
+        """Run `coro` on the loop and wait for it from this (non-loop) thread, at most `timeout` s."""
+        fut = self.submit(coro)
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise TimeoutError(f"{getattr(coro, '__qualname__', coro)} did not finish within {timeout} s") from None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self._thread is None or self._loop is None:
+            return
+        loop = self._loop
+
+        async def cancel_all() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        try:
+            asyncio.run_coroutine_threadsafe(cancel_all(), loop).result(timeout)
+        except Exception as exc:  # noqa: BLE001 - shutting down; say what was left
+            log.warning("event loop %s: tasks did not stop cleanly: %r", self._name, exc)
+        loop.call_soon_threadsafe(loop.stop)
+        self._thread.join(timeout)
+        self._thread = None

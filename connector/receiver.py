@@ -1,0 +1,235 @@
+"""Receiving side (decode rank): registers its blocks with every prefill rank the plan names, then waits for a
+completion from each. Framework-agnostic asyncio on the process's one event loop.
+
+Prefill rank (pp, tp) of an engine whose rank (0, 0) listens on `port` listens on `port + pp * tp_size + tp`
+(the same convention as vLLM's NixlConnector side-channel ports). Rank (0, 0)'s Hello tells the prefill layout,
+from which the plan, and so the sources of this rank, follow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from connector.control import (Abort, Complete, ControlConnection, ControlError, Error, Hello, Register, RegisterAck,
+                               RegisterError, connect)
+from connector.handshake import check_peer_regions, layout_of
+from connector.layout import LayoutError, ModelLayout, ParallelLayout, Region
+from connector.plan import Rank, TransferPlan, build_plan
+
+log = logging.getLogger(__name__)
+
+
+class TransferFailed(RuntimeError):
+    """A transfer that will not complete; the message says which prefill rank and why."""
+
+
+@dataclass(frozen=True)
+class ReceiverConfig:
+    engine_id: str
+    auth_token: str = ""
+    connect_timeout_s: float = 10.0
+    transfer_timeout_s: float = 120.0
+    heartbeat_interval_s: float = 2.0
+    dead_after_s: float = 10.0
+
+
+@dataclass(frozen=True)
+class PrefillAddress:
+    host: str
+    port: int
+    """Side-channel port of prefill rank (0, 0)."""
+
+    @classmethod
+    def parse(cls, text: str) -> "PrefillAddress":
+        host, sep, port = str(text).rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"prefill side-channel address {text!r} is not host:port (e.g. 10.0.0.5:5600)")
+        return cls(host.strip("[]"), int(port))
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class ReceiveResult:
+    transfer_id: str
+    bytes_written: int
+    descriptors: int
+    sources: tuple[Rank, ...]
+
+
+@dataclass
+class _Engine:
+    address: PrefillAddress
+    plan: TransferPlan
+    conns: dict[Rank, ControlConnection] = field(default_factory=dict)
+    readers: list[asyncio.Task] = field(default_factory=list)
+
+
+@dataclass
+class _Pending:
+    transfer_id: str
+    engine: _Engine
+    completes: dict[Rank, asyncio.Future]
+
+
+class StreamReceiver:
+    def __init__(self, transport: Any, model: ModelLayout, parallel: ParallelLayout, rank: Rank,
+                 regions: list[Region], block_size: int, config: ReceiverConfig) -> None:
+        self.model, self.parallel, self.rank, self.config = model, parallel, rank, config
+        self.hello = Hello(role="decode", engine_id=config.engine_id, pp_rank=rank[0], tp_rank=rank[1],
+                           pp_size=parallel.pp, tp_size=parallel.tp, fingerprint=model.fingerprint(),
+                           block_size=block_size, agent_name=transport.name, agent_metadata=transport.metadata,
+                           regions=list(regions), stages=[tuple(s) for s in parallel.stages],
+                           auth_token=config.auth_token)
+        self._engines: dict[PrefillAddress, _Engine] = {}
+        self._connecting: dict[PrefillAddress, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self._pending: dict[str, _Pending] = {}
+
+    async def close(self) -> None:
+        for engine in list(self._engines.values()):
+            await self._drop_engine(engine, "receiver closed")
+
+    # ---- connections -----------------------------------------------------------------------------------------
+    async def _connect(self, address: PrefillAddress, port: int) -> ControlConnection:
+        return await connect(address.host, port, self.hello, timeout=self.config.connect_timeout_s,
+                             heartbeat_interval_s=self.config.heartbeat_interval_s,
+                             dead_after_s=self.config.dead_after_s,
+                             heartbeat_ids=lambda p=port: self._wanted_from(address, p))
+
+    def _wanted_from(self, address: PrefillAddress, port: int) -> list[str]:
+        """Transfers still waiting on the prefill rank at `port`: heartbeats extend their leases there."""
+        return [p.transfer_id for p in self._pending.values() if p.engine.address == address
+                and any(not f.done() and self._port_of(p.engine, src) == port for src, f in p.completes.items())]
+
+    @staticmethod
+    def _port_of(engine: _Engine, src: Rank) -> int:
+        return engine.address.port + src[0] * engine.plan.prefill.tp + src[1]
+
+    async def _engine(self, address: PrefillAddress) -> _Engine:
+        async with self._connecting[address]:
+            engine = self._engines.get(address)
+            if engine is not None:
+                return engine
+            first = await self._connect(address, address.port)
+            engine = None
+            try:
+                prefill = layout_of(first.peer, self.model)
+                if first.peer.block_size != self.hello.block_size:
+                    raise LayoutError(f"prefill {address} uses block size {first.peer.block_size}, decode "
+                                      f"{self.hello.block_size}: start both with the same block size")
+                engine = _Engine(address, build_plan(self.model, prefill, self.parallel))
+                for src in engine.plan.sources_of(self.rank):
+                    port = self._port_of(engine, src)
+                    conn = first if port == address.port else await self._connect(address, port)
+                    if (conn.peer.pp_rank, conn.peer.tp_rank) != src:
+                        raise LayoutError(f"{address.host}:{port} is prefill rank ({conn.peer.pp_rank},"
+                                          f"{conn.peer.tp_rank}), expected {src}: ranks must listen on "
+                                          f"port + pp * tp_size + tp")
+                    check_peer_regions(conn.peer, engine.plan, "prefill")
+                    engine.conns[src] = conn
+                    engine.readers.append(asyncio.create_task(self._read(engine, src, conn)))
+            except BaseException:
+                await first.close("handshake checks failed")
+                for conn in engine.conns.values() if engine else ():
+                    await conn.close("handshake checks failed")
+                raise
+            if first not in engine.conns.values():
+                await first.close("rank (0, 0) sends nothing to this decode rank")
+            self._engines[address] = engine
+            return engine
+
+    async def _drop_engine(self, engine: _Engine, reason: str) -> None:
+        if self._engines.get(engine.address) is engine:
+            del self._engines[engine.address]
+        for task in engine.readers:
+            if task is not asyncio.current_task():
+                task.cancel()
+        for conn in engine.conns.values():
+            await conn.close(reason)
+
+    async def _read(self, engine: _Engine, src: Rank, conn: ControlConnection) -> None:
+        async for msg in conn:
+            self._dispatch(src, msg)
+        reason = conn.close_reason or "connection closed"
+        for pend in list(self._pending.values()):
+            fut = pend.completes.get(src)
+            if pend.engine is engine and fut is not None and not fut.done():
+                fut.set_exception(TransferFailed(f"prefill rank {src} at {conn.address} went away before "
+                                                 f"completing {pend.transfer_id!r}: {reason}"))
+        await self._drop_engine(engine, f"prefill rank {src} went away")
+
+    def _dispatch(self, src: Rank, msg: Any) -> None:
+        tid = getattr(msg, "transfer_id", None)
+        pend = self._pending.get(tid) if tid is not None else None
+        fut = pend.completes.get(src) if pend is not None else None
+        if isinstance(msg, RegisterAck):
+            return
+        if isinstance(msg, Error):
+            log.warning("prefill rank %s reports: %s", src, msg.reason)
+            return
+        if fut is None or fut.done():
+            if not isinstance(msg, Abort):
+                log.debug("ignoring %s for %s from prefill rank %s (not waiting)", type(msg).__name__, tid, src)
+            return
+        if isinstance(msg, Complete):
+            fut.set_result(msg)
+        elif isinstance(msg, RegisterError):
+            fut.set_exception(TransferFailed(f"prefill rank {src} refused {tid!r}: {msg.reason}"))
+        elif isinstance(msg, Abort):
+            fut.set_exception(TransferFailed(f"prefill rank {src} aborted {tid!r}: {msg.reason}"))
+
+    # ---- transfers -------------------------------------------------------------------------------------------
+    async def receive(self, transfer_id: str, prefill: PrefillAddress, block_ids: list[list[int]],
+                      first_token: int, num_tokens: int, timeout: float | None = None) -> ReceiveResult:
+        """Register `block_ids` (per group, from token 0) with every source and wait until all completed."""
+        if transfer_id in self._pending:
+            raise TransferFailed(f"transfer {transfer_id!r} is already being received on decode rank {self.rank}")
+        try:
+            engine = await self._engine(prefill)
+        except (ControlError, LayoutError, OSError) as exc:
+            raise TransferFailed(f"cannot reach prefill {prefill} for {transfer_id!r}: {exc}") from exc
+        routes = engine.plan.routes_to(self.rank)
+        layers: dict[Rank, set[int]] = defaultdict(set)
+        for r in routes:
+            layers[r.src.rank].add(r.layer)
+        loop = asyncio.get_running_loop()
+        pend = _Pending(transfer_id, engine, {src: loop.create_future() for src in layers})
+        self._pending[transfer_id] = pend
+        try:
+            async with asyncio.timeout(timeout or self.config.transfer_timeout_s):
+                for src, conn in engine.conns.items():
+                    await conn.send(Register(transfer_id, self.rank[0], self.rank[1], block_ids, first_token,
+                                             num_tokens, layers=sorted(layers[src])))
+                done = await asyncio.gather(*pend.completes.values())
+        except TimeoutError:
+            missing = sorted(src for src, f in pend.completes.items() if not f.done())
+            await self._abort_sources(pend, "decode timed out")
+            raise TransferFailed(f"transfer {transfer_id!r}: no completion from prefill ranks {missing} of {prefill} "
+                                 f"within {timeout or self.config.transfer_timeout_s:.1f} s") from None
+        except (TransferFailed, ControlError) as exc:
+            await self._abort_sources(pend, f"decode gave up: {exc}")
+            raise TransferFailed(str(exc)) from exc
+        except asyncio.CancelledError:
+            await asyncio.shield(self._abort_sources(pend, "decode aborted the request"))
+            raise
+        finally:
+            self._pending.pop(transfer_id, None)
+            for f in pend.completes.values():
+                if f.done() and not f.cancelled():
+                    f.exception()  # retrieved: no "exception never retrieved" noise
+        return ReceiveResult(transfer_id, sum(c.bytes_written for c in done), sum(c.descriptors for c in done),
+                             tuple(sorted(pend.completes)))
+
+    async def _abort_sources(self, pend: _Pending, reason: str) -> None:
+        for src, conn in pend.engine.conns.items():
+            fut = pend.completes.get(src)
+            if fut is not None and not fut.done() and not conn.is_closed:
+                try:
+                    await conn.send(Abort(pend.transfer_id, reason))
+                except ControlError as exc:
+                    log.warning("could not abort %s on prefill rank %s: %s", pend.transfer_id, src, exc)

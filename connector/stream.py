@@ -1,0 +1,515 @@
+"""Per-layer streaming sender (prefill side). Framework-agnostic asyncio; runs on the process's one event loop.
+
+A request's layers go out as soon as two things are known: the layer is computed (`layer_ready`, or the sweep at
+the end of a chunk) and the decode rank's registration (its block ids) has arrived. Whichever comes second
+triggers the WRITE, so a registration that arrives after prefill finished is served from the kept blocks (bulk
+fallback) by the same code. Every route is keyed by (pool, global layer) from the plan; slots never cross ranks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from connector.control import (Abort, Complete, ControlConnection, ControlServer, Heartbeat, Hello, Register,
+                               RegisterAck, RegisterError)
+from connector.descriptors import Descriptors, DescriptorError, check_blocks, route_descriptors
+from connector.handshake import check_peer_regions, layout_of
+from connector.layout import LayoutError, ModelLayout, ParallelLayout, Region
+from connector.plan import Rank, Route, TransferPlan, build_plan
+
+log = logging.getLogger(__name__)
+
+PeerKey = tuple[str, int, int]
+"""(engine id, pp, tp) of a decode rank."""
+
+
+class RegistrationError(ValueError):
+    """A registration that is refused before anything is written; the text goes back to decode."""
+
+
+@dataclass(frozen=True)
+class SenderConfig:
+    engine_id: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    auth_token: str = ""
+    lease_s: float = 120.0
+    """How long a finished request keeps its blocks for decode ranks that have not completed; heartbeats extend."""
+    write_timeout_s: float = 60.0
+    handshake_timeout_s: float = 10.0
+    heartbeat_interval_s: float = 2.0
+    dead_after_s: float = 10.0
+    poll_interval_s: float = 0.0005
+    """While requests are active, how often the loop picks up hook calls (see `layer_ready`)."""
+    released_memory_s: float = 600.0
+    """How long a finished transfer id is remembered, so a late registration for it is refused clearly."""
+
+
+@dataclass
+class Destination:
+    """One decode rank's view of one request."""
+
+    key: PeerKey
+    conn: ControlConnection
+    peer_agent: str
+    regions: dict[tuple[str, int], Region]
+    layer_routes: dict[int, list[Route]]
+    register: Register
+    sent_tokens: dict[int, int] = field(default_factory=dict)
+    writing: set[int] = field(default_factory=set)
+    bytes_written: int = 0
+    descriptors: int = 0
+    done: bool = False
+
+
+@dataclass
+class SendRequest:
+    transfer_id: str
+    num_tokens: int
+    block_ids: list[list[int]]
+    computed_tokens: int = 0
+    ready_tokens: dict[int, int] = field(default_factory=dict)
+    final: bool = False
+    dests: dict[PeerKey, Destination] = field(default_factory=dict)
+    expected: set[PeerKey] | None = None
+    lease_deadline: float = math.inf
+    failed: bool = False
+    first_write_at: float = 0.0
+    """Wall-clock time (time.time()) the first WRITE of this request was posted; 0 = none yet."""
+    finished: asyncio.Future | None = None
+
+
+@dataclass
+class _Peer:
+    hello: Hello
+    plan: TransferPlan
+    regions: dict[tuple[str, int], Region]
+    agent: str
+
+
+@dataclass(frozen=True)
+class FinishedInfo:
+    ok: bool
+    """Every decode rank completed (False: aborted, failed or lease expired; blocks are free either way)."""
+    first_write_at: float
+    """Wall-clock time (time.time()) of the first WRITE; 0 = none was posted."""
+
+
+@dataclass
+class SenderStats:
+    bytes_written: int = 0
+    descriptors: int = 0
+    writes: int = 0
+
+
+class StreamSender:
+    """One prefill rank. Thread-safe entry points (`start_request`, `begin_chunk`, `layer_ready`, `end_chunk`,
+    `abort`) return at once and hand the work to the event loop; everything else runs on the loop."""
+
+    def __init__(self, transport: Any, model: ModelLayout, parallel: ParallelLayout, rank: Rank,
+                 regions: list[Region], block_size: int, config: SenderConfig,
+                 loop: asyncio.AbstractEventLoop, mem_type: str = "DRAM",
+                 on_finished: Callable[[str, bool], None] | None = None) -> None:
+        self.transport, self.model, self.parallel, self.rank = transport, model, parallel, rank
+        self.regions = {r.key: r for r in regions}
+        self.block_size, self.config, self.loop, self.mem_type = block_size, config, loop, mem_type
+        self.on_finished = on_finished
+        self.stats = SenderStats()
+        self.requests: dict[str, SendRequest] = {}
+        self._parked: dict[str, list[tuple[ControlConnection, Register, float]]] = defaultdict(list)
+        self._released: dict[str, float] = {}
+        self.finished_info: dict[str, FinishedInfo] = {}
+        """Finished transfers, kept as long as `_released` (stats, late waiters)."""
+        self._peers: dict[PeerKey, _Peer] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._server: ControlServer | None = None
+        self._inbox: deque = deque()
+        self._wake = asyncio.Event()
+        self.hello = Hello(role="prefill", engine_id=config.engine_id, pp_rank=rank[0], tp_rank=rank[1],
+                           pp_size=parallel.pp, tp_size=parallel.tp, fingerprint=model.fingerprint(),
+                           block_size=block_size, agent_name=transport.name, agent_metadata=transport.metadata,
+                           regions=list(regions), stages=[tuple(s) for s in parallel.stages])
+
+    @property
+    def peers(self) -> dict[PeerKey, _Peer]:
+        """Accepted decode ranks: their plan, regions and NIXL agent name."""
+        return self._peers
+
+    # ---- lifetime -------------------------------------------------------------------------------------------
+    async def start(self) -> int:
+        """Start the side-channel server; returns the bound port."""
+        self._server = ControlServer(
+            self.hello, self._on_message, host=self.config.host, port=self.config.port,
+            auth_token=self.config.auth_token, on_hello=self._on_hello,
+            handshake_timeout_s=self.config.handshake_timeout_s,
+            heartbeat_interval_s=self.config.heartbeat_interval_s, dead_after_s=self.config.dead_after_s)
+        await self._server.start()
+        self._spawn(self._lease_loop())
+        self._spawn(self._drain_loop())
+        return self._server.port
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._server is not None:
+            await self._server.close()
+        for peer in self._peers.values():
+            self.transport.remove_peer(peer.agent)
+        self._peers.clear()
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = self.loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("sender task failed", exc_info=task.exception())
+
+    # ---- framework-thread entry points (return at once) -------------------------------------------------------
+    # They only append to a deque (atomic under the GIL). Waking the loop costs a syscall and a GIL hand-off of
+    # ~100 us, too much for a per-layer hook, so only the per-step calls wake it; while requests are active the loop
+    # drains the deque every `poll_interval_s` anyway. Order is kept: one deque, drained FIFO.
+    def start_request(self, transfer_id: str, num_tokens: int) -> None:
+        self._inbox.append((self._start_request, transfer_id, num_tokens))
+        self._wake_loop()
+
+    def begin_chunk(self, transfer_id: str, block_ids: list[list[int]], computed_tokens: int) -> None:
+        """The next forward computes tokens up to `computed_tokens`, into `block_ids` (per group, from token 0)."""
+        self._inbox.append((self._begin_chunk, transfer_id, block_ids, computed_tokens))
+
+    def layer_ready(self, transfer_id: str, global_layer: int, event: Any = None) -> None:
+        """Layer `global_layer` holds this chunk's tokens (after `event`, a CUDA event, completes)."""
+        self._inbox.append((self._layer_ready, transfer_id, global_layer, event))
+
+    def end_chunk(self, transfer_id: str, event: Any = None) -> None:
+        """Every layer of this rank holds this chunk's tokens: sends what no `layer_ready` covered (the sweep)."""
+        self._inbox.append((self._layer_ready, transfer_id, None, event))
+        self._wake_loop()
+
+    def abort(self, transfer_id: str, reason: str) -> None:
+        self._inbox.append((self._abort, transfer_id, reason))
+        self._wake_loop()
+
+    def _wake_loop(self) -> None:
+        self.loop.call_soon_threadsafe(self._wake.set)
+
+    async def _drain_loop(self) -> None:
+        while True:
+            if self.requests or self._inbox:
+                await asyncio.sleep(self.config.poll_interval_s)
+            else:
+                self._wake.clear()
+                await self._wake.wait()
+            while self._inbox:
+                fn, *args = self._inbox.popleft()
+                try:
+                    fn(*args)
+                except Exception:  # noqa: BLE001 - one bad call must not stop the engine
+                    log.exception("prefill rank %s: %s%r failed", self.rank, fn.__name__, tuple(args))
+
+    # ---- loop side -------------------------------------------------------------------------------------------
+    def _start_request(self, transfer_id: str, num_tokens: int) -> None:
+        if transfer_id in self.requests:
+            log.error("transfer %s started twice; ignoring the second start", transfer_id)
+            return
+        req = SendRequest(transfer_id, num_tokens, [], finished=self.loop.create_future())
+        self.requests[transfer_id] = req
+        for conn, reg, _at in self._parked.pop(transfer_id, []):
+            self._spawn(self._accept(conn, reg))
+
+    def _begin_chunk(self, transfer_id: str, block_ids: list[list[int]], computed_tokens: int) -> None:
+        req = self.requests.get(transfer_id)
+        if req is None:
+            log.error("begin_chunk for unknown transfer %s", transfer_id)
+            return
+        req.block_ids = [list(g) for g in block_ids]
+        req.computed_tokens = computed_tokens
+
+    def _layer_ready(self, transfer_id: str, global_layer: int | None, event: Any) -> None:
+        req = self.requests.get(transfer_id)
+        if req is None:
+            return  # aborted or finished: nothing to send
+        tokens = req.computed_tokens
+        if event is not None:
+            self._spawn(self._after_event(req, global_layer, tokens, event))
+        else:
+            self._mark_ready(req, global_layer, tokens)
+
+    async def _after_event(self, req: SendRequest, global_layer: int | None, tokens: int, event: Any) -> None:
+        await asyncio.to_thread(event.synchronize)  # never block the loop on the GPU
+        self._mark_ready(req, global_layer, tokens)
+
+    def _mark_ready(self, req: SendRequest, global_layer: int | None, tokens: int) -> None:
+        start, end = self.parallel.stages[self.rank[0]]
+        layers = range(start, end) if global_layer is None else (global_layer,)
+        for layer in layers:
+            req.ready_tokens[layer] = max(req.ready_tokens.get(layer, 0), tokens)
+        if global_layer is None and tokens >= req.num_tokens:
+            req.final = True
+            req.lease_deadline = time.monotonic() + self.config.lease_s
+        self._pump(req)
+
+    def _abort(self, transfer_id: str, reason: str) -> None:
+        req = self.requests.get(transfer_id)
+        if req is None:
+            return
+        for dest in req.dests.values():
+            if not dest.done:
+                self._spawn(self._send_quiet(dest.conn, Abort(transfer_id, f"prefill aborted: {reason}")))
+        self._release(req, ok=False, why=f"aborted: {reason}")
+
+    # ---- registration ----------------------------------------------------------------------------------------
+    def _on_hello(self, hello: Hello) -> None:
+        """Check a decode rank before it is accepted: its layout must be one our plan can serve."""
+        decode = layout_of(hello, self.model)
+        plan = build_plan(self.model, self.parallel, decode)
+        regions = check_peer_regions(hello, plan, "decode")
+        if hello.block_size != self.block_size:
+            raise LayoutError(f"decode block size {hello.block_size} != prefill block size {self.block_size}: "
+                              f"start both with the same --block-size")
+        agent = self.transport.add_peer(hello.agent_metadata)
+        self._peers[(hello.engine_id, hello.pp_rank, hello.tp_rank)] = _Peer(hello, plan, regions, agent)
+
+    async def _on_message(self, conn: ControlConnection, msg: Any) -> None:
+        if isinstance(msg, Register):
+            if msg.transfer_id not in self.requests and msg.transfer_id not in self._released:
+                # Decode registers first (DESIGN.md step 2): keep it until prefill starts the request.
+                self._parked[msg.transfer_id].append((conn, msg, time.monotonic()))
+                conn.closed.add_done_callback(lambda _f, c=conn, t=msg.transfer_id: self._drop_parked(t, c))
+                await conn.send(RegisterAck(msg.transfer_id))
+                return
+            await self._accept(conn, msg)
+        elif isinstance(msg, Heartbeat):
+            deadline = time.monotonic() + self.config.lease_s
+            for tid in msg.transfer_ids:
+                req = self.requests.get(tid)
+                if req is not None and req.final:
+                    req.lease_deadline = max(req.lease_deadline, deadline)
+        elif isinstance(msg, Abort):
+            req = self.requests.get(msg.transfer_id)
+            self._parked.pop(msg.transfer_id, None)
+            if req is not None:
+                key = (conn.peer.engine_id, conn.peer.pp_rank, conn.peer.tp_rank)
+                dest = req.dests.get(key)
+                if dest is not None:
+                    dest.done = True
+                if req.expected is None:
+                    req.expected = set()
+                req.expected.discard(key)
+                log.info("transfer %s: decode %s aborted: %s", msg.transfer_id, key, msg.reason)
+                self._check_finished(req)
+        else:
+            log.warning("prefill %s: unexpected %s from %s", self.rank, type(msg).__name__, conn.address)
+
+    def _drop_parked(self, transfer_id: str, conn: ControlConnection) -> None:
+        left = [p for p in self._parked.get(transfer_id, []) if p[0] is not conn]
+        if left:
+            self._parked[transfer_id] = left
+        else:
+            self._parked.pop(transfer_id, None)
+
+    async def _accept(self, conn: ControlConnection, reg: Register) -> None:
+        key = (conn.peer.engine_id, conn.peer.pp_rank, conn.peer.tp_rank)
+        try:
+            req, dest = self._validate(key, conn, reg)
+        except (RegistrationError, DescriptorError, LayoutError) as exc:
+            log.warning("refusing registration of %s from decode %s: %s", reg.transfer_id, key, exc)
+            await conn.send(RegisterError(reg.transfer_id, str(exc)))
+            return
+        req.dests[key] = dest
+        if req.expected is None:
+            peer = self._peers[key]
+            req.expected = {(key[0], *r) for r in peer.plan.destinations_of(self.rank)}
+        conn.closed.add_done_callback(lambda f, r=req, k=key: self._dest_gone(r, k, f))
+        await conn.send(RegisterAck(reg.transfer_id))
+        self._pump(req)
+
+    def _validate(self, key: PeerKey, conn: ControlConnection, reg: Register) -> tuple[SendRequest, Destination]:
+        tid = reg.transfer_id
+        req = self.requests.get(tid)
+        if req is None:
+            raise RegistrationError(f"transfer id {tid!r} is unknown on prefill rank {self.rank}: it already "
+                                    f"finished, expired or was aborted")
+        if (reg.dst_pp, reg.dst_tp) != key[1:]:
+            raise RegistrationError(f"registration names decode rank ({reg.dst_pp},{reg.dst_tp}) but arrived on "
+                                    f"the connection of rank {key[1:]}")
+        if key in req.dests:
+            raise RegistrationError(f"decode rank {key} registered {tid!r} twice")
+        peer = self._peers.get(key)
+        if peer is None:
+            raise RegistrationError(f"decode rank {key} has no accepted handshake")
+        if reg.num_tokens != req.num_tokens:
+            raise RegistrationError(f"{tid!r} has {req.num_tokens} prompt tokens on prefill but decode registered "
+                                    f"{reg.num_tokens}: the proxy sent different prompts")
+        if not (0 <= reg.first_token <= reg.num_tokens) or reg.first_token % self.block_size:
+            raise RegistrationError(f"first_token {reg.first_token} must be a multiple of the block size "
+                                    f"{self.block_size} within 0..{reg.num_tokens}")
+        routes = [r for r in peer.plan.routes_from(self.rank) if r.dst.rank == key[1:]]
+        if not routes:
+            raise RegistrationError(f"prefill rank {self.rank} sends nothing to decode rank {key[1:]} under the plan")
+        layer_routes: dict[int, list[Route]] = defaultdict(list)
+        for r in routes:
+            layer_routes[r.layer].append(r)
+        start, end = self.parallel.stages[self.rank[0]]
+        foreign = sorted(set(reg.layers) - set(layer_routes))
+        if foreign:
+            raise RegistrationError(f"registration of {tid!r} asks prefill rank {self.rank} (layers {start}-{end - 1}) "
+                                    f"for layers {foreign} it does not send to decode rank {key[1:]}: "
+                                    f"the two sides disagree on the layer split")
+        blocks_needed = math.ceil(reg.num_tokens / self.block_size)
+        groups = {peer.regions[(r.pool, r.layer)].group for r in routes}
+        for g in sorted(groups):
+            if g >= len(reg.block_ids):
+                raise RegistrationError(f"registration of {tid!r} has {len(reg.block_ids)} block-id group(s) but "
+                                        f"decode regions use group {g}")
+            ids = reg.block_ids[g]
+            if len(ids) < blocks_needed:
+                raise RegistrationError(f"group {g} has {len(ids)} block ids for {reg.num_tokens} tokens, needs "
+                                        f"{blocks_needed}")
+            if len(set(ids[:blocks_needed])) != blocks_needed:
+                raise RegistrationError(f"group {g} block ids repeat: each token block needs its own block")
+        for r in routes:  # every destination block inside its region (raises DescriptorError naming them)
+            region = peer.regions[(r.pool, r.layer)]
+            check_blocks(region, reg.block_ids[region.group][:blocks_needed], f"decode {r.pool} layer {r.layer} ")
+        return req, Destination(key, conn, peer.agent, peer.regions, dict(layer_routes), reg)
+
+    def _dest_gone(self, req: SendRequest, key: PeerKey, closed: asyncio.Future) -> None:
+        dest = req.dests.get(key)
+        if dest is None or dest.done or self.requests.get(req.transfer_id) is not req:
+            return
+        log.warning("transfer %s: decode %s went away (%s); dropping it", req.transfer_id, key, closed.result())
+        dest.done = True
+        req.expected.discard(key)
+        self._check_finished(req, ok=False)
+
+    # ---- writes ----------------------------------------------------------------------------------------------
+    def _pump(self, req: SendRequest) -> None:
+        for dest in req.dests.values():
+            if dest.done:
+                continue
+            for layer in dest.layer_routes:
+                if layer in dest.writing:
+                    continue
+                ready = req.ready_tokens.get(layer, 0)
+                if ready > max(dest.sent_tokens.get(layer, 0), dest.register.first_token):
+                    dest.writing.add(layer)
+                    self._spawn(self._write_layer(req, dest, layer, ready))
+            self._maybe_complete(req, dest)
+        self._check_finished(req)  # e.g. final now, and every destination already done or dropped
+
+    async def _write_layer(self, req: SendRequest, dest: Destination, layer: int, ready: int) -> None:
+        first = max(dest.sent_tokens.get(layer, 0), dest.register.first_token)
+        # A block sent partly filled is sent again from its start once more tokens are in it.
+        b0, b1 = first // self.block_size, math.ceil(ready / self.block_size)
+        req.first_write_at = req.first_write_at or time.time()
+        try:
+            descs = Descriptors.concat([
+                route_descriptors(self.regions[(r.pool, layer)], dest.regions[(r.pool, layer)],
+                                  req.block_ids[self.regions[(r.pool, layer)].group][b0:b1],
+                                  dest.register.block_ids[dest.regions[(r.pool, layer)].group][b0:b1], r.heads)
+                for r in dest.layer_routes[layer]])
+            if len(descs):
+                local, remote = descs.arrays()
+                region = dest.regions[(dest.layer_routes[layer][0].pool, layer)]
+                await self.transport.write(dest.peer_agent, local, remote, mem_type=self.mem_type,
+                                           local_device=self.regions[region.key].device_id,
+                                           remote_device=region.device_id, timeout=self.config.write_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - one destination fails, the rest go on
+            log.error("transfer %s: WRITE of layer %d to decode %s failed: %s", req.transfer_id, layer, dest.key, exc)
+            dest.done = True
+            self._spawn(self._send_quiet(dest.conn, Abort(req.transfer_id, f"prefill WRITE failed: {exc}")))
+            if req.expected is not None:
+                req.expected.discard(dest.key)
+            self._check_finished(req, ok=False)
+            return
+        finally:
+            dest.writing.discard(layer)
+        dest.sent_tokens[layer] = ready
+        dest.bytes_written += descs.nbytes
+        dest.descriptors += len(descs)
+        self.stats.bytes_written += descs.nbytes
+        self.stats.descriptors += len(descs)
+        self.stats.writes += 1
+        if self.requests.get(req.transfer_id) is req:
+            self._pump(req)
+
+    def _maybe_complete(self, req: SendRequest, dest: Destination) -> None:
+        if dest.done or not req.final or dest.writing:
+            return
+        if any(dest.sent_tokens.get(layer, 0) < req.num_tokens for layer in dest.layer_routes) \
+                and req.num_tokens > dest.register.first_token:
+            return
+        dest.done = True
+        msg = Complete(req.transfer_id, self.rank[0], self.rank[1], dest.bytes_written, dest.descriptors)
+        self._spawn(self._complete(req, dest, msg))
+
+    async def _complete(self, req: SendRequest, dest: Destination, msg: Complete) -> None:
+        await self._send_quiet(dest.conn, msg)
+        req.expected.discard(dest.key)
+        self._check_finished(req)
+
+    def _check_finished(self, req: SendRequest, ok: bool = True) -> None:
+        req.failed |= not ok
+        if req.expected is not None and not req.expected and req.final \
+                and all(d.done for d in req.dests.values()):
+            self._release(req, ok=not req.failed,
+                          why="some decode ranks failed" if req.failed else "all decode ranks completed")
+
+    def _release(self, req: SendRequest, ok: bool, why: str) -> None:
+        if self.requests.pop(req.transfer_id, None) is None:
+            return
+        self._released[req.transfer_id] = time.monotonic()
+        self.finished_info[req.transfer_id] = FinishedInfo(ok, req.first_write_at)
+        log.debug("transfer %s released: %s", req.transfer_id, why)
+        if not req.finished.done():
+            req.finished.set_result(ok)
+        if self.on_finished is not None:
+            self.on_finished(req.transfer_id, ok)
+
+    async def _send_quiet(self, conn: ControlConnection, msg: Any) -> None:
+        try:
+            await conn.send(msg)
+        except Exception as exc:  # noqa: BLE001 - the peer is gone; its close callback handles the rest
+            log.warning("could not send %s to %s: %s", type(msg).__name__, conn.address, exc)
+
+    async def _lease_loop(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            for req in list(self.requests.values()):
+                if req.final and now > req.lease_deadline:
+                    missing = sorted(req.expected or ()) if req.expected is not None else "all (none registered)"
+                    log.warning("transfer %s: lease of %.0f s expired; decode ranks %s never completed; "
+                                "freeing its blocks", req.transfer_id, self.config.lease_s, missing)
+                    for dest in req.dests.values():
+                        if not dest.done:
+                            self._spawn(self._send_quiet(dest.conn, Abort(req.transfer_id, "prefill lease expired")))
+                    self._release(req, ok=False, why="lease expired")
+            for tid, parked in list(self._parked.items()):
+                if now - parked[0][2] > self.config.lease_s:
+                    del self._parked[tid]
+                    for conn, _reg, _at in parked:
+                        self._spawn(self._send_quiet(conn, RegisterError(
+                            tid, f"prefill rank {self.rank} never started {tid!r} within {self.config.lease_s:.0f} s")))
+            for tid, at in list(self._released.items()):
+                if now - at > self.config.released_memory_s:
+                    del self._released[tid]
+                    self.finished_info.pop(tid, None)
+
+    async def wait_finished(self, transfer_id: str, timeout: float) -> bool:
+        req = self.requests.get(transfer_id)
+        if req is None:
+            info = self.finished_info.get(transfer_id)
+            return info is not None and info.ok
+        async with asyncio.timeout(timeout):
+            return await asyncio.shield(req.finished)

@@ -1,0 +1,197 @@
+"""Worker processes of the demo and bench: one per prefill rank and one per decode rank.
+
+Each runs the process's one event loop in a LoopThread (transport, side channel, stream engine) and takes
+commands from the parent on a pipe in its main thread, which also plays the model: it "computes" layers by writing
+deterministic content into the simulated cache and calls the engine's hooks exactly as the vLLM adapter does.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import traceback
+from typing import Any
+
+from connector.demo import apply_env
+
+
+def _setup(cfg: dict[str, Any]) -> None:
+    apply_env()
+    logging.basicConfig(level=cfg["log_level"], format=f"%(asctime)s {cfg['side']}{tuple(cfg['rank'])} "
+                                                       f"%(levelname)s %(name)s: %(message)s")
+
+
+def _transport(cfg: dict[str, Any], lt: Any) -> Any:
+    from connector.transport import Transport, TransportConfig
+
+    name = f"{cfg['run_id']}-{cfg['side']}-{cfg['rank'][0]}-{cfg['rank'][1]}-{os.getpid()}"
+    transport = Transport(TransportConfig(name=name))
+    lt.run(transport.__aenter__(), 60)
+    return transport
+
+
+def _serve(conn: Any, handlers: dict[str, Any]) -> None:
+    """Answer parent commands until "quit"; any failure is reported, never a silent hang."""
+    while True:
+        if not conn.poll(3600):
+            return
+        msg = conn.recv()
+        if msg[0] == "quit":
+            return
+        try:
+            conn.send(handlers[msg[0]](*msg[1:]))
+        except Exception as exc:  # noqa: BLE001 - report to the parent, keep serving
+            conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}"))
+
+
+def prefill_main(conn: Any, cfg: dict[str, Any]) -> None:
+    _setup(cfg)
+    from connector.loop import LoopThread
+    from connector.sim import RankBuffers, pick_blocks
+    from connector.stream import SenderConfig, StreamSender
+
+    lt = LoopThread().start()
+    transport = sender = None
+    try:
+        rank, parallel = tuple(cfg["rank"]), cfg["prefill"]
+        transport = _transport(cfg, lt)
+        bufs = RankBuffers(cfg["model"], parallel, rank, cfg["block_size"], cfg["num_blocks"], cfg["device"])
+        for tensor in bufs.tensors:
+            transport.register(tensor)
+        port = cfg["base_port"] + rank[0] * parallel.tp + rank[1]
+        sender = StreamSender(transport, cfg["model"], parallel, rank, bufs.regions(), cfg["block_size"],
+                              SenderConfig(engine_id=f"prefill-{cfg['run_id']}", port=port,
+                                           write_timeout_s=cfg["timeout_s"]),
+                              lt.loop, mem_type="VRAM" if cfg["device"].startswith("cuda") else "DRAM")
+        lt.run(sender.start(), 30)
+        blocks: dict[str, list[list[int]]] = {}
+        stage = parallel.stages[rank[0]]
+        cuda = cfg["device"].startswith("cuda")
+
+        def start(tid: str, tokens: int, index: int) -> tuple:
+            # Each TP rank of a stage uses the same block ids, as vLLM's scheduler gives all ranks one block table.
+            blocks[tid] = pick_blocks(tokens, cfg["block_size"], cfg["num_blocks"], seed=1000 + index,
+                                      run_blocks=cfg["run_blocks"])
+            sender.start_request(tid, tokens)
+            return ("ok",)
+
+        def chunk(tid: str, t0: int, t1: int, layer_ms: float, mode: str, hook_layers: str) -> tuple:
+            import torch
+
+            sender.begin_chunk(tid, blocks[tid], t1)
+            hooks, start_t = [], time.time()
+            for layer in range(*stage):
+                began = time.perf_counter()
+                bufs.fill(layer, blocks[tid], t0, t1)
+                event = None
+                if cuda:
+                    event = torch.cuda.Event()
+                    event.record()
+                left = layer_ms / 1e3 - (time.perf_counter() - began)
+                if left > 0:
+                    time.sleep(left)
+                if mode == "stream" and (hook_layers == "all" or layer % 2 == 0):
+                    h0 = time.perf_counter_ns()
+                    sender.layer_ready(tid, layer, event)
+                    hooks.append(time.perf_counter_ns() - h0)
+            if cuda:
+                torch.cuda.synchronize()
+            end_t = time.time()
+            sender.end_chunk(tid)  # the sweep: layers without a hook, and the whole request in bulk mode
+            return ("chunk_done", start_t, end_t, hooks)
+
+        def finish(tid: str) -> tuple:
+            ok = lt.run(sender.wait_finished(tid, cfg["timeout_s"]), cfg["timeout_s"] + 5)
+            info = sender.finished_info.get(tid)
+            return ("finished", ok, info.first_write_at if info else 0.0)
+
+        def raw(seed: int, tokens: int, dst_blocks: dict[tuple[int, int], list[list[int]]]) -> tuple:
+            """Bench baseline: the same descriptors the connector posts, as one raw NIXL WRITE per decode rank."""
+            from connector.descriptors import Descriptors, route_descriptors
+
+            src_blocks = pick_blocks(tokens, cfg["block_size"], cfg["num_blocks"], seed=1000 + seed,
+                                     run_blocks=cfg["run_blocks"])
+            n = -(-tokens // cfg["block_size"])
+            seconds = nbytes = count = 0
+            for (engine, dpp, dtp), peer in sender.peers.items():
+                routes = [r for r in peer.plan.routes_from(rank) if r.dst.rank == (dpp, dtp)]
+                mine = {r.key: r for r in bufs.regions()}
+                descs = Descriptors.concat([route_descriptors(
+                    mine[(r.pool, r.layer)], peer.regions[(r.pool, r.layer)],
+                    src_blocks[mine[(r.pool, r.layer)].group][:n],
+                    dst_blocks[(dpp, dtp)][peer.regions[(r.pool, r.layer)].group][:n], r.heads) for r in routes])
+                local, remote = descs.arrays()
+                seconds += transport.raw_write(peer.agent, local, remote, mem_type=sender.mem_type,
+                                               timeout=cfg["timeout_s"])
+                nbytes += descs.nbytes
+                count += len(descs)
+            return ("raw", seconds, nbytes, count)
+
+        conn.send(("ready", port))
+        _serve(conn, {"start": start, "chunk": chunk, "finish": finish, "raw": raw})
+    except Exception as exc:  # noqa: BLE001 - the parent must hear about it
+        conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}"))
+    finally:
+        if sender is not None:
+            lt.run(sender.close(), 30)
+        if transport is not None:
+            lt.run(transport.close(), 30)
+        lt.stop()
+
+
+def decode_main(conn: Any, cfg: dict[str, Any]) -> None:
+    _setup(cfg)
+    from connector.loop import LoopThread
+    from connector.receiver import PrefillAddress, ReceiverConfig, StreamReceiver
+    from connector.sim import RankBuffers, pick_blocks
+
+    lt = LoopThread().start()
+    transport = receiver = None
+    try:
+        rank, parallel = tuple(cfg["rank"]), cfg["decode"]
+        transport = _transport(cfg, lt)
+        bufs = RankBuffers(cfg["model"], parallel, rank, cfg["block_size"], cfg["num_blocks"], cfg["device"])
+        for tensor in bufs.tensors:
+            transport.register(tensor)
+        receiver = StreamReceiver(transport, cfg["model"], parallel, rank, bufs.regions(), cfg["block_size"],
+                                  ReceiverConfig(engine_id=f"decode-{cfg['run_id']}",
+                                                 transfer_timeout_s=cfg["timeout_s"]))
+        pending: dict[str, Any] = {}
+        requests: dict[str, tuple] = {}
+        used: list[list[int]] = [[], []]
+
+        async def timed_receive(*args: Any) -> tuple[Any, float]:
+            result = await receiver.receive(*args)
+            return result, time.time()
+
+        def receive(tid: str, tokens: int, first_token: int, address: str, index: int) -> tuple:
+            block_ids = pick_blocks(tokens, cfg["block_size"], cfg["num_blocks"], seed=5000 + index * 7 + rank[1],
+                                    run_blocks=cfg["run_blocks"])
+            for g, ids in enumerate(block_ids):
+                used[g] += ids
+            requests[tid] = (block_ids, first_token, tokens)
+            pending[tid] = lt.submit(timed_receive(tid, PrefillAddress.parse(address), block_ids, first_token, tokens))
+            return ("registering", block_ids)
+
+        def collect(tid: str) -> tuple:
+            block_ids, first_token, tokens = requests.pop(tid)
+            try:
+                result, done_at = pending.pop(tid).result(cfg["timeout_s"] + 5)
+            except Exception as exc:  # noqa: BLE001 - a failed transfer is a result, not a crash
+                return ("collected", [f"transfer failed: {exc}"], 0, 0, time.time())
+            problems = bufs.verify(block_ids, first_token, tokens)
+            problems += bufs.verify_prefix_untouched(block_ids, first_token) if first_token else []
+            problems += bufs.untouched(used)
+            return ("collected", problems, result.bytes_written, result.descriptors, done_at)
+
+        conn.send(("ready",))
+        _serve(conn, {"receive": receive, "collect": collect})
+    except Exception as exc:  # noqa: BLE001
+        conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}"))
+    finally:
+        if receiver is not None:
+            lt.run(receiver.close(), 30)
+        if transport is not None:
+            lt.run(transport.close(), 30)
+        lt.stop()

@@ -1,0 +1,99 @@
+"""Streaming engine end to end: one OS process per prefill and decode rank, real NIXL (UCX over loopback), and
+every decode rank verifying every byte of every pool it holds. No fake transport anywhere in this file."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from connector.demo import Scenario, run_scenario
+from connector.layout import ParallelLayout
+from connector.models import load_model
+
+pytestmark = pytest.mark.slow
+
+
+def scenario(model, prefill: str, decode: str, **kw) -> Scenario:
+    def side(spec: str) -> ParallelLayout:
+        f = dict(item.split("=") for item in spec.split(","))
+        counts = [int(c) for c in f["layers"].split(":")] if "layers" in f else None
+        return ParallelLayout.build(model.num_layers, int(f.get("tp", 1)), int(f.get("pp", 1)), counts)
+
+    kw.setdefault("tokens", 100)
+    kw.setdefault("layer_ms", 0.0)
+    kw.setdefault("timeout_s", 60.0)
+    return Scenario(model=model, prefill=side(prefill), decode=side(decode), **kw)
+
+
+def check(sc: Scenario):
+    result = run_scenario(sc)
+    assert result.verified, result.problems
+    assert result.bytes > 0 and result.descriptors > 0
+    return result
+
+
+@pytest.fixture(scope="module")
+def m3():
+    return load_model("minimax-m3")
+
+
+@pytest.fixture(scope="module")
+def m3_index_v(tmp_path_factory):
+    """A small M3-style model whose sparse layers 4, 6 and 9 keep an index value."""
+    path = tmp_path_factory.mktemp("m3v") / "config.json"
+    freq = [0, 0, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1]
+    disable = [0, 0, 1, 1, 0, 0, 0, 1, 1, 0, 1, 1]
+    path.write_text(json.dumps({
+        "architectures": ["MiniMaxM3SparseForCausalLM"], "model_type": "minimax_m3", "num_hidden_layers": 12,
+        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64, "hidden_size": 512,
+        "torch_dtype": "bfloat16", "sparse_attention_config": {
+            "sparse_attention_freq": freq, "sparse_disable_index_value": disable, "sparse_index_dim": 64}}))
+    model = load_model(str(path))
+    assert model.pools["index_v"].layers == (4, 6, 9)
+    return model
+
+
+def test_m3_k_only_prefill_pp2_into_decode_pp1(m3):
+    check(scenario(m3, "tp=1,pp=2", "tp=1,pp=1"))
+
+
+def test_m3_with_index_v_uneven_splits_pp3_into_pp2(m3_index_v):
+    r = check(scenario(m3_index_v, "tp=1,pp=3,layers=2:7:3", "tp=1,pp=2,layers=5:7", tokens=77))
+    assert r.ranks == {"prefill": 3, "decode": 2}
+
+
+def test_deepseek_fp8_sizes_pp2_into_pp2_different_split():
+    model = load_model("deepseek-v3.2", "fp8")
+    assert model.pools["kv"].bytes_per_token == 656 and model.pools["index_k"].bytes_per_token == 132
+    check(scenario(model, "tp=1,pp=2,layers=20:41", "tp=1,pp=2,layers=40:21", tokens=64))
+
+
+def test_dense_tp2_into_tp1():
+    check(scenario(load_model("qwen3-8b"), "tp=2,pp=1", "tp=1,pp=1", tokens=48))
+
+
+def test_m3_tp1_into_tp2_with_pp(m3):
+    check(scenario(m3, "tp=1,pp=2", "tp=2,pp=1", tokens=40))
+
+
+def test_two_chunk_request_resends_the_partly_filled_block(m3_index_v):
+    # 100 tokens in two chunks: the boundary (token 50) falls inside block 3 (tokens 48-63), which is sent
+    # partly filled with chunk 1 and must be sent again, whole, with chunk 2. Half the layers get no hook.
+    check(scenario(m3_index_v, "tp=1,pp=2", "tp=1,pp=1", tokens=100, chunks=2, hook_layers="even"))
+
+
+def test_registration_after_prefill_finished(m3_index_v):
+    r = check(scenario(m3_index_v, "tp=1,pp=2", "tp=1,pp=1", late_register=True))
+    assert r.exposed_ms > 0  # nothing could go out during compute
+
+
+def test_decode_prefix_hit_is_not_overwritten(m3_index_v):
+    check(scenario(m3_index_v, "tp=2,pp=1", "tp=1,pp=1", tokens=100, prefix_tokens=32))
+
+
+def test_bulk_mode_and_contiguous_runs_coalesce(m3_index_v):
+    scattered = check(scenario(m3_index_v, "tp=1,pp=1", "tp=1,pp=1", tokens=256, mode="bulk"))
+    runs = check(scenario(m3_index_v, "tp=1,pp=1", "tp=1,pp=1", tokens=256, mode="bulk", run_blocks=16))
+    # 16 blocks per layer part: scattered ids need ~one descriptor per block, runs of 16 exactly one per run
+    assert runs.descriptors < scattered.descriptors / 4

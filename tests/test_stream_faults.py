@@ -1,0 +1,198 @@
+"""Bad input and dead peers against the real engine: one side is a worker process, the other runs in the test
+process, both on real NIXL. Each case must fail clearly, write nothing, and leave no state behind."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+import uuid
+
+import pytest
+
+from connector.control import ControlError, Register, RegisterError, connect
+from connector.demo import Cluster, Scenario, apply_env
+from connector.layout import ParallelLayout
+from connector.loop import LoopThread
+from connector.models import load_model
+from connector.receiver import PrefillAddress, ReceiverConfig, StreamReceiver, TransferFailed
+from connector.sim import RankBuffers, pick_blocks
+from connector.stream import SenderConfig, StreamSender
+
+pytestmark = pytest.mark.slow
+TOKENS, BLOCK = 64, 16
+
+
+class InProcess:
+    """One rank living in the test process: loop thread, real NIXL transport, simulated cache."""
+
+    def __init__(self, side: str, sc: Scenario, rank=(0, 0)) -> None:
+        from connector.transport import Transport, TransportConfig
+
+        apply_env()
+        self.sc, self.rank = sc, rank
+        self.parallel = sc.prefill if side == "prefill" else sc.decode
+        self.lt = LoopThread().start()
+        self.transport = Transport(TransportConfig(name=f"test-{side}-{uuid.uuid4().hex[:6]}"))
+        self.lt.run(self.transport.__aenter__(), 30)
+        self.num_blocks = 2 * -(-sc.tokens // sc.block_size) + 8
+        self.bufs = RankBuffers(sc.model, self.parallel, rank, sc.block_size, self.num_blocks)
+        for tensor in self.bufs.tensors:
+            self.transport.register(tensor)
+
+    def close(self, engine) -> None:
+        if engine is not None:
+            self.lt.run(engine.close(), 30)
+        self.lt.run(self.transport.close(), 30)
+        self.lt.stop()
+
+
+def make_scenario(prefill="tp=1,pp=1", layer_ms=0.0) -> Scenario:
+    model = load_model("minimax-m3")
+    tp, pp = (int(x.split("=")[1]) for x in prefill.split(","))
+    return Scenario(model=model, prefill=ParallelLayout.build(60, tp, pp), decode=ParallelLayout.build(60, 1, 1),
+                    tokens=TOKENS, block_size=BLOCK, layer_ms=layer_ms, timeout_s=30.0)
+
+
+@pytest.fixture
+def prefill_cluster_and_decode():
+    made = []
+
+    def make(prefill="tp=1,pp=1", layer_ms=0.0):
+        sc = make_scenario(prefill, layer_ms)
+        cluster = Cluster(sc, spawn=("prefill",)).__enter__()
+        decode = InProcess("decode", sc)
+        receiver = StreamReceiver(decode.transport, sc.model, sc.decode, (0, 0), decode.bufs.regions(), BLOCK,
+                                  ReceiverConfig(engine_id="test-decode", transfer_timeout_s=20.0, dead_after_s=3.0))
+        made.append((cluster, decode, receiver))
+        return sc, cluster, decode, receiver
+
+    yield make
+    for cluster, decode, receiver in made:
+        cluster.close()
+        decode.close(receiver)
+
+
+def start_prefill(cluster: Cluster, tid: str, layer_ms: float = 0.0, wait: bool = True) -> None:
+    for rank, (_p, conn) in cluster.prefill.items():
+        cluster.ask(conn, ("start", tid, TOKENS, 0), 30, rank)
+    for rank, (_p, conn) in cluster.prefill.items():
+        conn.send(("chunk", tid, 0, TOKENS, layer_ms, "stream", "all"))
+    if wait:
+        for rank, (_p, conn) in cluster.prefill.items():
+            cluster.reply(conn, 60, rank)
+
+
+def test_out_of_range_block_ids_are_refused_and_nothing_is_written(prefill_cluster_and_decode):
+    sc, cluster, decode, receiver = prefill_cluster_and_decode()
+    start_prefill(cluster, "t-bad-blocks")
+    blocks = pick_blocks(TOKENS, BLOCK, decode.num_blocks, seed=1)
+    blocks[0][2] = decode.num_blocks + 5
+    addr = PrefillAddress("127.0.0.1", cluster.base_port)
+    with pytest.raises(TransferFailed, match=rf"block ids \[{decode.num_blocks + 5}\] are outside kv layer 0"):
+        decode.lt.run(receiver.receive("t-bad-blocks", addr, blocks, 0, TOKENS), 30)
+    time.sleep(0.3)
+    assert not any(bool(t.any()) for t in decode.bufs.tensors), "bytes were written for a refused registration"
+
+
+def test_unknown_transfer_id_and_foreign_layer_are_refused(prefill_cluster_and_decode):
+    sc, cluster, decode, receiver = prefill_cluster_and_decode("tp=1,pp=2")
+    start_prefill(cluster, "t-layers")
+
+    async def register(port: int, **fields) -> object:
+        conn = await connect("127.0.0.1", port, receiver.hello, timeout=10)
+        try:
+            reg = dict(transfer_id="t-layers", dst_pp=0, dst_tp=0,
+                       block_ids=pick_blocks(TOKENS, BLOCK, decode.num_blocks, seed=2), first_token=0,
+                       num_tokens=TOKENS, layers=[])
+            reg.update(fields)
+            await conn.send(Register(**reg))
+            return await conn.recv(timeout=10)
+        finally:
+            await conn.close()
+
+    # stage 0 holds layers 0-29: asking it for layer 59 is refused, naming the layer
+    reply = decode.lt.run(register(cluster.base_port, layers=[3, 59]), 30)
+    assert isinstance(reply, RegisterError) and "layers [59]" in reply.reason and "layer split" in reply.reason
+    reply = decode.lt.run(register(cluster.base_port, num_tokens=TOKENS + 1), 30)
+    assert isinstance(reply, RegisterError) and "prompt tokens" in reply.reason
+    assert not any(bool(t.any()) for t in decode.bufs.tensors)
+
+
+def test_incompatible_fingerprint_and_garbage_frames_leave_the_server_serving(prefill_cluster_and_decode):
+    import msgspec
+
+    sc, cluster, decode, receiver = prefill_cluster_and_decode()
+    bad = msgspec.structs.replace(receiver.hello, fingerprint="0" * 16)
+    with pytest.raises(ControlError, match="fingerprint mismatch: peer has 0000000000000000"):
+        decode.lt.run(connect("127.0.0.1", cluster.base_port, bad, timeout=10), 30)
+    for garbage in (b"\x00\x00\x00\x05\x00\x01hello", b"GET / HTTP/1.1\r\n\r\n", b"\xff" * 64):
+        with socket.create_connection(("127.0.0.1", cluster.base_port), timeout=10) as s:
+            s.sendall(garbage)
+            s.settimeout(10)
+            try:
+                while s.recv(4096):
+                    pass
+            except ConnectionResetError:
+                pass  # closed on us: what we want
+    # still serving: a full transfer now works
+    start_prefill(cluster, "t-after-garbage")
+    blocks = pick_blocks(TOKENS, BLOCK, decode.num_blocks, seed=3)
+    res = decode.lt.run(receiver.receive("t-after-garbage", PrefillAddress("127.0.0.1", cluster.base_port),
+                                         blocks, 0, TOKENS), 30)
+    assert res.bytes_written > 0
+    assert decode.bufs.verify(blocks, 0, TOKENS) == []
+
+
+def test_prefill_killed_mid_transfer_fails_the_receiver_within_its_timeout(prefill_cluster_and_decode):
+    sc, cluster, decode, receiver = prefill_cluster_and_decode(layer_ms=100.0)
+    blocks = pick_blocks(TOKENS, BLOCK, decode.num_blocks, seed=4)
+    fut = decode.lt.submit(receiver.receive("t-kill-p", PrefillAddress("127.0.0.1", cluster.base_port), blocks, 0,
+                                            TOKENS))
+    start_prefill(cluster, "t-kill-p", layer_ms=100.0, wait=False)  # 60 layers x 100 ms
+    time.sleep(1.5)
+    assert not fut.done()
+    proc, _conn = cluster.prefill[(0, 0)]
+    proc.kill()
+    began = time.monotonic()
+    with pytest.raises(TransferFailed, match="went away"):
+        fut.result(15)
+    assert time.monotonic() - began < 10
+
+
+def test_decode_killed_mid_transfer_frees_the_sender_state():
+    sc = make_scenario(layer_ms=0.0)
+    cluster = Cluster(sc, spawn=("decode",)).__enter__()
+    prefill = InProcess("prefill", sc)
+    sender = StreamSender(prefill.transport, sc.model, sc.prefill, (0, 0), prefill.bufs.regions(), BLOCK,
+                          SenderConfig(engine_id="test-prefill", port=cluster.base_port, lease_s=30),
+                          prefill.lt.loop)
+    try:
+        prefill.lt.run(sender.start(), 10)
+        tid = "t-kill-d"
+        blocks = pick_blocks(TOKENS, BLOCK, prefill.num_blocks, seed=5)
+        sender.start_request(tid, TOKENS)
+        sender.begin_chunk(tid, blocks, TOKENS)
+        _, conn = cluster.decode[(0, 0)]
+        cluster.ask(conn, ("receive", tid, TOKENS, 0, f"127.0.0.1:{cluster.base_port}", 0), 30, "decode")
+        deadline = time.monotonic() + 10
+        while not sender.requests.get(tid) or not sender.requests[tid].dests:
+            assert time.monotonic() < deadline, "decode never registered"
+            time.sleep(0.05)
+        for layer in range(20):
+            prefill.bufs.fill(layer, blocks, 0, TOKENS)
+            sender.layer_ready(tid, layer)
+        proc, _ = cluster.decode[(0, 0)]
+        proc.kill()
+        for layer in range(20, 60):
+            prefill.bufs.fill(layer, blocks, 0, TOKENS)
+        sender.end_chunk(tid)
+        began = time.monotonic()
+        ok = prefill.lt.run(sender.wait_finished(tid, 20), 25)
+        assert ok is False
+        assert time.monotonic() - began < 15
+        assert tid not in sender.requests and not sender._parked
+        assert prefill.transport.inflight_bytes == 0
+    finally:
+        cluster.close()
+        prefill.close(sender)
