@@ -4,6 +4,7 @@ process, the same blocks and the same descriptors in every run."""
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import sys
 from typing import Any
 
@@ -25,41 +26,51 @@ class _Progress:
                 sys.stderr.write("\n")
 
 
-def bench(sc: Scenario, progress: bool = False) -> dict[str, Any]:
+def bench(sc: Scenario, progress: bool = False, repeats: int = 3) -> dict[str, Any]:
+    """Medians over `repeats` runs of each: raw NIXL, connector bulk, connector stream (same blocks each time)."""
     one = ParallelLayout.build(sc.model.num_layers, 1, 1)
-    sc = dataclasses.replace(sc, prefill=one, decode=one, chunks=1, prefix_tokens=0, late_register=False,
-                             requests=4)
-    bar = _Progress(progress, 5)
+    sc = dataclasses.replace(sc, prefill=one, decode=one, chunks=1, prefix_tokens=0, late_register=False)
+    bar = _Progress(progress, 2 + 3 * repeats)
+    raw_s, bulks, streams, seq = [], [], [], iter(range(1_000_000))
     with Cluster(sc) as cluster:
         bar.step("processes up")
-        cluster.run_request(0, seed=0, mode="bulk", layer_ms=0.0)          # warm-up: handshakes, page faults
+        cluster.run_request(next(seq), seed=0, mode="bulk", layer_ms=0.0)   # warm-up: handshakes, page faults
         bar.step("warm-up")
         _, prefill_conn = cluster.prefill[(0, 0)]
-        _, seconds, raw_bytes, raw_descs = cluster.ask(prefill_conn, ("raw", 0, sc.tokens, cluster.registered),
-                                                      sc.timeout_s, "prefill (0, 0)")
-        bar.step("raw NIXL")
-        layer_ms = sc.layer_ms or round(1.5 * seconds * 1e3 / sc.model.num_layers, 3)
-        bulk = cluster.run_request(1, seed=0, mode="bulk", layer_ms=layer_ms)
-        bar.step("connector bulk")
+        for _ in range(repeats):
+            _, seconds, raw_bytes, raw_descs = cluster.ask(prefill_conn, ("raw", 0, sc.tokens, cluster.registered),
+                                                          sc.timeout_s, "prefill (0, 0)")
+            raw_s.append(seconds)
+            bar.step("raw NIXL")
+        raw_median = statistics.median(raw_s)
+        layer_ms = sc.layer_ms or round(1.5 * raw_median * 1e3 / sc.model.num_layers, 3)
         hooks_before = len(cluster.hook_ns)
-        stream = cluster.run_request(2, seed=0, mode="stream", layer_ms=layer_ms)
-        bar.step("connector stream")
-        hook_ns = sorted(cluster.hook_ns[hooks_before:])
-    bulk_s = bulk.last_complete - bulk.compute_end
+        for _ in range(repeats):
+            bulks.append(cluster.run_request(next(seq), seed=0, mode="bulk", layer_ms=layer_ms))
+            bar.step("connector bulk")
+            streams.append(cluster.run_request(next(seq), seed=0, mode="stream", layer_ms=layer_ms))
+            bar.step("connector stream")
+        hook_ns = cluster.hook_ns[hooks_before:]
 
     def exposed(r: RequestResult) -> float:
-        return round(max(0.0, r.last_complete - r.compute_end) * 1e3, 2)
+        return max(0.0, r.last_complete - r.compute_end) * 1e3
 
+    bulk_s = statistics.median(max(1e-9, r.last_complete - r.compute_end) for r in bulks)
+    bulk_bytes = bulks[0].bytes
     return {
         "model": sc.model.name, "tokens": sc.tokens, "block_size": sc.block_size, "device": sc.device,
-        "bytes": raw_bytes, "descriptors": raw_descs, "blocks_per_layer": -(-sc.tokens // sc.block_size),
-        "raw_gbps": round(raw_bytes / seconds / 1e9, 3),
-        "connector_gbps": round(bulk.bytes / bulk_s / 1e9, 3),
-        "connector_vs_raw": round((bulk.bytes / bulk_s) / (raw_bytes / seconds), 3),
-        "layer_ms": layer_ms, "compute_ms": round((stream.compute_end - stream.compute_start) * 1e3, 2),
-        "bulk_exposed_ms": exposed(bulk), "stream_exposed_ms": exposed(stream),
-        "stream_vs_bulk_exposed": round(exposed(stream) / max(exposed(bulk), 1e-9), 3),
-        "hook_us": round(hook_ns[len(hook_ns) // 2] / 1e3, 2) if hook_ns else 0.0,
-        "verified": bulk.verified and stream.verified,
-        "problems": bulk.problems + stream.problems,
+        "repeats": repeats, "bytes": raw_bytes, "descriptors": raw_descs,
+        "blocks_per_layer": -(-sc.tokens // sc.block_size),
+        "raw_gbps": round(raw_bytes / raw_median / 1e9, 3),
+        "connector_gbps": round(bulk_bytes / bulk_s / 1e9, 3),
+        "connector_vs_raw": round((bulk_bytes / bulk_s) / (raw_bytes / raw_median), 3),
+        "layer_ms": layer_ms,
+        "compute_ms": round(statistics.median((r.compute_end - r.compute_start) * 1e3 for r in streams), 2),
+        "bulk_exposed_ms": round(statistics.median(exposed(r) for r in bulks), 2),
+        "stream_exposed_ms": round(statistics.median(exposed(r) for r in streams), 2),
+        "stream_vs_bulk_exposed": round(statistics.median(exposed(r) for r in streams)
+                                        / max(statistics.median(exposed(r) for r in bulks), 1e-9), 3),
+        "hook_us": round(statistics.median(hook_ns) / 1e3, 2) if hook_ns else 0.0,
+        "verified": all(r.verified for r in bulks + streams),
+        "problems": [p for r in bulks + streams for p in r.problems],
     }

@@ -25,6 +25,7 @@ def add_subcommands(subs: Any, add_common: Callable[[argparse.ArgumentParser], N
     bench = subs.add_parser("bench", help="raw NIXL vs connector bulk vs connector stream, one process pair")
     add_common(bench)
     _add_run_args(bench, layer_ms=None)
+    bench.add_argument("--repeats", type=int, default=3, help="runs of each kind; medians are reported")
     bench.set_defaults(run=run_bench)
 
 
@@ -84,7 +85,7 @@ def run_demo(args: argparse.Namespace) -> int:
 def run_bench(args: argparse.Namespace) -> int:
     from connector.bench import bench
 
-    out = bench(_scenario(args), progress=sys.stderr.isatty() and not args.json)
+    out = bench(_scenario(args), progress=sys.stderr.isatty() and not args.json, repeats=args.repeats)
     if args.json:
         print(json.dumps(out))
     else:

@@ -21,7 +21,7 @@ from connector.control import (Abort, Complete, ControlConnection, ControlServer
 from connector.descriptors import Descriptors, DescriptorError, check_blocks, route_descriptors
 from connector.handshake import check_peer_regions, layout_of
 from connector.layout import LayoutError, ModelLayout, ParallelLayout, Region
-from connector.plan import Rank, Route, TransferPlan, build_plan
+from connector.plan import Rank, Route, TransferPlan, build_plan, fold_ranges
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,7 @@ class SenderConfig:
     handshake_timeout_s: float = 10.0
     heartbeat_interval_s: float = 2.0
     dead_after_s: float = 10.0
+    max_writes_per_destination: int = 2
     poll_interval_s: float = 0.0005
     """While requests are active, how often the loop picks up hook calls (see `layer_ready`)."""
     released_memory_s: float = 600.0
@@ -63,6 +64,8 @@ class Destination:
     register: Register
     sent_tokens: dict[int, int] = field(default_factory=dict)
     writing: set[int] = field(default_factory=set)
+    """Layers in a write now."""
+    batches_in_flight: int = 0
     bytes_written: int = 0
     descriptors: int = 0
     done: bool = False
@@ -348,8 +351,8 @@ class StreamSender:
         peer = self._peers.get(key)
         if peer is None:
             raise RegistrationError(f"decode rank {key} has no accepted handshake")
-        if reg.num_tokens != req.num_tokens:
-            raise RegistrationError(f"{tid!r} has {req.num_tokens} prompt tokens on prefill but decode registered "
+        if not 0 < reg.num_tokens <= req.num_tokens:
+            raise RegistrationError(f"{tid!r} has {req.num_tokens} prompt tokens on prefill but decode asks for "
                                     f"{reg.num_tokens}: the proxy sent different prompts")
         if not (0 <= reg.first_token <= reg.num_tokens) or reg.first_token % self.block_size:
             raise RegistrationError(f"first_token {reg.first_token} must be a multiple of the block size "
@@ -397,35 +400,51 @@ class StreamSender:
         for dest in req.dests.values():
             if dest.done:
                 continue
-            for layer in dest.layer_routes:
-                if layer in dest.writing:
-                    continue
-                ready = req.ready_tokens.get(layer, 0)
-                if ready > max(dest.sent_tokens.get(layer, 0), dest.register.first_token):
-                    dest.writing.add(layer)
-                    self._spawn(self._write_layer(req, dest, layer, ready))
+            # Whatever is ready goes out in ONE write per destination: a per-layer write while layers trickle in
+            # during compute, few large writes when the sweep or a late registration releases many layers at
+            # once (a NIXL request has a fixed cost, so fewer and larger is faster). At most two writes per
+            # destination are in flight; layers that become ready meanwhile batch up behind them.
+            if dest.batches_in_flight >= self.config.max_writes_per_destination:
+                continue
+            # Decode may want fewer tokens than the prompt (vLLM recomputes the last prompt token locally).
+            end = dest.register.num_tokens
+            batch = [(layer, min(req.ready_tokens.get(layer, 0), end)) for layer in dest.layer_routes
+                     if layer not in dest.writing
+                     and min(req.ready_tokens.get(layer, 0), end) > max(dest.sent_tokens.get(layer, 0),
+                                                                         dest.register.first_token)]
+            if batch:
+                dest.writing.update(layer for layer, _ in batch)
+                dest.batches_in_flight += 1
+                self._spawn(self._write_batch(req, dest, batch))
             self._maybe_complete(req, dest)
         self._check_finished(req)  # e.g. final now, and every destination already done or dropped
 
-    async def _write_layer(self, req: SendRequest, dest: Destination, layer: int, ready: int) -> None:
-        first = max(dest.sent_tokens.get(layer, 0), dest.register.first_token)
-        # A block sent partly filled is sent again from its start once more tokens are in it.
-        b0, b1 = first // self.block_size, math.ceil(ready / self.block_size)
+    def _batch_descriptors(self, req: SendRequest, dest: Destination, batch: list[tuple[int, int]]) -> Descriptors:
+        parts = []
+        for layer, ready in batch:
+            first = max(dest.sent_tokens.get(layer, 0), dest.register.first_token)
+            # A block sent partly filled is sent again from its start once more tokens are in it.
+            b0, b1 = first // self.block_size, math.ceil(ready / self.block_size)
+            for r in dest.layer_routes[layer]:
+                src, dst = self.regions[(r.pool, layer)], dest.regions[(r.pool, layer)]
+                parts.append(route_descriptors(src, dst, req.block_ids[src.group][b0:b1],
+                                               dest.register.block_ids[dst.group][b0:b1], r.heads))
+        return Descriptors.concat(parts)
+
+    async def _write_batch(self, req: SendRequest, dest: Destination, batch: list[tuple[int, int]]) -> None:
         req.first_write_at = req.first_write_at or time.time()
+        layers = [layer for layer, _ in batch]
         try:
-            descs = Descriptors.concat([
-                route_descriptors(self.regions[(r.pool, layer)], dest.regions[(r.pool, layer)],
-                                  req.block_ids[self.regions[(r.pool, layer)].group][b0:b1],
-                                  dest.register.block_ids[dest.regions[(r.pool, layer)].group][b0:b1], r.heads)
-                for r in dest.layer_routes[layer]])
+            descs = self._batch_descriptors(req, dest, batch)
             if len(descs):
                 local, remote = descs.arrays()
-                region = dest.regions[(dest.layer_routes[layer][0].pool, layer)]
+                some = next(iter(dest.regions.values()))
                 await self.transport.write(dest.peer_agent, local, remote, mem_type=self.mem_type,
-                                           local_device=self.regions[region.key].device_id,
-                                           remote_device=region.device_id, timeout=self.config.write_timeout_s)
+                                           local_device=next(iter(self.regions.values())).device_id,
+                                           remote_device=some.device_id, timeout=self.config.write_timeout_s)
         except Exception as exc:  # noqa: BLE001 - one destination fails, the rest go on
-            log.error("transfer %s: WRITE of layer %d to decode %s failed: %s", req.transfer_id, layer, dest.key, exc)
+            log.error("transfer %s: WRITE of layers %s to decode %s failed: %s", req.transfer_id,
+                      fold_ranges(layers), dest.key, exc)
             dest.done = True
             self._spawn(self._send_quiet(dest.conn, Abort(req.transfer_id, f"prefill WRITE failed: {exc}")))
             if req.expected is not None:
@@ -433,8 +452,10 @@ class StreamSender:
             self._check_finished(req, ok=False)
             return
         finally:
-            dest.writing.discard(layer)
-        dest.sent_tokens[layer] = ready
+            dest.writing.difference_update(layers)
+            dest.batches_in_flight -= 1
+        for layer, ready in batch:
+            dest.sent_tokens[layer] = ready
         dest.bytes_written += descs.nbytes
         dest.descriptors += len(descs)
         self.stats.bytes_written += descs.nbytes
@@ -446,8 +467,8 @@ class StreamSender:
     def _maybe_complete(self, req: SendRequest, dest: Destination) -> None:
         if dest.done or not req.final or dest.writing:
             return
-        if any(dest.sent_tokens.get(layer, 0) < req.num_tokens for layer in dest.layer_routes) \
-                and req.num_tokens > dest.register.first_token:
+        end = dest.register.num_tokens
+        if end > dest.register.first_token and any(dest.sent_tokens.get(layer, 0) < end for layer in dest.layer_routes):
             return
         dest.done = True
         msg = Complete(req.transfer_id, self.rank[0], self.rank[1], dest.bytes_written, dest.descriptors)

@@ -1,0 +1,249 @@
+#!/usr/bin/env python3
+"""Disaggregated prefill/decode proxy for `SparseKVConnector` (push protocol; decode registers first).
+
+For each `/v1/completions` or `/v1/chat/completions` POST the proxy makes a transfer id and sends, at the same
+time, the request to a prefill instance (as a 1-token, non-streamed request with `do_remote_decode`) and to a
+decode instance (the original request with `do_remote_prefill` and the prefill instance's side-channel address).
+The decode instance registers its blocks with the prefill instance's side channel, and prefill pushes the KV into
+them layer by layer while it computes. The client gets the decode response, streamed through unchanged.
+
+    python examples/proxy.py --port 8000 \
+        --prefill http://P_HOST:8100,P_HOST:5600 --decode http://D_HOST:8200 [--prefill ...] [--decode ...]
+
+Several instances of each kind are used round-robin. `build_app()` is the importable entry (tests use it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Sequence
+from urllib.parse import urlsplit
+
+import aiohttp
+from aiohttp import web
+
+log = logging.getLogger("sparse_kv_proxy")
+
+# Response headers that describe the upstream hop, not the payload; aiohttp sets its own for the client hop.
+HOP_HEADERS = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding",
+                         "date", "server"})
+
+
+@dataclass(frozen=True)
+class Prefill:
+    url: str
+    """Base URL of the prefill instance's OpenAI server, e.g. http://10.0.0.1:8100."""
+    side_channel: str
+    """HOST:PORT of its connector side channel (`side_channel_host`/`side_channel_port`), given to decode."""
+
+
+def parse_prefill(spec: str) -> Prefill:
+    """`http://HOST:8100,HOST:5600` -> Prefill. The side channel is not derivable from the URL (own port)."""
+    url, sep, side = spec.partition(",")
+    host, _, port = side.strip().rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"--prefill wants URL,SIDE_HOST:SIDE_PORT, got {spec!r}")
+    return Prefill(_check_url(url), side.strip())
+
+
+def _check_url(url: str) -> str:
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(f"not an http(s) URL: {url!r}")
+    return url.strip().rstrip("/")
+
+
+class LegError(Exception):
+    """One leg failed before the client got anything; becomes a JSON error naming the leg."""
+
+    def __init__(self, leg: str, upstream: str, status: int, detail: str) -> None:
+        super().__init__(f"{leg} leg ({upstream}) failed: {detail}")
+        self.leg, self.upstream, self.status = leg, upstream, status
+
+    def response(self) -> web.Response:
+        return web.json_response({"error": {"message": str(self), "type": "upstream_error", "leg": self.leg,
+                                            "upstream": self.upstream, "code": self.status}}, status=self.status)
+
+
+SESSION = web.AppKey("session", aiohttp.ClientSession)
+
+
+def prefill_body(body: dict[str, Any], transfer_id: str) -> dict[str, Any]:
+    """The prefill leg only has to compute the prompt's KV: one token, no streaming, and keep the blocks for decode."""
+    out = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}  # min_tokens > 1 is invalid
+    out.update(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True, "transfer_id": transfer_id})
+    if "max_completion_tokens" in out:  # chat: takes precedence over max_tokens in vLLM
+        out["max_completion_tokens"] = 1
+    return out
+
+
+def decode_body(body: dict[str, Any], transfer_id: str, prefill: Prefill) -> dict[str, Any]:
+    return {**body, "kv_transfer_params": {"do_remote_prefill": True, "transfer_id": transfer_id,
+                                           "prefill_addr": prefill.side_channel}}
+
+
+def build_app(prefill_instances: Sequence[Prefill | str], decode_instances: Sequence[str],
+              timeout: float = 600.0) -> web.Application:
+    """The proxy app. Serve it with `handler_cancellation=True` (as `main` does): a client that disconnects then
+    cancels the handler, and so both legs, instead of leaving vLLM computing for nobody."""
+    prefills = [p if isinstance(p, Prefill) else parse_prefill(p) for p in prefill_instances]
+    decodes = [_check_url(d) for d in decode_instances]
+    if not prefills or not decodes:
+        raise ValueError("need at least one prefill and one decode instance")
+    next_prefill, next_decode = itertools.cycle(prefills), itertools.cycle(decodes)
+    # The prefill leg must finish within `timeout`; the decode leg may stream for longer, but may not stay silent
+    # (connect, or between two reads) for longer than `timeout`.
+    prefill_timeout = aiohttp.ClientTimeout(total=timeout)
+    decode_timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout)
+
+    async def session_ctx(app: web.Application) -> AsyncIterator[None]:
+        # Created on the serving loop and closed with the app.
+        # limit=0: every in-flight request holds two upstream connections; aiohttp's default cap of 100 would
+        # silently queue requests behind long decode streams.
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            app[SESSION] = session
+            yield
+
+    async def run_prefill(session: aiohttp.ClientSession, prefill: Prefill, path: str, body: dict[str, Any],
+                          headers: dict[str, str]) -> None:
+        try:
+            async with session.post(prefill.url + path, json=body, headers=headers, timeout=prefill_timeout) as r:
+                text = await r.text(errors="replace")
+                if r.status >= 300:
+                    raise LegError("prefill", prefill.url, r.status, f"HTTP {r.status}: {text[:2000]}")
+        except asyncio.TimeoutError as exc:
+            raise LegError("prefill", prefill.url, 504, f"no answer within {timeout:g} s") from exc
+        except aiohttp.ClientError as exc:
+            raise LegError("prefill", prefill.url, 502, f"{type(exc).__name__}: {exc}") from exc
+
+    async def open_decode(session: aiohttp.ClientSession, url: str, path: str, body: dict[str, Any],
+                          headers: dict[str, str]) -> aiohttp.ClientResponse:
+        """Returns once the response headers are in; the body is read later, after prefill succeeded."""
+        try:
+            return await session.post(url + path, json=body, headers=headers, timeout=decode_timeout)
+        except asyncio.TimeoutError as exc:
+            raise LegError("decode", url, 504, f"no answer within {timeout:g} s") from exc
+        except aiohttp.ClientError as exc:
+            raise LegError("decode", url, 502, f"{type(exc).__name__}: {exc}") from exc
+
+    async def generate(request: web.Request) -> web.StreamResponse:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            body = None
+        if not isinstance(body, dict):
+            return web.json_response({"error": {"message": "body must be a JSON object", "type": "invalid_request"}},
+                                     status=400)
+        transfer_id = uuid.uuid4().hex
+        prefill, decode = next(next_prefill), next(next_decode)
+        headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}  # vLLM --api-key
+        log.info("%s %s: prefill %s, decode %s", transfer_id, request.path, prefill.url, decode)
+        session = request.app[SESSION]
+        # Both legs at once: decode registers its blocks while prefill computes, so layers are pushed as they finish.
+        p_task = asyncio.create_task(run_prefill(session, prefill, request.path, prefill_body(body, transfer_id),
+                                                 headers))
+        d_task = asyncio.create_task(open_decode(session, decode, request.path,
+                                                 decode_body(body, transfer_id, prefill), headers))
+        upstream: aiohttp.ClientResponse | None = None
+        try:
+            # Nothing goes to the client until prefill succeeded, so a prefill failure can still be a clean JSON
+            # error. That costs no latency: decode cannot produce a token before prefill's KV has arrived.
+            pending: set[asyncio.Task[Any]] = {p_task, d_task}
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    result = task.result()  # raises LegError
+                    if task is d_task:
+                        upstream = result
+                        if upstream.status >= 300:  # decode refused: nobody will take the KV, stop prefill
+                            p_task.cancel()
+                            pending.discard(p_task)
+            assert upstream is not None
+            return await relay(request, upstream)
+        except LegError as exc:
+            log.warning("%s: %s", transfer_id, exc)
+            return exc.response()
+        finally:
+            # Closing a connection mid-request is what makes vLLM abort that request (and so the transfer).
+            p_task.cancel()
+            d_task.cancel()
+            if p_task.done() and not p_task.cancelled():
+                p_task.exception()  # retrieved, so asyncio does not warn about an error we chose not to report
+            if upstream is None and d_task.done() and not d_task.cancelled() and d_task.exception() is None:
+                upstream = d_task.result()  # decode answered in the same instant prefill failed
+            if upstream is not None:
+                upstream.close()  # no-op once fully read; otherwise drops the connection rather than reusing it
+
+    async def relay(request: web.Request, upstream: aiohttp.ClientResponse) -> web.StreamResponse:
+        """Decode's status, headers and bytes as they come (SSE chunks keep their order and timing)."""
+        out = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+        for name, value in upstream.headers.items():
+            if name.lower() not in HOP_HEADERS:
+                out.headers.add(name, value)
+        await out.prepare(request)
+        async for chunk in upstream.content.iter_any():
+            await out.write(chunk)
+        await out.write_eof()
+        return out
+
+    async def health(request: web.Request) -> web.Response:
+        """200 when every upstream's /health answers 200 within 5 s, else 503; the body says which."""
+        session = request.app[SESSION]
+        urls = [p.url for p in prefills] + decodes
+
+        async def check(url: str) -> str:
+            try:
+                async with session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                    return "ok" if r.status == 200 else f"HTTP {r.status}"
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                return f"{type(exc).__name__}: {exc}".rstrip(": ")
+
+        results = dict(zip(urls, await asyncio.gather(*(check(u) for u in urls))))
+        ok = all(v == "ok" for v in results.values())
+        return web.json_response({"status": "ok" if ok else "degraded", "upstreams": results},
+                                 status=200 if ok else 503)
+
+    async def models(request: web.Request) -> web.Response:
+        headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+        try:
+            async with request.app[SESSION].get(decodes[0] + "/v1/models", headers=headers,
+                                                timeout=prefill_timeout) as r:
+                return web.Response(body=await r.read(), status=r.status, content_type=r.content_type)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            return LegError("models", decodes[0], 502, f"{type(exc).__name__}: {exc}").response()
+
+    # Long prompts (and base64 images in chat) easily exceed aiohttp's default 1 MiB request body limit.
+    app = web.Application(client_max_size=512 * 1024**2)
+    app.cleanup_ctx.append(session_ctx)
+    app.router.add_post("/v1/completions", generate)
+    app.router.add_post("/v1/chat/completions", generate)
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    return app
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--prefill", action="append", required=True, type=parse_prefill, metavar="URL,SIDE_HOST:PORT",
+                    help="prefill instance: OpenAI server URL and connector side-channel address; repeatable")
+    ap.add_argument("--decode", action="append", required=True, type=_check_url, metavar="URL",
+                    help="decode instance: OpenAI server URL; repeatable")
+    ap.add_argument("--timeout", type=float, default=600.0,
+                    help="seconds: prefill must answer within it; decode may not stay silent longer (default 600)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    web.run_app(build_app(args.prefill, args.decode, args.timeout), host=args.host, port=args.port,
+                handler_cancellation=True)
+
+
+if __name__ == "__main__":
+    main()
