@@ -72,6 +72,10 @@ def head_span(region: Region, heads: tuple[int, int]) -> tuple[int, int]:
     if not (region.heads[0] <= first < end <= region.heads[1]):
         raise DescriptorError(f"heads {first}-{end - 1} are not all held by {region.pool} layer {region.layer} "
                               f"(it holds heads {region.heads[0]}-{region.heads[1] - 1})")
+    if (first, end) != region.heads and not region.head_major:
+        raise DescriptorError(f"{region.pool} layer {region.layer} is not head-major (NHD) so heads {first}-{end - 1} "
+                              f"of {region.heads[0]}-{region.heads[1] - 1} cannot be cut out of a block: use the HND "
+                              f"KV-cache layout when prefill and decode TP sizes differ")
     per_head = region.bytes_per_head_per_block
     return (first - region.heads[0]) * per_head, (end - first) * per_head
 

@@ -113,6 +113,15 @@ class Abort(msgspec.Struct, frozen=True, tag="abort", tag_field="type"):
     reason: str
 
 
+class Stopped(msgspec.Struct, frozen=True, tag="stopped", tag_field="type"):
+    """Prefill -> decode, answering an Abort: rank (src_pp, src_tp) will write nothing more for `transfer_id` and
+    every WRITE it posted has completed, so decode may free or reuse the blocks."""
+
+    transfer_id: str
+    src_pp: int
+    src_tp: int
+
+
 class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat", tag_field="type"):
     """Liveness. Decode lists the transfers it still wants, which extends their leases on prefill.
     An empty Heartbeat is liveness only and is not delivered to the application."""
@@ -126,7 +135,7 @@ class Error(msgspec.Struct, frozen=True, tag="error", tag_field="type"):
     reason: str
 
 
-Message = Union[Hello, Reject, Register, RegisterAck, RegisterError, Complete, Abort, Heartbeat, Error]
+Message = Union[Hello, Reject, Register, RegisterAck, RegisterError, Complete, Abort, Stopped, Heartbeat, Error]
 MESSAGE_TYPES: tuple[type, ...] = Message.__args__  # type: ignore[attr-defined]
 
 _encoder = msgspec.msgpack.Encoder()

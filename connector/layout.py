@@ -233,6 +233,9 @@ class Region(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     device_id: int = 0
     group: int = 0
     """KV-cache group on this rank: block ids are per group (vLLM allocates each group its own blocks)."""
+    head_major: bool = True
+    """True when a head's bytes inside one block (one part) are contiguous (HND); False (NHD) means only whole
+    blocks can move, so both sides must hold the same heads."""
 
     @property
     def key(self) -> tuple[str, int]:

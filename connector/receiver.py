@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from connector.control import (Abort, Complete, ControlConnection, ControlError, Error, Hello, Register, RegisterAck,
-                               RegisterError, connect)
+                               RegisterError, Stopped, connect)
 from connector.handshake import check_peer_regions, layout_of
 from connector.layout import LayoutError, ModelLayout, ParallelLayout, Region
 from connector.plan import Rank, TransferPlan, build_plan
@@ -35,6 +35,8 @@ class ReceiverConfig:
     transfer_timeout_s: float = 120.0
     heartbeat_interval_s: float = 2.0
     dead_after_s: float = 10.0
+    stop_timeout_s: float = 60.0
+    """After an abort or failure, how long to wait for every prefill rank to confirm it writes nothing more."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,16 @@ class _Pending:
     transfer_id: str
     engine: _Engine
     completes: dict[Rank, asyncio.Future]
+    """Per source: its Complete, or an exception."""
+    stopped: dict[Rank, asyncio.Future]
+    """Per source: resolved once it will write nothing more (Complete, Stopped, its own Abort, a refused
+    registration, or a dead connection). Blocks are only handed back to vLLM after all are resolved."""
+
+    def source_failed(self, src: Rank, exc: Exception, stopped: bool) -> None:
+        if not self.completes[src].done():
+            self.completes[src].set_exception(exc)
+        if stopped and not self.stopped[src].done():
+            self.stopped[src].set_result(None)
 
 
 class StreamReceiver:
@@ -157,31 +169,34 @@ class StreamReceiver:
             self._dispatch(src, msg)
         reason = conn.close_reason or "connection closed"
         for pend in list(self._pending.values()):
-            fut = pend.completes.get(src)
-            if pend.engine is engine and fut is not None and not fut.done():
-                fut.set_exception(TransferFailed(f"prefill rank {src} at {conn.address} went away before "
-                                                 f"completing {pend.transfer_id!r}: {reason}"))
+            if pend.engine is engine and src in pend.completes:
+                # A dead prefill process writes nothing more, so it counts as stopped.
+                pend.source_failed(src, TransferFailed(f"prefill rank {src} at {conn.address} went away before "
+                                                       f"completing {pend.transfer_id!r}: {reason}"), stopped=True)
         await self._drop_engine(engine, f"prefill rank {src} went away")
 
     def _dispatch(self, src: Rank, msg: Any) -> None:
         tid = getattr(msg, "transfer_id", None)
         pend = self._pending.get(tid) if tid is not None else None
-        fut = pend.completes.get(src) if pend is not None else None
         if isinstance(msg, RegisterAck):
             return
         if isinstance(msg, Error):
             log.warning("prefill rank %s reports: %s", src, msg.reason)
             return
-        if fut is None or fut.done():
-            if not isinstance(msg, Abort):
-                log.debug("ignoring %s for %s from prefill rank %s (not waiting)", type(msg).__name__, tid, src)
+        if pend is None or src not in pend.completes:
+            log.debug("ignoring %s for %s from prefill rank %s (not waiting)", type(msg).__name__, tid, src)
             return
         if isinstance(msg, Complete):
-            fut.set_result(msg)
+            if not pend.completes[src].done():
+                pend.completes[src].set_result(msg)
+            if not pend.stopped[src].done():
+                pend.stopped[src].set_result(None)
         elif isinstance(msg, RegisterError):
-            fut.set_exception(TransferFailed(f"prefill rank {src} refused {tid!r}: {msg.reason}"))
+            pend.source_failed(src, TransferFailed(f"prefill rank {src} refused {tid!r}: {msg.reason}"), stopped=True)
         elif isinstance(msg, Abort):
-            fut.set_exception(TransferFailed(f"prefill rank {src} aborted {tid!r}: {msg.reason}"))
+            pend.source_failed(src, TransferFailed(f"prefill rank {src} aborted {tid!r}: {msg.reason}"), stopped=True)
+        elif isinstance(msg, Stopped):
+            pend.source_failed(src, TransferFailed(f"prefill rank {src} stopped {tid!r}"), stopped=True)
 
     # ---- transfers -------------------------------------------------------------------------------------------
     async def receive(self, transfer_id: str, prefill: PrefillAddress, block_ids: list[list[int]],
@@ -198,7 +213,8 @@ class StreamReceiver:
         for r in routes:
             layers[r.src.rank].add(r.layer)
         loop = asyncio.get_running_loop()
-        pend = _Pending(transfer_id, engine, {src: loop.create_future() for src in layers})
+        pend = _Pending(transfer_id, engine, {src: loop.create_future() for src in layers},
+                        {src: loop.create_future() for src in layers})
         self._pending[transfer_id] = pend
         try:
             async with asyncio.timeout(timeout or self.config.transfer_timeout_s):
@@ -208,14 +224,14 @@ class StreamReceiver:
                 done = await asyncio.gather(*pend.completes.values())
         except TimeoutError:
             missing = sorted(src for src, f in pend.completes.items() if not f.done())
-            await self._abort_sources(pend, "decode timed out")
+            await asyncio.shield(self._stop_sources(pend, "decode timed out"))
             raise TransferFailed(f"transfer {transfer_id!r}: no completion from prefill ranks {missing} of {prefill} "
                                  f"within {timeout or self.config.transfer_timeout_s:.1f} s") from None
         except (TransferFailed, ControlError) as exc:
-            await self._abort_sources(pend, f"decode gave up: {exc}")
+            await asyncio.shield(self._stop_sources(pend, f"decode gave up: {exc}"))
             raise TransferFailed(str(exc)) from exc
         except asyncio.CancelledError:
-            await asyncio.shield(self._abort_sources(pend, "decode aborted the request"))
+            await asyncio.shield(self._stop_sources(pend, "decode aborted the request"))
             raise
         finally:
             self._pending.pop(transfer_id, None)
@@ -225,11 +241,32 @@ class StreamReceiver:
         return ReceiveResult(transfer_id, sum(c.bytes_written for c in done), sum(c.descriptors for c in done),
                              tuple(sorted(pend.completes)))
 
-    async def _abort_sources(self, pend: _Pending, reason: str) -> None:
+    async def abort(self, transfer_id: str, reason: str) -> None:
+        """Stop receiving `transfer_id`: its `receive()` raises TransferFailed once every source has confirmed it
+        writes nothing more (or is gone), so the caller can then hand the blocks back."""
+        pend = self._pending.get(transfer_id)
+        if pend is None:
+            return
+        for src in pend.completes:
+            if not pend.completes[src].done():
+                pend.completes[src].set_exception(TransferFailed(f"transfer {transfer_id!r} aborted: {reason}"))
+
+    async def _stop_sources(self, pend: _Pending, reason: str) -> None:
+        """Abort every source that may still write, then wait (bounded) until each confirms it stopped."""
         for src, conn in pend.engine.conns.items():
-            fut = pend.completes.get(src)
-            if fut is not None and not fut.done() and not conn.is_closed:
-                try:
-                    await conn.send(Abort(pend.transfer_id, reason))
-                except ControlError as exc:
-                    log.warning("could not abort %s on prefill rank %s: %s", pend.transfer_id, src, exc)
+            if src not in pend.stopped or pend.stopped[src].done():
+                continue
+            if conn.is_closed:
+                pend.stopped[src].set_result(None)
+                continue
+            try:
+                await conn.send(Abort(pend.transfer_id, reason))
+            except ControlError as exc:
+                log.warning("could not abort %s on prefill rank %s: %s", pend.transfer_id, src, exc)
+        waiting = [f for f in pend.stopped.values() if not f.done()]
+        if waiting:
+            done, not_done = await asyncio.wait(waiting, timeout=self.config.stop_timeout_s)
+            if not_done:
+                late = sorted(src for src, f in pend.stopped.items() if not f.done())
+                log.error("transfer %s: prefill ranks %s did not confirm they stopped writing within %.0f s; "
+                          "handing the blocks back anyway", pend.transfer_id, late, self.config.stop_timeout_s)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from connector.control import (Abort, Complete, ControlConnection, ControlServer, Heartbeat, Hello, Register,
-                               RegisterAck, RegisterError)
+                               RegisterAck, RegisterError, Stopped)
 from connector.descriptors import Descriptors, DescriptorError, check_blocks, route_descriptors
 from connector.handshake import check_peer_regions, layout_of
 from connector.layout import LayoutError, ModelLayout, ParallelLayout, Region
@@ -66,6 +66,8 @@ class Destination:
     writing: set[int] = field(default_factory=set)
     """Layers in a write now."""
     batches_in_flight: int = 0
+    notice: Any = None
+    """Abort or Stopped to send once no WRITE to this destination is in flight any more."""
     bytes_written: int = 0
     descriptors: int = 0
     done: bool = False
@@ -263,13 +265,17 @@ class StreamSender:
         self._pump(req)
 
     def _abort(self, transfer_id: str, reason: str) -> None:
+        self._parked.pop(transfer_id, None)
         req = self.requests.get(transfer_id)
         if req is None:
             return
         for dest in req.dests.values():
             if not dest.done:
-                self._spawn(self._send_quiet(dest.conn, Abort(transfer_id, f"prefill aborted: {reason}")))
-        self._release(req, ok=False, why=f"aborted: {reason}")
+                self._stop_dest(req, dest, Abort(transfer_id, f"prefill aborted: {reason}"))
+        # Nothing new is posted; writes already reading the source blocks finish first, so the blocks are only
+        # handed back (finished) once nobody reads them, and decode hears of it only once nothing more lands.
+        req.final, req.failed, req.expected = True, True, set()
+        self._check_finished(req, ok=False)
 
     # ---- registration ----------------------------------------------------------------------------------------
     def _on_hello(self, hello: Hello) -> None:
@@ -300,17 +306,20 @@ class StreamSender:
                     req.lease_deadline = max(req.lease_deadline, deadline)
         elif isinstance(msg, Abort):
             req = self.requests.get(msg.transfer_id)
-            self._parked.pop(msg.transfer_id, None)
+            self._drop_parked(msg.transfer_id, conn)
+            key = (conn.peer.engine_id, conn.peer.pp_rank, conn.peer.tp_rank)
+            log.info("transfer %s: decode %s aborted: %s", msg.transfer_id, key, msg.reason)
+            dest = req.dests.get(key) if req is not None else None
+            stopped = Stopped(msg.transfer_id, self.rank[0], self.rank[1])
+            if dest is None:
+                await self._send_quiet(conn, stopped)  # nothing was ever written there
+            else:
+                self._stop_dest(req, dest, stopped)
             if req is not None:
-                key = (conn.peer.engine_id, conn.peer.pp_rank, conn.peer.tp_rank)
-                dest = req.dests.get(key)
-                if dest is not None:
-                    dest.done = True
                 if req.expected is None:
                     req.expected = set()
                 req.expected.discard(key)
-                log.info("transfer %s: decode %s aborted: %s", msg.transfer_id, key, msg.reason)
-                self._check_finished(req)
+                self._check_finished(req, ok=False)
         else:
             log.warning("prefill %s: unexpected %s from %s", self.rank, type(msg).__name__, conn.address)
 
@@ -445,8 +454,7 @@ class StreamSender:
         except Exception as exc:  # noqa: BLE001 - one destination fails, the rest go on
             log.error("transfer %s: WRITE of layers %s to decode %s failed: %s", req.transfer_id,
                       fold_ranges(layers), dest.key, exc)
-            dest.done = True
-            self._spawn(self._send_quiet(dest.conn, Abort(req.transfer_id, f"prefill WRITE failed: {exc}")))
+            self._stop_dest(req, dest, Abort(req.transfer_id, f"prefill WRITE failed: {exc}"))
             if req.expected is not None:
                 req.expected.discard(dest.key)
             self._check_finished(req, ok=False)
@@ -454,6 +462,9 @@ class StreamSender:
         finally:
             dest.writing.difference_update(layers)
             dest.batches_in_flight -= 1
+            if dest.done:  # aborted or failed meanwhile: this may have been the last reader of the blocks
+                self._flush_notice(dest)
+                self._check_finished(req)
         for layer, ready in batch:
             dest.sent_tokens[layer] = ready
         dest.bytes_written += descs.nbytes
@@ -463,6 +474,17 @@ class StreamSender:
         self.stats.writes += 1
         if self.requests.get(req.transfer_id) is req:
             self._pump(req)
+
+    def _stop_dest(self, req: SendRequest, dest: Destination, notice: Any) -> None:
+        """No new WRITE to `dest`; tell it `notice` once the ones in flight have completed."""
+        dest.done = True
+        dest.notice = notice
+        self._flush_notice(dest)
+
+    def _flush_notice(self, dest: Destination) -> None:
+        if dest.notice is not None and not dest.batches_in_flight:
+            notice, dest.notice = dest.notice, None
+            self._spawn(self._send_quiet(dest.conn, notice))
 
     def _maybe_complete(self, req: SendRequest, dest: Destination) -> None:
         if dest.done or not req.final or dest.writing:
@@ -482,7 +504,7 @@ class StreamSender:
     def _check_finished(self, req: SendRequest, ok: bool = True) -> None:
         req.failed |= not ok
         if req.expected is not None and not req.expected and req.final \
-                and all(d.done for d in req.dests.values()):
+                and all(d.done and not d.batches_in_flight for d in req.dests.values()):
             self._release(req, ok=not req.failed,
                           why="some decode ranks failed" if req.failed else "all decode ranks completed")
 
@@ -514,8 +536,9 @@ class StreamSender:
                                 "freeing its blocks", req.transfer_id, self.config.lease_s, missing)
                     for dest in req.dests.values():
                         if not dest.done:
-                            self._spawn(self._send_quiet(dest.conn, Abort(req.transfer_id, "prefill lease expired")))
-                    self._release(req, ok=False, why="lease expired")
+                            self._stop_dest(req, dest, Abort(req.transfer_id, "prefill lease expired"))
+                    req.expected, req.failed = set(), True
+                    self._check_finished(req, ok=False)  # released once no WRITE is in flight
             for tid, parked in list(self._parked.items()):
                 if now - parked[0][2] > self.config.lease_s:
                     del self._parked[tid]

@@ -9,6 +9,7 @@ import time
 import uuid
 
 import pytest
+import torch
 
 from connector.control import ControlError, Register, RegisterError, connect
 from connector.demo import Cluster, Scenario, apply_env
@@ -196,3 +197,25 @@ def test_decode_killed_mid_transfer_frees_the_sender_state():
     finally:
         cluster.close()
         prefill.close(sender)
+
+
+def test_decode_abort_waits_until_prefill_stopped_writing(prefill_cluster_and_decode):
+    sc, cluster, decode, receiver = prefill_cluster_and_decode(layer_ms=60.0)
+    blocks = pick_blocks(TOKENS, BLOCK, decode.num_blocks, seed=6)
+    fut = decode.lt.submit(receiver.receive("t-abort-d", PrefillAddress("127.0.0.1", cluster.base_port), blocks, 0,
+                                            TOKENS))
+    start_prefill(cluster, "t-abort-d", layer_ms=60.0, wait=False)  # 60 layers x 60 ms
+    time.sleep(1.5)
+    assert not fut.done()
+    decode.lt.run(receiver.abort("t-abort-d", "client went away"), 10)
+    with pytest.raises(TransferFailed, match="aborted: client went away"):
+        fut.result(20)
+    # prefill confirmed it stopped: whatever it computes from now on never lands here
+    written = [t.clone() for t in decode.bufs.tensors]
+    assert any(bool(t.any()) for t in written), "some layers should have streamed before the abort"
+    _, conn = cluster.prefill[(0, 0)]
+    cluster.reply(conn, 30, "prefill")  # let prefill finish computing every layer
+    time.sleep(0.5)
+    assert all(torch.equal(a, b) for a, b in zip(written, decode.bufs.tensors)), "bytes landed after Stopped"
+    ok = cluster.ask(conn, ("finish", "t-abort-d"), 30, "prefill")
+    assert ok[1] is False  # the prefill side released the request as not completed
