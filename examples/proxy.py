@@ -22,7 +22,7 @@ import json
 import logging
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -47,7 +47,7 @@ def parse_prefill(spec: str) -> Prefill:
     """`http://HOST:8100,HOST:5600` -> Prefill. The side channel is not derivable from the URL (own port)."""
     url, sep, side = spec.partition(",")
     host, _, port = side.strip().rpartition(":")
-    if not sep or not host or not port.isdigit():
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"--prefill wants URL,SIDE_HOST:SIDE_PORT, got {spec!r}")
     return Prefill(_check_url(url), side.strip())
 
@@ -153,7 +153,7 @@ def build_app(prefill_instances: Sequence[Prefill | str], decode_instances: Sequ
         upstream: aiohttp.ClientResponse | None = None
         try:
             # Nothing goes to the client until prefill succeeded, so a prefill failure can still be a clean JSON
-            # error. That costs no latency: decode cannot produce a token before prefill's KV has arrived.
+            # error. That costs next to no latency: decode cannot produce a token before prefill's KV has arrived.
             pending: set[asyncio.Task[Any]] = {p_task, d_task}
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -228,14 +228,24 @@ def build_app(prefill_instances: Sequence[Prefill | str], decode_instances: Sequ
     return app
 
 
+def _arg(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """argparse prints an ArgumentTypeError's own text (a plain ValueError becomes 'invalid <fn> value')."""
+    def wrapped(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from exc
+    return wrapped
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--prefill", action="append", required=True, type=parse_prefill, metavar="URL,SIDE_HOST:PORT",
+    ap.add_argument("--prefill", action="append", required=True, type=_arg(parse_prefill), metavar="URL,SIDE_HOST:PORT",
                     help="prefill instance: OpenAI server URL and connector side-channel address; repeatable")
-    ap.add_argument("--decode", action="append", required=True, type=_check_url, metavar="URL",
+    ap.add_argument("--decode", action="append", required=True, type=_arg(_check_url), metavar="URL",
                     help="decode instance: OpenAI server URL; repeatable")
     ap.add_argument("--timeout", type=float, default=600.0,
                     help="seconds: prefill must answer within it; decode may not stay silent longer (default 600)")

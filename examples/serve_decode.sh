@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Decode instance of a disaggregated MiniMax-M3 deployment with SparseKVConnector (kv_consumer, PP=1).
+#
+#   SPARSE_KV_AUTH_TOKEN=secret examples/serve_decode.sh [MODEL] [extra vllm serve args...]
+#
+# Needs: the MiniMax-M3 weights (MODEL: a Hugging Face id or a local folder, default MiniMaxAI/MiniMax-M3; bf16, several
+# hundred GB) and TP GPUs on this node (default 8, e.g. 8x H200) with room for the weights and the KV cache; an
+# RDMA-capable network (NIXL/UCX) to the prefill nodes, and TCP to their side-channel ports.
+# Needs the package in the same environment as vLLM 0.33.0: `pip install sparse-kv-connector[vllm]` registers the
+# name "SparseKVConnector" through the vllm.general_plugins entry point. Without the entry point (e.g. the source tree
+# on PYTHONPATH), set KV_CONNECTOR_MODULE_PATH=connector.vllm to add "kv_connector_module_path" to the config.
+#
+# Decode does not listen on a side channel: per request it connects to the prefill address that the proxy puts in
+# kv_transfer_params.prefill_addr and registers its blocks there; prefill then pushes the KV into them.
+# Give the proxy: --decode http://THIS_HOST:PORT
+# SPARSE_KV_AUTH_TOKEN must equal the prefill instances' token.
+set -euo pipefail
+
+MODEL="${1:-MiniMaxAI/MiniMax-M3}"
+shift $(( $# > 0 ? 1 : 0 ))
+HOST="${HOST:-0.0.0.0}"                      # OpenAI server bind address
+PORT="${PORT:-8200}"
+TP="${TP:-8}"
+PP="${PP:-1}"
+PYTHON="${PYTHON:-python3}"
+
+[[ -n "${SPARSE_KV_AUTH_TOKEN:-}" ]] || echo "serve_decode.sh: SPARSE_KV_AUTH_TOKEN unset: no side-channel auth" >&2
+
+# JSON via Python so a token with quotes or backslashes cannot break (or inject into) the config.
+# side_channel_host/port and lease_s are prefill-side settings; decode only needs the shared token.
+KV_TRANSFER_CONFIG="$("$PYTHON" - <<'PY'
+import json, os
+config = {
+    "kv_connector": "SparseKVConnector",
+    "kv_role": "kv_consumer",
+    "kv_connector_extra_config": {"auth_token": os.environ.get("SPARSE_KV_AUTH_TOKEN", "")},
+}
+if os.environ.get("KV_CONNECTOR_MODULE_PATH"):
+    config["kv_connector_module_path"] = os.environ["KV_CONNECTOR_MODULE_PATH"]
+print(json.dumps(config))
+PY
+)"
+
+exec vllm serve "$MODEL" \
+    --host "$HOST" --port "$PORT" \
+    --tensor-parallel-size "$TP" \
+    --pipeline-parallel-size "$PP" \
+    --kv-transfer-config "$KV_TRANSFER_CONFIG" \
+    "$@"
