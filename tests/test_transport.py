@@ -101,7 +101,9 @@ class Peer:
     """A child process running a Transport with one registered buffer."""
 
     def __init__(self, name: str, size: int, vram: bool = False) -> None:
-        env = {**os.environ, **ENV, "PYTHONPATH": str(ROOT)}
+        # Keep any PYTHONPATH the caller set (the GPU machine installs nixl under it) and add the repo root.
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+        env = {**os.environ, **ENV, "PYTHONPATH": path}
         self.name = name
         self.proc = subprocess.Popen(
             [sys.executable, "-c", CHILD, name, str(size), "1" if vram else "0"],
