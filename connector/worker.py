@@ -7,11 +7,13 @@ deterministic content into the simulated cache and calls the engine's hooks exac
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
 import traceback
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, Iterator
 
 from connector.demo import apply_env
 
@@ -31,6 +33,34 @@ def _transport(cfg: dict[str, Any], lt: Any) -> Any:
     return transport
 
 
+@contextlib.contextmanager
+def _rank_process(conn: Any, cfg: dict[str, Any]) -> Iterator[SimpleNamespace]:
+    """The parts every worker has: the event loop thread, a NIXL transport, this rank's simulated cache registered
+    with it. Closes them (the engine set on `.engine` first) on the way out; a failure is reported to the parent."""
+    _setup(cfg)
+    from connector.loop import LoopThread
+    from connector.sim import RankBuffers
+
+    lt = LoopThread().start()
+    rank = SimpleNamespace(lt=lt, transport=None, bufs=None, engine=None, rank=tuple(cfg["rank"]),
+                           parallel=cfg[cfg["side"]])
+    try:
+        rank.transport = _transport(cfg, lt)
+        rank.bufs = RankBuffers(cfg["model"], rank.parallel, rank.rank, cfg["block_size"], cfg["num_blocks"],
+                                cfg["device"])
+        for tensor in rank.bufs.tensors:
+            rank.transport.register(tensor)
+        yield rank
+    except Exception as exc:  # noqa: BLE001 - the parent must hear about it
+        conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}"))
+    finally:
+        if rank.engine is not None:
+            lt.run(rank.engine.close(), 30)
+        if rank.transport is not None:
+            lt.run(rank.transport.close(), 30)
+        lt.stop()
+
+
 def _serve(conn: Any, handlers: dict[str, Any]) -> None:
     """Answer parent commands until "quit"; any failure is reported, never a silent hang."""
     while True:
@@ -46,24 +76,16 @@ def _serve(conn: Any, handlers: dict[str, Any]) -> None:
 
 
 def prefill_main(conn: Any, cfg: dict[str, Any]) -> None:
-    _setup(cfg)
-    from connector.loop import LoopThread
-    from connector.sim import RankBuffers, pick_blocks
+    from connector.sim import pick_blocks
     from connector.stream import SenderConfig, StreamSender
 
-    lt = LoopThread().start()
-    transport = sender = None
-    try:
-        rank, parallel = tuple(cfg["rank"]), cfg["prefill"]
-        transport = _transport(cfg, lt)
-        bufs = RankBuffers(cfg["model"], parallel, rank, cfg["block_size"], cfg["num_blocks"], cfg["device"])
-        for tensor in bufs.tensors:
-            transport.register(tensor)
+    with _rank_process(conn, cfg) as me:
+        lt, transport, bufs, rank, parallel = me.lt, me.transport, me.bufs, me.rank, me.parallel
         port = cfg["base_port"] + rank[0] * parallel.tp + rank[1]
-        sender = StreamSender(transport, cfg["model"], parallel, rank, bufs.regions(), cfg["block_size"],
-                              SenderConfig(engine_id=f"prefill-{cfg['run_id']}", port=port,
-                                           write_timeout_s=cfg["timeout_s"]),
-                              lt.loop, mem_type="VRAM" if cfg["device"].startswith("cuda") else "DRAM")
+        sender = me.engine = StreamSender(
+            transport, cfg["model"], parallel, rank, bufs.regions(), cfg["block_size"],
+            SenderConfig(engine_id=f"prefill-{cfg['run_id']}", port=port, write_timeout_s=cfg["timeout_s"]),
+            lt.loop, mem_type="VRAM" if cfg["device"].startswith("cuda") else "DRAM")
         lt.run(sender.start(), 30)
         blocks: dict[str, list[list[int]]] = {}
         stage = parallel.stages[rank[0]]
@@ -130,33 +152,17 @@ def prefill_main(conn: Any, cfg: dict[str, Any]) -> None:
 
         conn.send(("ready", port))
         _serve(conn, {"start": start, "chunk": chunk, "finish": finish, "raw": raw})
-    except Exception as exc:  # noqa: BLE001 - the parent must hear about it
-        conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}"))
-    finally:
-        if sender is not None:
-            lt.run(sender.close(), 30)
-        if transport is not None:
-            lt.run(transport.close(), 30)
-        lt.stop()
 
 
 def decode_main(conn: Any, cfg: dict[str, Any]) -> None:
-    _setup(cfg)
-    from connector.loop import LoopThread
     from connector.receiver import PrefillAddress, ReceiverConfig, StreamReceiver
-    from connector.sim import RankBuffers, pick_blocks
+    from connector.sim import pick_blocks
 
-    lt = LoopThread().start()
-    transport = receiver = None
-    try:
-        rank, parallel = tuple(cfg["rank"]), cfg["decode"]
-        transport = _transport(cfg, lt)
-        bufs = RankBuffers(cfg["model"], parallel, rank, cfg["block_size"], cfg["num_blocks"], cfg["device"])
-        for tensor in bufs.tensors:
-            transport.register(tensor)
-        receiver = StreamReceiver(transport, cfg["model"], parallel, rank, bufs.regions(), cfg["block_size"],
-                                  ReceiverConfig(engine_id=f"decode-{cfg['run_id']}",
-                                                 transfer_timeout_s=cfg["timeout_s"]))
+    with _rank_process(conn, cfg) as me:
+        lt, bufs, rank = me.lt, me.bufs, me.rank
+        receiver = me.engine = StreamReceiver(
+            me.transport, cfg["model"], me.parallel, rank, bufs.regions(), cfg["block_size"],
+            ReceiverConfig(engine_id=f"decode-{cfg['run_id']}", transfer_timeout_s=cfg["timeout_s"]))
         pending: dict[str, Any] = {}
         requests: dict[str, tuple] = {}
         used: list[list[int]] = [[], []]
@@ -187,11 +193,3 @@ def decode_main(conn: Any, cfg: dict[str, Any]) -> None:
 
         conn.send(("ready",))
         _serve(conn, {"receive": receive, "collect": collect})
-    except Exception as exc:  # noqa: BLE001
-        conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}"))
-    finally:
-        if receiver is not None:
-            lt.run(receiver.close(), 30)
-        if transport is not None:
-            lt.run(transport.close(), 30)
-        lt.stop()
