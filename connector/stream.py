@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from connector.control import (Abort, Complete, ControlConnection, ControlServer, Heartbeat, Hello, Register,
                                RegisterAck, RegisterError, Stopped)
-from connector.descriptors import Descriptors, DescriptorError, check_blocks, route_descriptors
+from connector.descriptors import Descriptors, DescriptorError, check_blocks, geometry, layers_descriptors
 from connector.handshake import check_peer_regions, layout_of
 from connector.layout import LayoutError, ModelLayout, ParallelLayout, Region
 from connector.plan import Rank, Route, TransferPlan, build_plan, fold_ranges
@@ -341,7 +341,7 @@ class StreamSender:
         req.dests[key] = dest
         if req.expected is None:
             peer = self._peers[key]
-            req.expected = {(key[0], *r) for r in peer.plan.destinations_of(self.rank)}
+            req.expected = {(key[0], *r) for r in peer.plan.decode.ranks()}
         conn.closed.add_done_callback(lambda f, r=req, k=key: self._dest_gone(r, k, f))
         await conn.send(RegisterAck(reg.transfer_id))
         self._pump(req)
@@ -366,9 +366,10 @@ class StreamSender:
         if not (0 <= reg.first_token <= reg.num_tokens) or reg.first_token % self.block_size:
             raise RegistrationError(f"first_token {reg.first_token} must be a multiple of the block size "
                                     f"{self.block_size} within 0..{reg.num_tokens}")
+        # Every decode rank registers with every prefill rank, also where the plan routes nothing between them
+        # (e.g. replicated MLA pools come from one prefill TP rank): such a rank completes at once, so it never
+        # holds its blocks waiting for a registration that would not come.
         routes = [r for r in peer.plan.routes_from(self.rank) if r.dst.rank == key[1:]]
-        if not routes:
-            raise RegistrationError(f"prefill rank {self.rank} sends nothing to decode rank {key[1:]} under the plan")
         layer_routes: dict[int, list[Route]] = defaultdict(list)
         for r in routes:
             layer_routes[r.layer].append(r)
@@ -429,16 +430,22 @@ class StreamSender:
         self._check_finished(req)  # e.g. final now, and every destination already done or dropped
 
     def _batch_descriptors(self, req: SendRequest, dest: Destination, batch: list[tuple[int, int]]) -> Descriptors:
-        parts = []
+        # Layers that move the same block range with the same geometry are computed in one vectorised pass.
+        groups: dict[tuple, tuple[list[Region], list[Region], tuple[int, int], int, int]] = {}
         for layer, ready in batch:
             first = max(dest.sent_tokens.get(layer, 0), dest.register.first_token)
             # A block sent partly filled is sent again from its start once more tokens are in it.
             b0, b1 = first // self.block_size, math.ceil(ready / self.block_size)
             for r in dest.layer_routes[layer]:
                 src, dst = self.regions[(r.pool, layer)], dest.regions[(r.pool, layer)]
-                parts.append(route_descriptors(src, dst, req.block_ids[src.group][b0:b1],
-                                               dest.register.block_ids[dst.group][b0:b1], r.heads))
-        return Descriptors.concat(parts)
+                key = (geometry(src), geometry(dst), r.heads, b0, b1)
+                groups.setdefault(key, ([], [], r.heads, b0, b1))
+                groups[key][0].append(src)
+                groups[key][1].append(dst)
+        return Descriptors.concat([
+            layers_descriptors(srcs, dsts, req.block_ids[srcs[0].group][b0:b1],
+                               dest.register.block_ids[dsts[0].group][b0:b1], heads)
+            for srcs, dsts, heads, b0, b1 in groups.values()])
 
     async def _write_batch(self, req: SendRequest, dest: Destination, batch: list[tuple[int, int]]) -> None:
         req.first_write_at = req.first_write_at or time.time()

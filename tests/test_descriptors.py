@@ -123,3 +123,17 @@ def test_mismatched_block_size_is_named():
     b = buffer_region(np.zeros((1, 4, 1, 32), np.uint8), "index_k", 3, (0, 1), 1)
     with pytest.raises(DescriptorError, match="64 B per block on prefill but 32 B on decode"):
         route_descriptors(a, b, [0], [0], (0, 1))
+
+
+def test_many_layers_at_once_equal_layer_by_layer():
+    from connector.descriptors import Descriptors, layers_descriptors
+
+    bufs_src = [np.zeros((2, 32, 2, 16), np.uint8) for _ in range(5)]
+    bufs_dst = [np.zeros((2, 32, 2, 16), np.uint8) for _ in range(5)]
+    srcs = [buffer_region(b, "kv", i, (0, 2), 2) for i, b in enumerate(bufs_src)]
+    dsts = [buffer_region(b, "kv", i, (0, 2), 2) for i, b in enumerate(bufs_dst)]
+    src_ids, dst_ids = [3, 4, 5, 9, 1], [7, 8, 9, 0, 31]
+    one_by_one = Descriptors.concat([route_descriptors(a, b, src_ids, dst_ids, (1, 2)) for a, b in zip(srcs, dsts)])
+    together = layers_descriptors(srcs, dsts, src_ids, dst_ids, (1, 2))
+    for field in ("src_addrs", "dst_addrs", "lengths"):
+        assert getattr(together, field).tolist() == getattr(one_by_one, field).tolist()

@@ -1,0 +1,58 @@
+"""What the scheduler-side connector tells every worker each step (pickled by vLLM with the SchedulerOutput)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
+
+
+@dataclass(frozen=True)
+class SendSpec:
+    """Prefill: a request whose KV goes to decode; sent every step it is scheduled."""
+
+    transfer_id: str
+    num_prompt_tokens: int
+    block_ids: tuple[list[int], ...]
+    """All blocks of the request so far, per KV-cache group, from token 0."""
+    computed_after_step: int
+    """Tokens that hold valid KV once this step's forward is done (prefix hits included)."""
+    new: bool
+    """First step of this request on the workers."""
+
+
+@dataclass(frozen=True)
+class RecvSpec:
+    """Decode: blocks to register with the prefill ranks of `prefill_addr`."""
+
+    transfer_id: str
+    prefill_addr: str
+    block_ids: tuple[list[int], ...]
+    """All blocks of the request, per KV-cache group, from token 0 (prefix hits included)."""
+    first_token: int
+    """Decode's own prefix-cache hit, in tokens: not transferred."""
+    num_tokens: int
+    """Tokens to receive up to (the last prompt token is recomputed locally)."""
+    error: str = ""
+    """Set when the request's kv_transfer_params are unusable: the workers fail it at once (failed_recving)."""
+
+
+@dataclass
+class SparseKVMetadata(KVConnectorMetadata):
+    sends: dict[str, SendSpec] = field(default_factory=dict)
+    recvs: dict[str, RecvSpec] = field(default_factory=dict)
+    aborts: dict[str, str] = field(default_factory=dict)
+    """request id -> transfer id: stop sending / receiving it."""
+
+
+@dataclass
+class SparseKVHandshake(KVConnectorHandshakeMetadata):
+    """Worker -> scheduler at startup (vLLM collects it from every (pp, tp) rank). The data path handshake runs
+    worker to worker over our own side channel; this only lets the scheduler check and log the ranks."""
+
+    engine_id: str
+    pp_rank: int
+    tp_rank: int
+    fingerprint: str
+    side_channel: str
+    """host:port this rank listens on (prefill), or "" (decode)."""

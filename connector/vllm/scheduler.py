@@ -1,0 +1,161 @@
+"""Scheduler-side half (runs in vLLM's EngineCore process). Pure bookkeeping: it decides which requests transfer,
+hands the workers their block ids every step through the metadata, and holds prefill blocks until every worker
+reports the request finished sending. No I/O."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm.v1.request import RequestStatus
+
+from connector.receiver import PrefillAddress
+from connector.vllm.metadata import RecvSpec, SendSpec, SparseKVHandshake, SparseKVMetadata
+
+log = logging.getLogger(__name__)
+
+
+def check_params(params: dict[str, Any], *, decode: bool) -> str:
+    """'' if the request's kv_transfer_params are usable, else a one-line reason naming the field and the fix."""
+    tid = params.get("transfer_id")
+    if not isinstance(tid, str) or not tid:
+        return f"kv_transfer_params has no usable transfer_id ({tid!r}): the proxy must send the same non-empty " \
+               f"string to prefill and decode"
+    if decode:
+        try:
+            PrefillAddress.parse(params.get("prefill_addr", ""))
+        except ValueError as exc:
+            return f"kv_transfer_params prefill_addr: {exc}"
+    return ""
+
+
+class SchedulerSide:
+    def __init__(self, kv_role: str, engine_id: str) -> None:
+        self.is_producer = kv_role == "kv_producer"
+        self.engine_id = engine_id
+        self._kv_cache_manager: Any = None
+        # decode
+        self._recv_ready: dict[str, RecvSpec] = {}      # to ship in the next metadata
+        self._recv_waiting: dict[str, str] = {}         # request id -> transfer id, until finished_recving
+        self._matched: dict[str, int] = {}              # request id -> local prefix hit when matched
+        # prefill
+        self._send_known: dict[str, tuple[str, int]] = {}   # request id -> (transfer id, prompt tokens)
+        self._send_started: set[str] = set()            # shipped to the workers at least once
+        self._send_held: set[str] = set()               # finished; blocks kept until finished_sending
+        self._aborts: dict[str, str] = {}
+        self.handshakes: dict[tuple[int, int], SparseKVHandshake] = {}
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        self._kv_cache_manager = kv_cache_manager
+
+    # ---- matching and allocation ------------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params or {}
+        if self.is_producer:
+            if params.get("do_remote_decode"):
+                problem = check_params(params, decode=False)
+                if problem:
+                    log.error("request %s: %s; it runs as a plain prefill and nothing is sent",
+                              request.request_id, problem)
+                else:
+                    self._send_known[request.request_id] = (params["transfer_id"], request.num_prompt_tokens)
+            return 0, False
+        if not params.get("do_remote_prefill") or request.request_id in self._recv_waiting:
+            return 0, False
+        # vLLM must compute at least the last prompt token itself (it needs its logits), so that one is not loaded.
+        count = request.num_prompt_tokens - 1 - num_computed_tokens
+        if count <= 0:
+            return 0, False
+        self._matched[request.request_id] = num_computed_tokens
+        return count, True
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        if self.is_producer or num_external_tokens <= 0:
+            return
+        req_id = request.request_id
+        params = request.kv_transfer_params or {}
+        first = self._matched.pop(req_id, request.num_computed_tokens)
+        block_ids = self._all_block_ids(req_id, blocks)
+        problem = check_params(params, decode=True)
+        self._recv_ready[req_id] = RecvSpec(
+            transfer_id=str(params.get("transfer_id") or ""), prefill_addr=str(params.get("prefill_addr") or ""),
+            block_ids=block_ids, first_token=first, num_tokens=first + num_external_tokens, error=problem)
+        self._recv_waiting[req_id] = str(params.get("transfer_id") or "")
+        # One transfer per request: if it fails and kv_load_failure_policy is "recompute", vLLM asks again and the
+        # request must then be prefilled locally (as vLLM's NixlConnector does).
+        if isinstance(request.kv_transfer_params, dict):
+            request.kv_transfer_params["do_remote_prefill"] = False
+        if problem:
+            log.error("request %s: %s; failing it (kv_load_failure_policy applies)", req_id, problem)
+
+    def _all_block_ids(self, req_id: str, blocks: Any) -> tuple[list[int], ...]:
+        """Every block of the request per group, from token 0 (prefix hits included), as the workers index them
+        by token."""
+        if self._kv_cache_manager is not None:
+            return tuple(list(g) for g in self._kv_cache_manager.get_block_ids(req_id))
+        return tuple(list(g) for g in blocks.get_block_ids())
+
+    # ---- per step ---------------------------------------------------------------------------------------------
+    def build_connector_meta(self, scheduler_output: Any) -> SparseKVMetadata:
+        meta = SparseKVMetadata(recvs=self._recv_ready, aborts=self._aborts)
+        self._recv_ready, self._aborts = {}, {}
+        if self.is_producer and self._send_known:
+            computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
+            cached = scheduler_output.scheduled_cached_reqs
+            computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+            for req_id, n_scheduled in scheduler_output.num_scheduled_tokens.items():
+                known = self._send_known.get(req_id)
+                if known is None or req_id not in computed:
+                    continue
+                tid, prompt = known
+                meta.sends[req_id] = SendSpec(
+                    transfer_id=tid, num_prompt_tokens=prompt, block_ids=self._all_block_ids(req_id, None),
+                    computed_after_step=min(prompt, computed[req_id] + n_scheduled),
+                    new=req_id not in self._send_started)
+                self._send_started.add(req_id)
+        return meta
+
+    def update_connector_output(self, output: Any) -> None:
+        for req_id in output.finished_sending or ():
+            self._send_held.discard(req_id)
+            self._send_known.pop(req_id, None)
+            self._send_started.discard(req_id)
+        for req_id in output.finished_recving or ():
+            self._recv_waiting.pop(req_id, None)
+
+    def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+        req_id = request.request_id
+        if self.is_producer:
+            known = self._send_known.get(req_id)
+            if known is None:
+                return False, None
+            if req_id not in self._send_started:  # never reached the workers: nothing reads its blocks
+                self._send_known.pop(req_id, None)
+                return False, None
+            if request.status != RequestStatus.FINISHED_STOPPED and request.status != RequestStatus.FINISHED_LENGTH_CAPPED:
+                # Aborted or failed prefill: tell decode, stop writing. Blocks are still held until the workers
+                # report the transfer finished, so no WRITE in flight reads a reused block.
+                self._aborts[req_id] = known[0]
+            self._send_held.add(req_id)
+            return True, None
+        tid = self._recv_waiting.pop(req_id, None)
+        self._matched.pop(req_id, None)
+        if tid is not None:
+            # Decode aborted while waiting: workers stop waiting and tell prefill to free its blocks.
+            self._recv_ready.pop(req_id, None)
+            self._aborts[req_id] = tid
+        return False, None
+
+    def has_pending_push_work(self) -> bool:
+        """Keep the engine stepping while prefill holds blocks for decode, so completions are collected."""
+        return bool(self._send_held) or bool(self._aborts)
+
+    def set_handshakes(self, metadata: dict[tuple[int, int], Any]) -> None:
+        """All (pp, tp) ranks, PP > 0 included. They must agree on the model fingerprint."""
+        prints = {k: getattr(v, "fingerprint", None) for k, v in metadata.items()}
+        if len(set(prints.values())) > 1:
+            raise ValueError(f"SparseKVConnector workers disagree on the model layout fingerprint: {prints}")
+        self.handshakes = dict(metadata)
+        for (pp, tp), hs in sorted(metadata.items()):
+            if getattr(hs, "side_channel", ""):
+                log.info("SparseKVConnector prefill rank pp%d,tp%d side channel %s", pp, tp, hs.side_channel)

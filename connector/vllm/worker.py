@@ -1,0 +1,230 @@
+"""Worker-side half (one per GPU worker process). Thin: it turns vLLM's tensors into Regions and vLLM's hooks into
+stream-engine calls; the transfer logic lives in connector.stream / connector.receiver."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+from typing import Any
+
+import torch
+
+from connector.layout import ParallelLayout, RankLayout
+from connector.loop import LoopThread
+from connector.receiver import PrefillAddress, ReceiverConfig, StreamReceiver
+from connector.stream import SenderConfig, StreamSender
+from connector.vllm.config import ConnectorSettings
+from connector.vllm.metadata import SparseKVHandshake, SparseKVMetadata
+from connector.vllm.regions import build_regions, classify_layers, model_layout_from_vllm
+
+log = logging.getLogger(__name__)
+
+
+def parallel_ranks(vllm_config: Any) -> tuple[ParallelLayout, int, int]:
+    """(this side's ParallelLayout, pp rank, tp rank) from vLLM's parallel config and process groups; the layer
+    split is vLLM's own (get_pp_indices, which honours VLLM_PP_LAYER_PARTITION)."""
+    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+    from vllm.distributed.utils import get_pp_indices
+
+    pc = vllm_config.parallel_config
+    num_layers = vllm_config.model_config.hf_text_config.num_hidden_layers
+    stages = [get_pp_indices(num_layers, r, pc.pipeline_parallel_size) for r in range(pc.pipeline_parallel_size)]
+    parallel = ParallelLayout.build(num_layers, pc.tensor_parallel_size, pc.pipeline_parallel_size,
+                                    [e - s for s, e in stages])
+    return parallel, get_pp_group().rank_in_group, get_tp_group().rank_in_group
+
+
+def default_host() -> str:
+    """The address vLLM reports for this node (VLLM_HOST_IP or its own detection), not 0.0.0.0."""
+    from vllm.utils.network_utils import get_ip
+
+    return get_ip()
+
+
+class WorkerSide:
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, settings: ConnectorSettings, kv_role: str,
+                 engine_id: str) -> None:
+        self.vllm_config, self.kv_cache_config, self.settings = vllm_config, kv_cache_config, settings
+        self.is_producer = kv_role == "kv_producer"
+        self.engine_id = engine_id
+        self.model = model_layout_from_vllm(vllm_config)
+        self.parallel, pp, tp = parallel_ranks(vllm_config)
+        self.rank = (pp, tp)
+        self.rank_layout = RankLayout(self.model, self.parallel, pp, tp)
+        self.loop = LoopThread(f"sparse-kv-{kv_role}-{pp}-{tp}")
+        self.transport: Any = None
+        self.sender: StreamSender | None = None
+        self.receiver: StreamReceiver | None = None
+        self._layer_of: dict[str, int] = {name: info.layer for name, info in classify_layers(kv_cache_config).items()}
+        self._meta: SparseKVMetadata | None = None
+        self._lock = threading.Lock()
+        self._finished_sending: set[str] = set()
+        self._req_of_tid: dict[str, str] = {}
+        self._active_sends: list[str] = []     # transfer ids in this step's forward
+        self._receiving: dict[str, concurrent.futures.Future] = {}
+        self._failed: dict[str, str] = {}
+        """Receives that ended without data (bad params, never started): request id -> reason."""
+        self._aborted: set[str] = set()
+        self._cuda = False
+        self.port = 0
+
+    # ---- startup ----------------------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from connector.transport import Transport, TransportConfig
+
+        regions = build_regions(kv_caches, self.kv_cache_config, self.rank_layout)
+        self._cuda = any(t.is_cuda for t in kv_caches.values())
+        self.loop.start()
+        name = f"{self.engine_id}-{'p' if self.is_producer else 'd'}-{self.rank[0]}-{self.rank[1]}"
+        self.transport = Transport(TransportConfig(name=name, max_inflight_bytes=self.settings.max_inflight_bytes,
+                                                   posts_per_second=self.settings.posts_per_second,
+                                                   progress_delay_us=self.settings.progress_delay_us))
+        self.loop.run(self.transport.__aenter__(), 60)
+        # Register each distinct storage once, whole (several layers may share one, and a permuted view's bytes
+        # are not its data_ptr() .. + numel()).
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in kv_caches.values()}
+        for storage in storages.values():
+            self.transport.register(torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage))
+        block_size = {r.group: self.kv_cache_config.kv_cache_groups[r.group].kv_cache_spec.block_size for r in regions}
+        if len(set(block_size.values())) != 1:
+            raise ValueError(f"SparseKVConnector needs one block size across KV-cache groups, got {block_size}")
+        bs = next(iter(block_size.values()))
+        s = self.settings
+        if self.is_producer:
+            host = s.side_channel_host or default_host()
+            self.port = s.side_channel_port + self.rank[0] * self.parallel.tp + self.rank[1]
+            self.sender = StreamSender(
+                self.transport, self.model, self.parallel, self.rank, regions, bs,
+                SenderConfig(engine_id=self.engine_id, host=host, port=self.port, auth_token=s.auth_token,
+                             lease_s=s.lease_s, write_timeout_s=s.write_timeout_s,
+                             handshake_timeout_s=s.handshake_timeout_s, heartbeat_interval_s=s.heartbeat_interval_s,
+                             dead_after_s=s.dead_after_s),
+                self.loop.loop, mem_type="VRAM" if self._cuda else "DRAM", on_finished=self._on_sent)
+            self.loop.run(self.sender.start(), 30)
+            log.info("SparseKVConnector prefill rank %s: side channel %s:%d, %d regions", self.rank, host, self.port,
+                     len(regions))
+        else:
+            self.receiver = StreamReceiver(
+                self.transport, self.model, self.parallel, self.rank, regions, bs,
+                ReceiverConfig(engine_id=self.engine_id, auth_token=s.auth_token,
+                               connect_timeout_s=s.handshake_timeout_s, transfer_timeout_s=s.transfer_timeout_s,
+                               heartbeat_interval_s=s.heartbeat_interval_s, dead_after_s=s.dead_after_s))
+
+    def handshake_metadata(self) -> SparseKVHandshake:
+        host = (self.settings.side_channel_host or default_host()) if self.is_producer else ""
+        return SparseKVHandshake(self.engine_id, self.rank[0], self.rank[1], self.model.fingerprint(),
+                                 f"{host}:{self.port}" if self.is_producer else "")
+
+    # ---- per step (model runner thread) -----------------------------------------------------------------------
+    def bind(self, meta: SparseKVMetadata) -> None:
+        """Called before the forward: announce this step's tokens to the sender, start receives and aborts.
+        (start_load_kv may run after the forward launch, too late for the sender's bookkeeping.)"""
+        self._meta = meta
+        for req_id, tid in meta.aborts.items():
+            self._abort(req_id, tid)
+        if self.sender is not None:
+            active = []
+            for req_id, spec in meta.sends.items():
+                if spec.new:
+                    self._req_of_tid[spec.transfer_id] = req_id
+                    self.sender.start_request(spec.transfer_id, spec.num_prompt_tokens)
+                self.sender.begin_chunk(spec.transfer_id, [list(g) for g in spec.block_ids], spec.computed_after_step)
+                active.append(spec.transfer_id)
+            self._active_sends = active
+        if self.receiver is not None:
+            for req_id, spec in meta.recvs.items():
+                self._start_receive(req_id, spec)
+
+    def _start_receive(self, req_id: str, spec: Any) -> None:
+        if spec.error:
+            self._failed[req_id] = spec.error
+            return
+        addr = PrefillAddress.parse(spec.prefill_addr)
+        self._receiving[req_id] = self.loop.submit(self.receiver.receive(
+            spec.transfer_id, addr, [list(g) for g in spec.block_ids], spec.first_token, spec.num_tokens))
+
+    def _abort(self, req_id: str, tid: str) -> None:
+        if self.sender is not None:
+            self.sender.abort(tid, "request aborted on prefill")
+        if self.receiver is None:
+            return
+        self._aborted.add(req_id)
+        if req_id in self._receiving:
+            # The receive ends once every prefill rank confirmed it writes nothing more into our blocks; only
+            # then is the request reported finished, so vLLM does not hand the blocks to another request early.
+            self.loop.submit(self.receiver.abort(tid, "request aborted on decode"))
+        else:
+            self._failed[req_id] = ""  # never registered: nothing can land, finish it at once
+
+    def layer_saved(self, layer_name: str) -> None:
+        """save_kv_layer: must return at once. Records a CUDA event; the engine waits for it off this thread."""
+        if not self._active_sends or self.sender is None:
+            return
+        layer = self._layer_of.get(layer_name)
+        if layer is None:
+            return
+        event = None
+        if self._cuda:
+            event = torch.cuda.Event()
+            event.record()
+        for tid in self._active_sends:
+            self.sender.layer_ready(tid, layer, event)
+
+    def step_done(self) -> None:
+        """wait_for_save: the sweep. Every layer of this step is computed (including those with no hook)."""
+        if self.sender is None or not self._active_sends:
+            return
+        event = None
+        if self._cuda:
+            event = torch.cuda.Event()
+            event.record()
+        for tid in self._active_sends:
+            self.sender.end_chunk(tid, event)
+        self._active_sends = []
+
+    def _on_sent(self, tid: str, ok: bool) -> None:
+        """Loop thread: the sender is done with a request (all decode ranks completed, aborted or lease expired)."""
+        req_id = self._req_of_tid.pop(tid, None)
+        if req_id is not None:
+            with self._lock:
+                self._finished_sending.add(req_id)
+            if not ok:
+                log.warning("request %s (transfer %s) finished sending without every decode rank completing",
+                            req_id, tid)
+
+    def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
+        with self._lock:
+            sending, self._finished_sending = self._finished_sending, set()
+        recving, failed = set(), set()
+        done = dict(self._failed)
+        self._failed = {}
+        for req_id, fut in list(self._receiving.items()):
+            if fut.done():
+                del self._receiving[req_id]
+                exc = fut.exception() if not fut.cancelled() else TimeoutError("cancelled")
+                if exc is None:
+                    recving.add(req_id)
+                else:
+                    done[req_id] = str(exc)
+        for req_id, reason in done.items():
+            recving.add(req_id)  # vLLM wants failed receives in finished_recving too
+            if req_id in self._aborted:
+                self._aborted.discard(req_id)
+            else:
+                log.error("request %s: KV transfer failed: %s", req_id, reason)
+                failed.add(req_id)
+        return sending, recving, failed
+
+    def shutdown(self) -> None:
+        if not self.loop._thread:
+            return
+        try:
+            if self.sender is not None:
+                self.loop.run(self.sender.close(), 30)
+            if self.receiver is not None:
+                self.loop.run(self.receiver.close(), 30)
+            if self.transport is not None:
+                self.loop.run(self.transport.close(), 30)
+        finally:
+            self.loop.stop()

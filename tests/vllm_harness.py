@@ -1,0 +1,459 @@
+"""CPU harness driving vLLM 0.33.0's REAL scheduler, and the worker-side KV tensors exactly as vLLM builds them.
+
+Behaviour comes from vLLM's own code (Scheduler, KVCacheManager, get_kv_cache_groups, get_kv_cache_config_from_groups,
+resolve_kv_cache_layout, allocate_kv_cache, KVOutputAggregator); the harness supplies only what a GPU engine would:
+per-layer specs, ModelRunnerOutputs, worker hook calls. Paths are inside the vllm package.
+
+MiniMax-M3 on CUDA (models/minimax_m3/nvidia/model.py), P = "language_model.model" (the checkpoint's
+MiniMaxM3SparseForConditionalGeneration wraps the LM under "language_model", :1174):
+  dense  layer i: P.layers.{i}.self_attn.attn              generic Attention (:356), FullAttentionSpec, FLASH_ATTN
+  sparse layer i: P.layers.{i}.self_attn.attn              MiniMaxM3SparseAttention.get_kv_cache_spec (:562)
+                  P.layers.{i}.self_attn.attn.index_cache  MiniMaxM3IndexerCache.get_kv_cache_spec (indexer.py:145):
+                  MLAAttentionSpec(num_kv_heads=1, head_size=index_dim, bf16, cache_role=SparseCacheRole.INDEXER);
+                  registered before its main layer (indexer built at :536, main registered at :556).
+All are FullAttentionSpec subclasses with one block size -> UniformTypeKVCacheSpecs -> ONE KV-cache group
+(v1/core/kv_cache_planning.py:1143). Main and index pages differ in size, so only block-compact layouts are legal
+(v1/attention/backends/utils.py:336); sm90 backends declare no preference -> LBNHC (utils.py:229).
+
+register_kv_caches gets {layer: tensor} from allocate_kv_cache (v1/worker/utils.py:564): as_strided views of ONE int8
+buffer, logical [B, H, N, C] (block, head slot, token, content) viewed as the spec dtype; physical order = layout:
+  main kv  [B, kv_heads/tp, block_size, 2*head_dim]: C = K||V of one (head, token) -- K and V interleave per
+           (head, token), they are not two planes (flash_attn.py:1257 splits the last dim).
+           LBNHC ("NHD", sm90 default): block = [N][H][K|V]; a head's bytes are N strided runs of 2*head_dim elems.
+           LBHNC ("HND"): block = [H][N][K|V]; a head's bytes within one block are ONE contiguous run.
+  index_k  [B, 1, block_size, index_dim]: one head -> each block contiguous in every block-compact layout.
+  LB*: each KVCacheTensor (identical specs: dense mains | index caches | sparse mains, in registration order) is a
+       region [L][B][page], block stride = page. BL*: block b of ALL layers adjacent, block stride = sum of pages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import pathlib
+import tempfile
+import types
+import zlib
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+try:
+    import torch
+    from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig,
+                             SchedulerConfig, VllmConfig)
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.distributed.utils import get_pp_indices
+    from vllm.forward_context import get_forward_context, set_forward_context
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
+    from vllm.v1.core import kv_cache_planning as planning
+    from vllm.v1.core.kv_cache_utils import (generate_scheduler_kv_cache_config, get_request_block_hasher,
+                                             init_none_hash, resolve_kv_cache_block_sizes)
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheSpec,
+                                            MLAAttentionSpec, SparseCacheRole, UniformTypeKVCacheSpecs)
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.request import Request, RequestStatus
+    from vllm.v1.structured_output import StructuredOutputManager
+    from vllm.v1.worker.utils import allocate_kv_cache, customize_attention_spec
+    VLLM_IMPORT_ERROR: Exception | None = None
+except Exception as exc:  # pragma: no cover - environment without vllm
+    VLLM_IMPORT_ERROR = exc
+
+M3_ARCH_VL = "MiniMaxM3SparseForConditionalGeneration"
+M3_ARCH_LM = "MiniMaxM3SparseForCausalLM"
+SPARSE_KV_MODULE = "connector.vllm"  # exports SparseKVConnector
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# config.json writers
+
+def write_m3_config(path, num_layers: int = 8, dense_layers: int = 2, index_value_layers: Iterable[int] = (),
+                    kv_heads: int = 4, head_dim: int = 64, index_dim: int = 64, *,
+                    num_heads: int = 8) -> pathlib.Path:
+    """A tiny MiniMax-M3 config.json shaped like connector/presets/minimax-m3.json (VL top level + text_config;
+    a bare text config does not load: vLLM maps only minimax_m3_vl/_mtp, transformers_utils/config.py:155).
+    Layers < dense_layers are dense, the rest sparse. index_value_layers clears sparse_disable_index_value there
+    (vLLM 0.33 never reads it: no index-value cache). Returns the folder."""
+    path = pathlib.Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    freq = [0] * dense_layers + [1] * (num_layers - dense_layers)
+    values = set(index_value_layers)
+    text = {
+        "model_type": "minimax_m3_text", "vocab_size": 1024, "hidden_size": 256, "intermediate_size": 128,
+        "dense_intermediate_size": 256, "shared_intermediate_size": 128, "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+        "max_position_embeddings": 8192, "rope_theta": 5000000, "rotary_dim": head_dim // 2,
+        "partial_rotary_factor": 0.5, "num_local_experts": 4, "num_experts_per_tok": 2, "moe_layer_freq": freq,
+        "torch_dtype": "bfloat16",
+        "sparse_attention_config": {
+            "use_sparse_attention": True, "sparse_index_dim": index_dim, "sparse_num_index_heads": kv_heads,
+            "sparse_topk_blocks": 16, "sparse_block_size": 128, "sparse_score_type": "max", "sparse_init_block": 0,
+            "sparse_local_block": 1, "sparse_attention_freq": freq,
+            "sparse_disable_index_value": [0 if (not f or i in values) else 1 for i, f in enumerate(freq)]}}
+    config = {"architectures": [M3_ARCH_VL], "model_type": "minimax_m3_vl", "torch_dtype": "bfloat16",
+              "text_config": text}
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    return path
+
+
+def write_dense_config(path, num_layers: int = 4, kv_heads: int = 4, head_dim: int = 64,
+                       num_heads: int = 8) -> pathlib.Path:
+    """A tiny LlamaForCausalLM config.json (fallback only: M3 builds a ModelConfig on CPU)."""
+    path = pathlib.Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 1024,
+              "hidden_size": num_heads * head_dim, "intermediate_size": 256, "num_hidden_layers": num_layers,
+              "num_attention_heads": num_heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+              "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16"}
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# VllmConfig
+
+def make_vllm_config(model_dir, *, kv_role: str, kv_connector: str = "SparseKVConnector",
+                     kv_connector_module_path: str | None = None, extra_config: dict | None = None,
+                     block_size: int = 16, max_num_batched_tokens: int = 256, max_num_seqs: int = 16,
+                     enable_prefix_caching: bool = True, kv_load_failure_policy: str = "fail", tp: int = 1,
+                     pp: int = 1, engine_id: str | None = None, max_model_len: int = 2048,
+                     async_scheduling: bool = False) -> VllmConfig:
+    """A real VllmConfig on DeviceConfig("cpu"); module path defaults to connector.vllm for SparseKVConnector.
+    Real M3 on CUDA needs block_size 128 (its kernels take only 128-token blocks); 16 is fine here.
+    async_scheduling=False -> plain Scheduler. vLLM's GPU default is True (AsyncScheduler, max_concurrent_batches=2),
+    and then a kv_consumer defers block frees to the next processed step (scheduler.py:195). On CPU vLLM sets
+    disable_hybrid_kv_cache_manager=True (config/vllm.py:2234); it only affects grouping of hybrid specs -- a
+    SupportsHMA connector always gets request_finished_all_groups."""
+    if kv_connector_module_path is None and kv_connector == "SparseKVConnector":
+        kv_connector_module_path = SPARSE_KV_MODULE
+    # language_model_only: else the Scheduler builds a MultiModalBudget whose VL processor needs a tokenizer.
+    model = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, max_model_len=max_model_len,
+                        dtype="bfloat16", language_model_only=True)
+    kv = KVTransferConfig(kv_connector=kv_connector, kv_role=kv_role, engine_id=engine_id,
+                          kv_connector_module_path=kv_connector_module_path,
+                          kv_connector_extra_config=dict(extra_config or {}),
+                          kv_load_failure_policy=kv_load_failure_policy)
+    return VllmConfig(
+        model_config=model,
+        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching,
+                                 cache_dtype="auto"),
+        scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                         max_model_len=max_model_len, enable_chunked_prefill=True,
+                                         is_encoder_decoder=False, async_scheduling=async_scheduling),
+        parallel_config=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+        kv_transfer_config=kv, device_config=DeviceConfig("cpu"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# per-layer specs, exactly as GPUModelRunner.get_kv_cache_spec (gpu_model_runner.py:7081) builds them on CUDA
+
+def _backends():
+    from vllm.models.minimax_m3.common.indexer import MiniMaxM3IndexerBackend
+    from vllm.models.minimax_m3.common.sparse_attention import MiniMaxM3SparseBackend
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+    return FlashAttentionBackend, MiniMaxM3SparseBackend, MiniMaxM3IndexerBackend
+
+
+def is_m3(vllm_config) -> bool:
+    return bool(set(vllm_config.model_config.architectures) & {M3_ARCH_VL, M3_ARCH_LM})
+
+
+def layer_prefix(vllm_config) -> str:
+    return "language_model.model" if M3_ARCH_VL in vllm_config.model_config.architectures else "model"
+
+
+def sparse_layer_ids(vllm_config) -> list[int]:
+    """`_sparse_attention_layer_ids` (nvidia/model.py): sparse_attention_freq[i] != 0. [] for dense models."""
+    cfg = vllm_config.model_config.hf_text_config
+    sparse = getattr(cfg, "sparse_attention_config", None) if is_m3(vllm_config) else None
+    if not sparse:
+        return []
+    return [i for i, f in enumerate(sparse["sparse_attention_freq"][: cfg.num_hidden_layers]) if f]
+
+
+def layer_specs(vllm_config, *, pp_rank: int | None = None) -> dict[str, KVCacheSpec]:
+    """{layer name: spec} in static_forward_context registration order, for one PP stage (None: all layers).
+    Uses the real backends' customize_attention_spec, so sparse/indexer specs carry
+    block_stride_alignment=MultipleOf(128) exactly as on CUDA."""
+    fa, sparse_backend, index_backend = _backends()
+    cfg = vllm_config.model_config.hf_text_config
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    pp = vllm_config.parallel_config.pipeline_parallel_size
+    bs = vllm_config.cache_config.block_size
+    lo, hi = (0, cfg.num_hidden_layers) if pp_rank is None else get_pp_indices(cfg.num_hidden_layers, pp_rank, pp)
+    kv_heads = max(1, cfg.num_key_value_heads // tp)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    sparse = set(sparse_layer_ids(vllm_config))
+    prefix = layer_prefix(vllm_config)
+    main = FullAttentionSpec(block_size=bs, num_kv_heads=kv_heads, head_size=head_dim, head_size_v=head_dim,
+                             dtype=torch.bfloat16)
+    specs: dict[str, KVCacheSpec] = {}
+    for i in range(lo, hi):
+        name = f"{prefix}.layers.{i}.self_attn.attn"
+        if i in sparse:
+            index_dim = cfg.sparse_attention_config["sparse_index_dim"]
+            specs[f"{name}.index_cache"] = customize_attention_spec(index_backend, MLAAttentionSpec(
+                block_size=bs, num_kv_heads=1, head_size=index_dim, dtype=torch.bfloat16,
+                cache_role=SparseCacheRole.INDEXER))
+            specs[name] = customize_attention_spec(sparse_backend, main)
+        else:
+            specs[name] = customize_attention_spec(fa, main)
+    return specs
+
+
+def hooked_layer_names(vllm_config, *, pp_rank: int | None = None) -> list[str]:
+    """Layers whose forward goes through `unified_attention_with_output` (@maybe_transfer_kv_layer,
+    layers/attention/attention.py:770-772) and so get wait_for_layer_load/save_kv_layer: M3's dense layers only.
+    Sparse layers (own forward + @eager_break_during_capture _run_attention) and index caches never do."""
+    specs = layer_specs(vllm_config, pp_rank=pp_rank)
+    sparse = {f"{layer_prefix(vllm_config)}.layers.{i}.self_attn.attn" for i in sparse_layer_ids(vllm_config)}
+    return [n for n, s in specs.items() if not isinstance(s, MLAAttentionSpec) and n not in sparse]
+
+
+def resolve_layout(vllm_config, *, gpu: str = "sm90") -> KVCacheLayout:
+    """Run vLLM's one-time layout resolution (engine core, v1/engine/core.py:286), including the connector's
+    get_required_kvcache_layout() and VLLM_KV_CACHE_LAYOUT. gpu="sm90": FLASH_ATTN + M3 backends declare nothing;
+    gpu="sm100": FlashInfer declares (LBHNC, BLHNC) (flashinfer.py:729)."""
+    if vllm_config.cache_config.kv_cache_layout is not None:
+        return vllm_config.cache_config.get_resolved_kv_cache_layout()
+    backends = list(_backends()) if is_m3(vllm_config) else [_backends()[0]]
+    supported = get_supported_kv_cache_layouts(backends)
+    if gpu == "sm100":
+        supported = [KVCacheLayout.LBHNC, KVCacheLayout.BLHNC]
+    return resolve_kv_cache_layout(vllm_config, [[m.name for m in supported]], list(layer_specs(vllm_config).values()))
+
+
+def make_kv_cache_config(vllm_config, layers: dict[str, KVCacheSpec] | None = None, num_blocks: int = 64, *,
+                         pp_rank: int | None = None, gpu: str = "sm90", split_groups: bool = False) -> KVCacheConfig:
+    """The WORKER KVCacheConfig vLLM builds (kv_cache_planning.get_kv_cache_configs), for one PP stage.
+
+    split_groups=True forces two groups (main layers, index caches) -- NOT what vLLM does for M3, but the shape a
+    hybrid model (SWA/DSv4) has, to exercise multi-group (HMA) connector code on CPU; it needs a block-outermost
+    layout, so set cache_config.kv_cache_layout (e.g. "BLNHC") before calling. Sets cache_config.num_gpu_blocks."""
+    if layers is None:
+        layout = resolve_layout(vllm_config, gpu=gpu)
+        all_specs = layer_specs(vllm_config)
+    else:
+        all_specs = dict(layers)
+        if vllm_config.cache_config.kv_cache_layout is None:
+            vllm_config.cache_config.kv_cache_layout = "LBNHC"
+        layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
+    if split_groups:
+        index = {n: s for n, s in all_specs.items() if isinstance(s, MLAAttentionSpec)}
+        main = {n: s for n, s in all_specs.items() if n not in index}
+        groups = [KVCacheGroupSpec(list(d), UniformTypeKVCacheSpecs.from_specs(d) or next(iter(d.values())))
+                  for d in (main, index) if d]
+    else:
+        groups = planning.get_kv_cache_groups(vllm_config, dict(all_specs))
+    if pp_rank is not None and layers is None:
+        groups = planning._project_kv_cache_groups_to_worker(groups, layer_specs(vllm_config, pp_rank=pp_rank))
+    per_block = planning._get_kv_cache_bytes_per_block(groups, layout)
+    cfg = planning.get_kv_cache_config_from_groups(vllm_config, groups, per_block * num_blocks)
+    cfg.kv_cache_layout = layout.name
+    cfg.hash_block_size = vllm_config.cache_config.block_size
+    cfg.kv_tp_replicas = planning.kv_cache_groups_tp_replicas(
+        cfg.kv_cache_groups, vllm_config.parallel_config.tensor_parallel_size,
+        vllm_config.parallel_config.decode_context_parallel_size)
+    vllm_config.cache_config.num_gpu_blocks = cfg.num_blocks
+    return cfg
+
+
+def scheduler_kv_cache_config(kv_cache_config: KVCacheConfig) -> KVCacheConfig:
+    """What the scheduler (and the SCHEDULER-role connector) gets: engine core's
+    generate_scheduler_kv_cache_config (kv_cache_utils.py:1096) -- worker 0's config, UniformTypeKVCacheSpecs
+    replaced by its FIRST layer spec (for M3: a dense FullAttentionSpec; the index spec is gone)."""
+    return generate_scheduler_kv_cache_config([kv_cache_config])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# scheduler side
+
+def make_scheduler(vllm_config, kv_cache_config: KVCacheConfig, *, log_stats: bool = False):
+    """The real Scheduler (AsyncScheduler if vllm_config asks for it), built like EngineCore.__init__ (core.py:176).
+    `kv_cache_config` is a worker config (converted with scheduler_kv_cache_config) or already a scheduler one;
+    with PP pass PP stage 0's config (the engine uses worker 0's: its layer_names are stage 0's layers only)."""
+    cfg = scheduler_kv_cache_config(copy.deepcopy(kv_cache_config))
+    vllm_config.cache_config.num_gpu_blocks = cfg.num_blocks
+    block_size, hash_block_size = resolve_kv_cache_block_sizes(cfg, vllm_config)
+    cls = vllm_config.scheduler_config.get_scheduler_cls()
+    return cls(vllm_config=vllm_config, kv_cache_config=cfg, structured_output_manager=StructuredOutputManager(
+        vllm_config), block_size=block_size, hash_block_size=hash_block_size, log_stats=log_stats)
+
+
+_HASHER: dict[int, Any] = {}
+
+
+def make_request(request_id: str, prompt_len: int, *, kv_transfer_params: dict | None = None, max_tokens: int = 8,
+                 prompt_token_ids: Sequence[int] | None = None, block_size: int = 16) -> Request:
+    """A real Request with the sha256 block hasher EngineCore installs (core.py:224), so prefix caching works.
+    Default tokens depend on request_id (no accidental prefix hits); pass prompt_token_ids to share a prefix."""
+    if block_size not in _HASHER:
+        fn = get_hash_fn_by_name("sha256")
+        init_none_hash(fn)
+        _HASHER[block_size] = get_request_block_hasher(block_size, fn)
+    if prompt_token_ids is None:
+        base = zlib.crc32(request_id.encode()) % 500 + 10
+        prompt_token_ids = [base + (i % 400) for i in range(prompt_len)]
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                            extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None)
+    return Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling_params=params,
+                   pooling_params=None, block_hasher=_HASHER[block_size])
+
+
+def make_model_runner_output(scheduler, scheduler_output: SchedulerOutput,
+                             kv_connector_output: KVConnectorOutput | None = None,
+                             sampled_token: int = 1) -> ModelRunnerOutput:
+    """One ModelRunnerOutput covering exactly the scheduled requests: one sampled token each, none for a request
+    still mid-prefill (`is_prefill_chunk`, as the runner discards partial-prefill samples)."""
+    req_ids = list(scheduler_output.num_scheduled_tokens)
+    sampled = [[] if scheduler.requests[r].is_prefill_chunk else [sampled_token] for r in req_ids]
+    return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                             sampled_token_ids=sampled, kv_connector_output=kv_connector_output)
+
+
+def kv_output(*, finished_sending=(), finished_recving=(), failed_recving=(), invalid_block_ids=(),
+              expected_finished_count: int = 0) -> KVConnectorOutput | None:
+    """A KVConnectorOutput with 0.33's field names (v1/outputs.py:214); None if empty (as the runner sends)."""
+    out = KVConnectorOutput(finished_sending=set(finished_sending) or None,
+                            finished_recving=set(finished_recving) or None, failed_recving=set(failed_recving),
+                            invalid_block_ids=set(invalid_block_ids), expected_finished_count=expected_finished_count)
+    return None if out.is_empty() else out
+
+
+def finish_step(scheduler, scheduler_output: SchedulerOutput, kv_connector_output: KVConnectorOutput | None = None,
+                *, sampled_token: int = 1):
+    """update_from_output for a step built by the caller (schedule -> worker hooks -> this). Returns
+    dict[client_index, EngineCoreOutputs]."""
+    mro = make_model_runner_output(scheduler, scheduler_output, kv_connector_output, sampled_token)
+    return scheduler.update_from_output(scheduler_output, mro)
+
+
+def run_step(scheduler, *, finished_sending=(), finished_recving=(), failed_recving=(), sampled_token: int = 1,
+             kv_connector_output: KVConnectorOutput | None = None):
+    """schedule() + update_from_output() with the given worker completions. Returns (SchedulerOutput, outputs)."""
+    so = scheduler.schedule()
+    if kv_connector_output is None:
+        kv_connector_output = kv_output(finished_sending=finished_sending, finished_recving=finished_recving,
+                                        failed_recving=failed_recving)
+    return so, finish_step(scheduler, so, kv_connector_output, sampled_token=sampled_token)
+
+
+def outputs_by_request(engine_core_outputs) -> dict[str, Any]:
+    """{request_id: EngineCoreOutput} from update_from_output's dict[int, EngineCoreOutputs]."""
+    return {o.request_id: o for eco in engine_core_outputs.values() for o in eco.outputs}
+
+
+def free_block_count(scheduler) -> int:
+    return scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+
+
+def abort(scheduler, request_ids: str | Iterable[str]):
+    """What EngineCore.abort_requests does (scheduler.finish_requests(..., FINISHED_ABORTED))."""
+    return scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+
+def aggregate(kv_outputs: Sequence[KVConnectorOutput | None], aggregator: KVOutputAggregator) -> KVConnectorOutput:
+    """Merge one step's per-worker outputs with vLLM's KVOutputAggregator (executor/abstract.py:349): a request
+    is finished only when `expected_finished_count` (default world size = tp*pp) workers reported it."""
+    mros = [ModelRunnerOutput(req_ids=[], req_id_to_index={}, kv_connector_output=o) for o in kv_outputs]
+    return aggregator.aggregate(mros, output_rank=0).kv_connector_output
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# worker side
+
+def make_worker_connector(vllm_config, kv_cache_config: KVCacheConfig):
+    """The WORKER-role connector as ensure_kv_transfer_initialized builds it (worker KVCacheConfig)."""
+    return KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
+
+
+def allocate_kv_caches(kv_cache_config: KVCacheConfig, vllm_config, *, device: str = "cpu",
+                       layout: str | None = None, kernel_block_sizes: list[int] | None = None) -> dict[str, Any]:
+    """{layer name: tensor} exactly as vLLM 0.33 allocates them and passes them to register_kv_caches
+    (v1/worker/utils.py:564, called from gpu_model_runner.py:6935 / gpu/attn_utils.py:421): one zeroed int8
+    buffer of kv_cache_config.kv_cache_tensors[*].size bytes, per-layer as_strided [B, H, N, C] views in the spec
+    dtype, physical order from the resolved layout (see module docstring). `layout` overrides the resolved one.
+    kernel_block_sizes: only if the manager block is larger than the kernel block (M3: block_size > 128); then B is
+    counted in kernel blocks."""
+    name = layout or kv_cache_config.kv_cache_layout or vllm_config.cache_config.kv_cache_layout
+    return allocate_kv_cache(kv_cache_config, torch.device(device), KVCacheLayout[name], kernel_block_sizes)
+
+
+def worker_step(connector, scheduler_output: SchedulerOutput, *, kv_caches: dict | None = None,
+                hooked_layers: Sequence[str] = (), forward=None) -> KVConnectorOutput | None:
+    """One step of the worker-side lifecycle in Model-Runner-V2 order (v1/worker/gpu/kv_connector.py:74-160):
+    handle_preemptions, bind_connector_metadata, [start_load_kv if has_sync_kv_loads], per hooked layer
+    wait_for_layer_load -> forward(layer) -> save_kv_layer, finish_forward, [start_load_kv], wait_for_save,
+    get_transfer_results(finished_req_ids), clear_connector_metadata. Pass hooked_layer_names(...) as hooked_layers
+    to mimic M3 on CUDA. The real runner passes more start_load_kv kwargs (request_ids, num_tokens, ...)."""
+    meta = scheduler_output.kv_connector_metadata
+    assert meta is not None, "scheduler_output carries no kv_connector_metadata"
+    vllm_config = connector._vllm_config
+    with set_forward_context(None, vllm_config):
+        ctx = get_forward_context()
+        connector.handle_preemptions(meta)
+        connector.bind_connector_metadata(meta)
+        kwargs = {"scheduler_output": scheduler_output} if scheduler_output.total_num_scheduled_tokens else {}
+        if scheduler_output.has_sync_kv_loads:
+            connector.start_load_kv(ctx, **kwargs)
+        if scheduler_output.total_num_scheduled_tokens:
+            for name in hooked_layers:
+                connector.wait_for_layer_load(name)
+                if forward is not None:
+                    forward(name)
+                connector.save_kv_layer(name, (kv_caches or {}).get(name), types.SimpleNamespace())
+        connector.finish_forward()
+        if not scheduler_output.has_sync_kv_loads:
+            connector.start_load_kv(ctx, **kwargs)
+        connector.wait_for_save()
+        res = connector.get_transfer_results(scheduler_output.finished_req_ids)
+        out = KVConnectorOutput(finished_sending=res.finished_sending or None,
+                                finished_recving=res.finished_recving or None, failed_recving=res.failed_recving,
+                                invalid_block_ids=connector.get_block_ids_with_load_errors(),
+                                kv_connector_stats=connector.get_kv_connector_stats(),
+                                kv_connector_worker_meta=connector.build_connector_worker_meta())
+        connector.clear_connector_metadata()
+    return None if out.is_empty() else out
+
+
+@contextlib.contextmanager
+def dist_init(vllm_config=None):
+    """A real 1-rank gloo world + TP=PP=1 model-parallel groups (what tests/conftest.py dist_init does), so
+    get_tp_group()/get_pp_group()/get_tensor_model_parallel_rank() work. Without it they assert."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+    with tempfile.TemporaryDirectory() as tmp, (set_current_vllm_config(vllm_config) if vllm_config
+                                                else contextlib.nullcontext()):
+        ps.init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"file://{tmp}/dist",
+                                        local_rank=0, backend="gloo")
+        ps.initialize_model_parallel(1, 1)
+        try:
+            yield
+        finally:
+            ps.destroy_model_parallel()
+            ps.destroy_distributed_environment()
+
+
+@contextlib.contextmanager
+def fake_parallel_groups(*, tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1):
+    """Pretend to be rank (pp_rank, tp_rank) of a tp_size x pp_size job without any process group: patches
+    parallel_state._TP/_PP with objects carrying rank_in_group, world_size, ranks, is_first_rank, is_last_rank,
+    broadcast_object (identity). Enough for code that only reads ranks."""
+    from vllm.distributed import parallel_state as ps
+
+    def group(rank, size):
+        return types.SimpleNamespace(rank_in_group=rank, world_size=size, ranks=list(range(size)), rank=rank,
+                                     local_rank=rank, is_first_rank=rank == 0, is_last_rank=rank == size - 1,
+                                     broadcast_object=lambda obj, src=0: obj)
+    saved = ps._TP, ps._PP
+    ps._TP, ps._PP = group(tp_rank, tp_size), group(pp_rank, pp_size)
+    try:
+        yield
+    finally:
+        ps._TP, ps._PP = saved
