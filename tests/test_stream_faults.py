@@ -219,3 +219,24 @@ def test_decode_abort_waits_until_prefill_stopped_writing(prefill_cluster_and_de
     assert all(torch.equal(a, b) for a, b in zip(written, decode.bufs.tensors)), "bytes landed after Stopped"
     ok = cluster.ask(conn, ("finish", "t-abort-d"), 30, "prefill")
     assert ok[1] is False  # the prefill side released the request as not completed
+
+
+def test_lease_frees_a_finished_request_that_decode_never_registers():
+    sc = make_scenario()
+    prefill = InProcess("prefill", sc)
+    sender = StreamSender(prefill.transport, sc.model, sc.prefill, (0, 0), prefill.bufs.regions(), BLOCK,
+                          SenderConfig(engine_id="test-prefill", port=0, lease_s=1.0), prefill.lt.loop)
+    finished = []
+    sender.on_finished = lambda tid, ok: finished.append((tid, ok))
+    try:
+        prefill.lt.run(sender.start(), 10)
+        blocks = pick_blocks(TOKENS, BLOCK, prefill.num_blocks, seed=7)
+        sender.start_request("t-lease", TOKENS)
+        sender.begin_chunk("t-lease", blocks, TOKENS)
+        sender.end_chunk("t-lease")  # prefill done; no decode ever registers
+        began = time.monotonic()
+        assert prefill.lt.run(sender.wait_finished("t-lease", 10), 15) is False
+        assert 0.9 < time.monotonic() - began < 5
+        assert finished == [("t-lease", False)] and "t-lease" not in sender.requests
+    finally:
+        prefill.close(sender)

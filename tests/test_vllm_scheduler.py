@@ -1,0 +1,226 @@
+"""SparseKVConnector's scheduler side inside vLLM 0.33's REAL Scheduler (CPU, local config.json, no hub).
+
+The workers are not run here: their results (finished_sending / finished_recving / failed_recving) are fed back
+as vLLM's KVConnectorOutput, which is what this half reacts to. Transfers themselves are tested end to end with
+real NIXL in test_vllm_e2e.py and test_stream*.py."""
+
+from __future__ import annotations
+
+import pytest
+
+vllm = pytest.importorskip("vllm", reason="needs vllm==0.33.0")
+
+from tests import vllm_harness as H  # noqa: E402
+
+if H.VLLM_IMPORT_ERROR is not None:  # pragma: no cover
+    pytest.skip(f"vllm import failed: {H.VLLM_IMPORT_ERROR!r}", allow_module_level=True)
+
+from vllm.v1.request import RequestStatus  # noqa: E402
+
+import connector  # noqa: E402
+from connector.vllm import SparseKVConnector  # noqa: E402
+from connector.vllm.metadata import SparseKVMetadata  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(120)]
+BS = 16
+
+
+@pytest.fixture(scope="module")
+def m3_dir(tmp_path_factory):
+    return H.write_m3_config(tmp_path_factory.mktemp("m3"), num_layers=6, dense_layers=2)
+
+
+def build(m3_dir, kv_role, *, by_name=False, num_blocks=64, **kw):
+    if by_name:
+        connector.register()
+        cfg = H.make_vllm_config(m3_dir, kv_role=kv_role, kv_connector="SparseKVConnector",
+                                 kv_connector_module_path=None, block_size=BS, **kw)
+    else:
+        cfg = H.make_vllm_config(m3_dir, kv_role=kv_role, block_size=BS, **kw)
+    sched = H.make_scheduler(cfg, H.make_kv_cache_config(cfg, num_blocks=num_blocks))
+    assert isinstance(sched.connector, SparseKVConnector)
+    return sched
+
+
+def decode_params(tid="t1", addr="127.0.0.1:5600"):
+    return {"do_remote_prefill": True, "transfer_id": tid, "prefill_addr": addr}
+
+
+def meta_of(so) -> SparseKVMetadata:
+    assert isinstance(so.kv_connector_metadata, SparseKVMetadata)
+    return so.kv_connector_metadata
+
+
+@pytest.mark.parametrize("by_name", [False, True])
+def test_decode_waits_for_remote_kv_then_decodes(m3_dir, by_name):
+    sched = build(m3_dir, "kv_consumer", by_name=by_name)
+    free0 = H.free_block_count(sched)
+    req = H.make_request("d1", 40, kv_transfer_params=decode_params(), max_tokens=3)
+    sched.add_request(req)
+    so, _ = H.run_step(sched)
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    spec = meta_of(so).recvs["d1"]
+    assert (spec.transfer_id, spec.prefill_addr, spec.first_token, spec.num_tokens) == ("t1", "127.0.0.1:5600", 0, 39)
+    assert len(spec.block_ids) == 1 and len(spec.block_ids[0]) == 3  # 39 tokens in 16-token blocks
+    assert spec.error == ""
+    for _ in range(3):  # no completion yet: it keeps waiting
+        so, _ = H.run_step(sched)
+        assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS and "d1" not in meta_of(so).recvs
+    H.run_step(sched, finished_recving={"d1"})
+    steps = 0
+    while not req.is_finished() and steps < 10:
+        so, _ = H.run_step(sched)
+        steps += 1
+    assert req.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert H.free_block_count(sched) == free0
+
+
+def test_prefill_streams_every_chunk_and_holds_blocks_until_finished_sending(m3_dir):
+    sched = build(m3_dir, "kv_producer", max_num_batched_tokens=32)
+    free0 = H.free_block_count(sched)
+    req = H.make_request("p1", 100, kv_transfer_params={"do_remote_decode": True, "transfer_id": "t1"},
+                         max_tokens=1)
+    sched.add_request(req)
+    sends, steps = [], 0
+    while not req.is_finished() and steps < 10:
+        so, _ = H.run_step(sched)
+        sends.append(meta_of(so).sends.get("p1"))
+        steps += 1
+    chunks = [s for s in sends if s is not None]
+    assert [s.computed_after_step for s in chunks] == [32, 64, 96, 100]
+    assert [s.new for s in chunks] == [True, False, False, False]
+    assert len(chunks[-1].block_ids[0]) == 7 and chunks[-1].num_prompt_tokens == 100
+    assert chunks[0].block_ids[0] == chunks[-1].block_ids[0][:2]  # the same blocks, growing
+    # finished, but its blocks stay until every worker reports the transfer finished
+    assert req.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert H.free_block_count(sched) < free0
+    assert sched.connector.has_pending_push_work()
+    H.run_step(sched)
+    assert H.free_block_count(sched) < free0
+    H.run_step(sched, finished_sending={"p1"})
+    assert H.free_block_count(sched) == free0
+    assert not sched.connector.has_pending_push_work()
+
+
+def test_prefill_without_transfer_params_is_a_plain_request(m3_dir):
+    sched = build(m3_dir, "kv_producer")
+    free0 = H.free_block_count(sched)
+    req = H.make_request("p2", 20, max_tokens=1)
+    sched.add_request(req)
+    so, _ = H.run_step(sched)
+    assert meta_of(so).sends == {}
+    assert req.is_finished() and H.free_block_count(sched) == free0
+
+
+def test_prefill_abort_while_running_aborts_the_transfer_and_holds_blocks(m3_dir):
+    sched = build(m3_dir, "kv_producer", max_num_batched_tokens=32)
+    free0 = H.free_block_count(sched)
+    req = H.make_request("p3", 100, kv_transfer_params={"do_remote_decode": True, "transfer_id": "t3"})
+    sched.add_request(req)
+    H.run_step(sched)
+    H.abort(sched, "p3")
+    so, _ = H.run_step(sched)
+    assert meta_of(so).aborts == {"p3": "t3"}
+    # WRITEs may still read the blocks: held until the workers report the transfer finished
+    assert H.free_block_count(sched) < free0
+    H.run_step(sched, finished_sending={"p3"})
+    assert H.free_block_count(sched) == free0
+
+
+def test_decode_abort_while_waiting_releases_only_after_prefill_stopped(m3_dir):
+    sched = build(m3_dir, "kv_consumer")
+    free0 = H.free_block_count(sched)
+    req = H.make_request("d2", 40, kv_transfer_params=decode_params("t2"))
+    sched.add_request(req)
+    H.run_step(sched)
+    H.abort(sched, "d2")
+    so, _ = H.run_step(sched)
+    assert meta_of(so).aborts == {"d2": "t2"}
+    assert H.free_block_count(sched) < free0  # a WRITE may still land in them
+    H.run_step(sched, finished_recving={"d2"})  # the worker reports once every source confirmed Stopped
+    assert H.free_block_count(sched) == free0
+
+
+def test_decode_abort_before_the_registration_shipped(m3_dir):
+    sched = build(m3_dir, "kv_consumer")
+    req = H.make_request("d3", 40, kv_transfer_params=decode_params("t3"))
+    sched.add_request(req)
+    so = sched.schedule()  # registration built into this step's metadata
+    assert "d3" in meta_of(so).recvs
+    H.finish_step(sched, so)
+    H.abort(sched, "d3")
+    so, _ = H.run_step(sched)
+    assert meta_of(so).aborts == {"d3": "t3"}
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_load_failure_policy(m3_dir, policy):
+    sched = build(m3_dir, "kv_consumer", kv_load_failure_policy=policy)
+    free0 = H.free_block_count(sched)
+    req = H.make_request("d4", 40, kv_transfer_params=decode_params("t4"), max_tokens=2)
+    sched.add_request(req)
+    H.run_step(sched)
+    so, outs = H.run_step(sched, finished_recving={"d4"}, failed_recving={"d4"})
+    steps = 0
+    scheduled = []
+    while not req.is_finished() and steps < 10:
+        so, outs = H.run_step(sched)
+        scheduled.append(so.num_scheduled_tokens.get("d4", 0))
+        steps += 1
+    if policy == "fail":
+        assert req.status == RequestStatus.FINISHED_ERROR
+    else:
+        assert req.status == RequestStatus.FINISHED_LENGTH_CAPPED
+        assert 40 in scheduled  # recomputed locally from token 0, no second transfer
+        assert all(not meta_of(so).recvs for so in [so])
+    assert H.free_block_count(sched) == free0
+
+
+@pytest.mark.parametrize("params, needle", [
+    ({"do_remote_prefill": True, "prefill_addr": "127.0.0.1:5600"}, "no usable transfer_id"),
+    ({"do_remote_prefill": True, "transfer_id": "t5", "prefill_addr": "nohost"}, "is not host:port"),
+    ({"do_remote_prefill": True, "transfer_id": "t5", "prefill_addr": "10.0.0.1:99999"}, "is not host:port"),
+])
+def test_bad_params_fail_only_that_request(m3_dir, params, needle, caplog):
+    sched = build(m3_dir, "kv_consumer")
+    free0 = H.free_block_count(sched)
+    bad = H.make_request("bad", 40, kv_transfer_params=params, max_tokens=2)
+    good = H.make_request("good", 40, kv_transfer_params=decode_params("tg"), max_tokens=2)
+    sched.add_request(bad)
+    sched.add_request(good)
+    so, _ = H.run_step(sched)
+    spec = meta_of(so).recvs["bad"]
+    assert needle in spec.error and needle in caplog.text
+    assert meta_of(so).recvs["good"].error == ""
+    # the workers fail the bad one at once (see WorkerSide), the good one completes
+    H.run_step(sched, finished_recving={"bad", "good"}, failed_recving={"bad"})
+    steps = 0
+    while not (bad.is_finished() and good.is_finished()) and steps < 10:
+        H.run_step(sched)
+        steps += 1
+    assert bad.status == RequestStatus.FINISHED_ERROR
+    assert good.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert H.free_block_count(sched) == free0
+
+
+def test_unknown_extra_config_key_is_a_clear_startup_error(m3_dir):
+    with pytest.raises(ValueError, match=r"unknown kv_connector_extra_config key\(s\) \['side_chanel_port'\]"):
+        build(m3_dir, "kv_consumer", extra_config={"side_chanel_port": 5600})
+
+
+def test_kv_both_is_refused(m3_dir):
+    with pytest.raises(ValueError, match="kv_role 'kv_both' is not supported"):
+        build(m3_dir, "kv_both")
+
+
+def test_pp_aware_handshake_metadata_is_accepted(m3_dir):
+    from connector.vllm.metadata import SparseKVHandshake
+
+    sched = build(m3_dir, "kv_producer")
+    hs = {(pp, tp): SparseKVHandshake("e", pp, tp, "f" * 16, f"127.0.0.1:{5600 + pp * 2 + tp}")
+          for pp in range(2) for tp in range(2)}
+    sched.connector.set_xfer_handshake_metadata_pp_aware(hs)  # vLLM's default raises for pp_rank > 0
+    bad = dict(hs)
+    bad[(1, 1)] = SparseKVHandshake("e", 1, 1, "0" * 16, "127.0.0.1:5603")
+    with pytest.raises(ValueError, match="disagree on the model layout fingerprint"):
+        sched.connector.set_xfer_handshake_metadata_pp_aware(bad)
