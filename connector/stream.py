@@ -13,105 +13,18 @@ import logging
 import math
 import time
 from collections import defaultdict, deque
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from connector.control import (Abort, Complete, ControlConnection, ControlServer, Heartbeat, Hello, Register,
                                RegisterAck, RegisterError, Stopped)
-from connector.descriptors import Descriptors, DescriptorError, check_blocks, geometry, layers_descriptors
+from connector.descriptors import Descriptors, DescriptorError, geometry, layers_descriptors
 from connector.handshake import check_peer_regions, layout_of
 from connector.layout import LayoutError, ModelLayout, ParallelLayout, Region
-from connector.plan import Rank, Route, TransferPlan, build_plan, fold_ranges
+from connector.plan import Rank, build_plan, fold_ranges
+from connector.sender_state import (Destination, FinishedInfo, PeerInfo, PeerKey, RegistrationError, SendRequest,
+                                    SenderConfig, SenderStats, validate_registration)
 
 log = logging.getLogger(__name__)
-
-PeerKey = tuple[str, int, int]
-"""(engine id, pp, tp) of a decode rank."""
-
-
-class RegistrationError(ValueError):
-    """A registration that is refused before anything is written; the text goes back to decode."""
-
-
-@dataclass(frozen=True)
-class SenderConfig:
-    engine_id: str
-    host: str = "127.0.0.1"
-    port: int = 0
-    auth_token: str = ""
-    lease_s: float = 120.0
-    """How long a finished request keeps its blocks for decode ranks that have not completed; heartbeats extend."""
-    write_timeout_s: float = 60.0
-    handshake_timeout_s: float = 10.0
-    heartbeat_interval_s: float = 2.0
-    dead_after_s: float = 10.0
-    max_writes_per_destination: int = 2
-    poll_interval_s: float = 0.0005
-    """While requests are active, how often the loop picks up hook calls (see `layer_ready`)."""
-    released_memory_s: float = 600.0
-    """How long a finished transfer id is remembered, so a late registration for it is refused clearly."""
-
-
-@dataclass
-class Destination:
-    """One decode rank's view of one request."""
-
-    key: PeerKey
-    conn: ControlConnection
-    peer_agent: str
-    regions: dict[tuple[str, int], Region]
-    layer_routes: dict[int, list[Route]]
-    register: Register
-    sent_tokens: dict[int, int] = field(default_factory=dict)
-    writing: set[int] = field(default_factory=set)
-    """Layers in a write now."""
-    batches_in_flight: int = 0
-    notice: Any = None
-    """Abort or Stopped to send once no WRITE to this destination is in flight any more."""
-    bytes_written: int = 0
-    descriptors: int = 0
-    done: bool = False
-
-
-@dataclass
-class SendRequest:
-    transfer_id: str
-    num_tokens: int
-    block_ids: list[list[int]]
-    computed_tokens: int = 0
-    ready_tokens: dict[int, int] = field(default_factory=dict)
-    final: bool = False
-    dests: dict[PeerKey, Destination] = field(default_factory=dict)
-    expected: set[PeerKey] | None = None
-    lease_deadline: float = math.inf
-    failed: bool = False
-    first_write_at: float = 0.0
-    """Wall-clock time (time.time()) the first WRITE of this request was posted; 0 = none yet."""
-    finished: asyncio.Future | None = None
-
-
-@dataclass
-class _Peer:
-    hello: Hello
-    plan: TransferPlan
-    regions: dict[tuple[str, int], Region]
-    agent: str
-
-
-@dataclass(frozen=True)
-class FinishedInfo:
-    ok: bool
-    """Every decode rank completed (False: aborted, failed or lease expired; blocks are free either way)."""
-    first_write_at: float
-    """Wall-clock time (time.time()) of the first WRITE; 0 = none was posted."""
-
-
-@dataclass
-class SenderStats:
-    bytes_written: int = 0
-    descriptors: int = 0
-    writes: int = 0
-
 
 class StreamSender:
     """One prefill rank. Thread-safe entry points (`start_request`, `begin_chunk`, `layer_ready`, `end_chunk`,
@@ -131,7 +44,7 @@ class StreamSender:
         self._released: dict[str, float] = {}
         self.finished_info: dict[str, FinishedInfo] = {}
         """Finished transfers, kept as long as `_released` (stats, late waiters)."""
-        self._peers: dict[PeerKey, _Peer] = {}
+        self._peers: dict[PeerKey, PeerInfo] = {}
         self._tasks: set[asyncio.Task] = set()
         self._server: ControlServer | None = None
         self._inbox: deque = deque()
@@ -142,7 +55,7 @@ class StreamSender:
                            regions=list(regions), stages=[tuple(s) for s in parallel.stages])
 
     @property
-    def peers(self) -> dict[PeerKey, _Peer]:
+    def peers(self) -> dict[PeerKey, PeerInfo]:
         """Accepted decode ranks: their plan, regions and NIXL agent name."""
         return self._peers
 
@@ -287,7 +200,7 @@ class StreamSender:
             raise LayoutError(f"decode block size {hello.block_size} != prefill block size {self.block_size}: "
                               f"start both with the same --block-size")
         agent = self.transport.add_peer(hello.agent_metadata)
-        self._peers[(hello.engine_id, hello.pp_rank, hello.tp_rank)] = _Peer(hello, plan, regions, agent)
+        self._peers[(hello.engine_id, hello.pp_rank, hello.tp_rank)] = PeerInfo(hello, plan, regions, agent)
 
     async def _on_message(self, conn: ControlConnection, msg: Any) -> None:
         if isinstance(msg, Register):
@@ -347,54 +260,10 @@ class StreamSender:
         self._pump(req)
 
     def _validate(self, key: PeerKey, conn: ControlConnection, reg: Register) -> tuple[SendRequest, Destination]:
-        tid = reg.transfer_id
-        req = self.requests.get(tid)
-        if req is None:
-            raise RegistrationError(f"transfer id {tid!r} is unknown on prefill rank {self.rank}: it already "
-                                    f"finished, expired or was aborted")
-        if (reg.dst_pp, reg.dst_tp) != key[1:]:
-            raise RegistrationError(f"registration names decode rank ({reg.dst_pp},{reg.dst_tp}) but arrived on "
-                                    f"the connection of rank {key[1:]}")
-        if key in req.dests:
-            raise RegistrationError(f"decode rank {key} registered {tid!r} twice")
-        peer = self._peers.get(key)
-        if peer is None:
-            raise RegistrationError(f"decode rank {key} has no accepted handshake")
-        if not 0 < reg.num_tokens <= req.num_tokens:
-            raise RegistrationError(f"{tid!r} has {req.num_tokens} prompt tokens on prefill but decode asks for "
-                                    f"{reg.num_tokens}: the proxy sent different prompts")
-        if not (0 <= reg.first_token <= reg.num_tokens) or reg.first_token % self.block_size:
-            raise RegistrationError(f"first_token {reg.first_token} must be a multiple of the block size "
-                                    f"{self.block_size} within 0..{reg.num_tokens}")
-        # Every decode rank registers with every prefill rank, also where the plan routes nothing between them
-        # (e.g. replicated MLA pools come from one prefill TP rank): such a rank completes at once, so it never
-        # holds its blocks waiting for a registration that would not come.
-        routes = [r for r in peer.plan.routes_from(self.rank) if r.dst.rank == key[1:]]
-        layer_routes: dict[int, list[Route]] = defaultdict(list)
-        for r in routes:
-            layer_routes[r.layer].append(r)
-        start, end = self.parallel.stages[self.rank[0]]
-        foreign = sorted(set(reg.layers) - set(layer_routes))
-        if foreign:
-            raise RegistrationError(f"registration of {tid!r} asks prefill rank {self.rank} (layers {start}-{end - 1}) "
-                                    f"for layers {foreign} it does not send to decode rank {key[1:]}: "
-                                    f"the two sides disagree on the layer split")
-        blocks_needed = math.ceil(reg.num_tokens / self.block_size)
-        groups = {peer.regions[(r.pool, r.layer)].group for r in routes}
-        for g in sorted(groups):
-            if g >= len(reg.block_ids):
-                raise RegistrationError(f"registration of {tid!r} has {len(reg.block_ids)} block-id group(s) but "
-                                        f"decode regions use group {g}")
-            ids = reg.block_ids[g]
-            if len(ids) < blocks_needed:
-                raise RegistrationError(f"group {g} has {len(ids)} block ids for {reg.num_tokens} tokens, needs "
-                                        f"{blocks_needed}")
-            if len(set(ids[:blocks_needed])) != blocks_needed:
-                raise RegistrationError(f"group {g} block ids repeat: each token block needs its own block")
-        for r in routes:  # every destination block inside its region (raises DescriptorError naming them)
-            region = peer.regions[(r.pool, r.layer)]
-            check_blocks(region, reg.block_ids[region.group][:blocks_needed], f"decode {r.pool} layer {r.layer} ")
-        return req, Destination(key, conn, peer.agent, peer.regions, dict(layer_routes), reg)
+        req, peer = self.requests.get(reg.transfer_id), self._peers.get(key)
+        layer_routes = validate_registration(req, reg, key, peer, self.rank, self.parallel.stages[self.rank[0]],
+                                             self.block_size)
+        return req, Destination(key, conn, peer.agent, peer.regions, layer_routes, reg)
 
     def _dest_gone(self, req: SendRequest, key: PeerKey, closed: asyncio.Future) -> None:
         dest = req.dests.get(key)

@@ -1,0 +1,155 @@
+"""State of the prefill-side sender, and the pure check of a decode registration. No I/O here."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from connector.descriptors import check_blocks
+from connector.frames import Hello, Register
+from connector.layout import Region
+from connector.plan import Route, TransferPlan
+
+PeerKey = tuple[str, int, int]
+"""(engine id, pp, tp) of a decode rank."""
+
+
+class RegistrationError(ValueError):
+    """A registration that is refused before anything is written; the text goes back to decode."""
+
+
+@dataclass(frozen=True)
+class SenderConfig:
+    engine_id: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    auth_token: str = ""
+    lease_s: float = 120.0
+    """How long a finished request keeps its blocks for decode ranks that have not completed; heartbeats extend."""
+    write_timeout_s: float = 60.0
+    handshake_timeout_s: float = 10.0
+    heartbeat_interval_s: float = 2.0
+    dead_after_s: float = 10.0
+    max_writes_per_destination: int = 2
+    poll_interval_s: float = 0.0005
+    """While requests are active, how often the loop picks up hook calls (see `layer_ready`)."""
+    released_memory_s: float = 600.0
+    """How long a finished transfer id is remembered, so a late registration for it is refused clearly."""
+
+
+@dataclass
+class Destination:
+    """One decode rank's view of one request."""
+
+    key: PeerKey
+    conn: Any
+    """The ControlConnection to that decode rank."""
+    peer_agent: str
+    regions: dict[tuple[str, int], Region]
+    layer_routes: dict[int, list[Route]]
+    register: Register
+    sent_tokens: dict[int, int] = field(default_factory=dict)
+    writing: set[int] = field(default_factory=set)
+    """Layers in a write now."""
+    batches_in_flight: int = 0
+    notice: Any = None
+    """Abort or Stopped to send once no WRITE to this destination is in flight any more."""
+    bytes_written: int = 0
+    descriptors: int = 0
+    done: bool = False
+
+
+@dataclass
+class SendRequest:
+    transfer_id: str
+    num_tokens: int
+    block_ids: list[list[int]]
+    computed_tokens: int = 0
+    ready_tokens: dict[int, int] = field(default_factory=dict)
+    final: bool = False
+    dests: dict[PeerKey, Destination] = field(default_factory=dict)
+    expected: set[PeerKey] | None = None
+    lease_deadline: float = math.inf
+    failed: bool = False
+    first_write_at: float = 0.0
+    """Wall-clock time (time.time()) the first WRITE of this request was posted; 0 = none yet."""
+    finished: asyncio.Future | None = None
+
+
+@dataclass
+class PeerInfo:
+    """An accepted decode rank: its plan with this prefill layout, its regions, its NIXL agent name."""
+
+    hello: Hello
+    plan: TransferPlan
+    regions: dict[tuple[str, int], Region]
+    agent: str
+
+
+@dataclass(frozen=True)
+class FinishedInfo:
+    ok: bool
+    """Every decode rank completed (False: aborted, failed or lease expired; blocks are free either way)."""
+    first_write_at: float
+    """Wall-clock time (time.time()) of the first WRITE; 0 = none was posted."""
+
+
+@dataclass
+class SenderStats:
+    bytes_written: int = 0
+    descriptors: int = 0
+    writes: int = 0
+
+
+
+def validate_registration(req: SendRequest | None, reg: Register, key: PeerKey, peer: PeerInfo | None,
+                          rank: tuple[int, int], stage: tuple[int, int], block_size: int) -> dict[int, list[Route]]:
+    """Check a decode registration before anything is written; returns the routes per global layer this prefill
+    rank sends that decode rank (possibly none). Raises RegistrationError / DescriptorError naming the problem."""
+    tid = reg.transfer_id
+    if req is None:
+        raise RegistrationError(f"transfer id {tid!r} is unknown on prefill rank {rank}: it already "
+                                f"finished, expired or was aborted")
+    if (reg.dst_pp, reg.dst_tp) != key[1:]:
+        raise RegistrationError(f"registration names decode rank ({reg.dst_pp},{reg.dst_tp}) but arrived on "
+                                f"the connection of rank {key[1:]}")
+    if key in req.dests:
+        raise RegistrationError(f"decode rank {key} registered {tid!r} twice")
+    if peer is None:
+        raise RegistrationError(f"decode rank {key} has no accepted handshake")
+    if not 0 < reg.num_tokens <= req.num_tokens:
+        raise RegistrationError(f"{tid!r} has {req.num_tokens} prompt tokens on prefill but decode asks for "
+                                f"{reg.num_tokens}: the proxy sent different prompts")
+    if not (0 <= reg.first_token <= reg.num_tokens) or reg.first_token % block_size:
+        raise RegistrationError(f"first_token {reg.first_token} must be a multiple of the block size "
+                                f"{block_size} within 0..{reg.num_tokens}")
+    # Every decode rank registers with every prefill rank, also where the plan routes nothing between them
+    # (e.g. replicated MLA pools come from one prefill TP rank): such a rank completes at once, so it never
+    # holds its blocks waiting for a registration that would not come.
+    routes = [r for r in peer.plan.routes_from(rank) if r.dst.rank == key[1:]]
+    layer_routes: dict[int, list[Route]] = defaultdict(list)
+    for r in routes:
+        layer_routes[r.layer].append(r)
+    foreign = sorted(set(reg.layers) - set(layer_routes))
+    if foreign:
+        raise RegistrationError(f"registration of {tid!r} asks prefill rank {rank} (layers {stage[0]}-{stage[1] - 1}) "
+                                f"for layers {foreign} it does not send to decode rank {key[1:]}: "
+                                f"the two sides disagree on the layer split")
+    blocks_needed = math.ceil(reg.num_tokens / block_size)
+    for g in sorted({peer.regions[(r.pool, r.layer)].group for r in routes}):
+        if g >= len(reg.block_ids):
+            raise RegistrationError(f"registration of {tid!r} has {len(reg.block_ids)} block-id group(s) but "
+                                    f"decode regions use group {g}")
+        ids = reg.block_ids[g]
+        if len(ids) < blocks_needed:
+            raise RegistrationError(f"group {g} has {len(ids)} block ids for {reg.num_tokens} tokens, needs "
+                                    f"{blocks_needed}")
+        if len(set(ids[:blocks_needed])) != blocks_needed:
+            raise RegistrationError(f"group {g} block ids repeat: each token block needs its own block")
+    for r in routes:  # every destination block inside its region (raises DescriptorError naming them)
+        region = peer.regions[(r.pool, r.layer)]
+        check_blocks(region, reg.block_ids[region.group][:blocks_needed], f"decode {r.pool} layer {r.layer} ")
+    return dict(layer_routes)
