@@ -250,6 +250,16 @@ class StreamReceiver:
             if not pend.completes[src].done():
                 pend.completes[src].set_exception(TransferFailed(f"transfer {transfer_id!r} aborted: {reason}"))
 
+    async def abort_unregistered(self, transfer_id: str, prefill: PrefillAddress, reason: str) -> None:
+        """Decode gave up on a transfer before registering it: tell every prefill rank, so it frees the request's
+        blocks now instead of after its lease. Nothing was registered, so nothing can land here."""
+        engine = await self._engine(prefill)
+        for src, conn in engine.conns.items():
+            try:
+                await conn.send(Abort(transfer_id, reason))
+            except ControlError as exc:
+                log.warning("could not tell prefill rank %s that %s was aborted: %s", src, transfer_id, exc)
+
     async def _stop_sources(self, pend: _Pending, reason: str) -> None:
         """Abort every source that may still write, then wait (bounded) until each confirms it stopped."""
         for src, conn in pend.engine.conns.items():

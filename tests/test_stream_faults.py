@@ -240,3 +240,15 @@ def test_lease_frees_a_finished_request_that_decode_never_registers():
         assert finished == [("t-lease", False)] and "t-lease" not in sender.requests
     finally:
         prefill.close(sender)
+
+
+def test_decode_abort_before_registering_frees_prefill_without_waiting_for_the_lease(prefill_cluster_and_decode):
+    sc, cluster, decode, receiver = prefill_cluster_and_decode()
+    start_prefill(cluster, "t-abort-early")  # prefill computed everything; its lease is 120 s
+    decode.lt.run(receiver.abort_unregistered("t-abort-early", PrefillAddress("127.0.0.1", cluster.base_port),
+                                              "client went away"), 20)
+    began = time.monotonic()
+    _, conn = cluster.prefill[(0, 0)]
+    ok = cluster.ask(conn, ("finish", "t-abort-early"), 30, "prefill")
+    assert ok[1] is False and time.monotonic() - began < 5
+    assert not any(bool(t.any()) for t in decode.bufs.tensors)

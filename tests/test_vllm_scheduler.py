@@ -141,7 +141,7 @@ def test_decode_abort_while_waiting_releases_only_after_prefill_stopped(m3_dir):
     assert H.free_block_count(sched) == free0
 
 
-def test_decode_abort_before_the_registration_shipped(m3_dir):
+def test_decode_abort_after_the_registration_shipped(m3_dir):
     sched = build(m3_dir, "kv_consumer")
     req = H.make_request("d3", 40, kv_transfer_params=decode_params("t3"))
     sched.add_request(req)
@@ -151,6 +151,24 @@ def test_decode_abort_before_the_registration_shipped(m3_dir):
     H.abort(sched, "d3")
     so, _ = H.run_step(sched)
     assert meta_of(so).aborts == {"d3": "t3"}
+
+
+def test_decode_abort_before_the_registration_shipped_still_tells_prefill():
+    """Allocation and metadata happen inside one schedule() call, so drive the scheduler half directly: an abort
+    in between ships the registration marked aborted, and the workers only tell prefill to let go."""
+    from types import SimpleNamespace
+
+    from connector.vllm.scheduler import SchedulerSide
+
+    side = SchedulerSide("kv_consumer", "d")
+    req = SimpleNamespace(request_id="d5", num_prompt_tokens=40, num_computed_tokens=0,
+                          kv_transfer_params=decode_params("t5"), status=RequestStatus.WAITING_FOR_REMOTE_KVS)
+    assert side.get_num_new_matched_tokens(req, 0) == (39, True)
+    side.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([1, 2, 3],)), 39)
+    req.status = RequestStatus.FINISHED_ABORTED
+    assert side.request_finished(req) == (False, None)
+    meta = side.build_connector_meta(SimpleNamespace())
+    assert meta.recvs["d5"].aborted and meta.recvs["d5"].transfer_id == "t5" and not meta.aborts
 
 
 @pytest.mark.parametrize("policy", ["fail", "recompute"])

@@ -35,6 +35,9 @@ class RecvSpec:
     """Tokens to receive up to (the last prompt token is recomputed locally)."""
     error: str = ""
     """Set when the request's kv_transfer_params are unusable: the workers fail it at once (failed_recving)."""
+    aborted: bool = False
+    """Aborted before the registration went out: the workers only tell prefill, so it frees its blocks now
+    instead of after its lease."""
 
 
 @dataclass

@@ -4,6 +4,7 @@ reports the request finished sending. No I/O."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -141,9 +142,12 @@ class SchedulerSide:
         tid = self._recv_waiting.pop(req_id, None)
         self._matched.pop(req_id, None)
         if tid is not None:
-            # Decode aborted while waiting: workers stop waiting and tell prefill to free its blocks.
-            self._recv_ready.pop(req_id, None)
-            self._aborts[req_id] = tid
+            # Decode aborted while waiting (vLLM holds its blocks until the workers report it finished).
+            spec = self._recv_ready.pop(req_id, None)
+            if spec is not None:  # registration not shipped yet: workers only tell prefill to let go
+                self._recv_ready[req_id] = dataclasses.replace(spec, aborted=True)
+            else:  # workers stop waiting once every prefill rank confirmed it writes nothing more
+                self._aborts[req_id] = tid
         return False, None
 
     def has_pending_push_work(self) -> bool:

@@ -137,10 +137,16 @@ class WorkerSide:
                 self._start_receive(req_id, spec)
 
     def _start_receive(self, req_id: str, spec: Any) -> None:
+        if spec.aborted:
+            self._aborted.add(req_id)
         if spec.error:
             self._failed[req_id] = spec.error
             return
         addr = PrefillAddress.parse(spec.prefill_addr)
+        if spec.aborted:
+            self._receiving[req_id] = self.loop.submit(self.receiver.abort_unregistered(
+                spec.transfer_id, addr, "request aborted on decode before it registered"))
+            return
         self._receiving[req_id] = self.loop.submit(self.receiver.receive(
             spec.transfer_id, addr, [list(g) for g in spec.block_ids], spec.first_token, spec.num_tokens))
 
