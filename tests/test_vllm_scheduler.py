@@ -33,8 +33,8 @@ def m3_dir(tmp_path_factory):
 def build(m3_dir, kv_role, *, by_name=False, num_blocks=64, **kw):
     if by_name:
         connector.register()
-        cfg = H.make_vllm_config(m3_dir, kv_role=kv_role, kv_connector="SparseKVConnector",
-                                 kv_connector_module_path=None, block_size=BS, **kw)
+        cfg = H.make_vllm_config(m3_dir, kv_role=kv_role, kv_connector="SparseKVConnector", block_size=BS, **kw)
+        cfg.kv_transfer_config.kv_connector_module_path = None  # the harness fills it in; resolve by name
     else:
         cfg = H.make_vllm_config(m3_dir, kv_role=kv_role, block_size=BS, **kw)
     sched = H.make_scheduler(cfg, H.make_kv_cache_config(cfg, num_blocks=num_blocks))

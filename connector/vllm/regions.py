@@ -59,14 +59,15 @@ def _dense_span(t: torch.Tensor) -> bool:
 
 
 def region_of(info: LayerInfo, tensor: torch.Tensor, rank: RankLayout, num_blocks: int) -> Region:
-    """Geometry of one layer tensor. Handles K/V as a leading dim of 2 ([2, blocks, ...], FlashAttention) or as
-    dim 1 ([blocks, 2, ...], FlashInfer), or one part ([blocks, ...], MLA and index caches); any physical stride
-    order inside a block, as long as one block of one part is a gap-free run."""
+    """Geometry of one layer tensor: vLLM 0.33's [blocks, heads, tokens, content] (K||V in the content), or the
+    older 5-d [2, blocks, ...] / [blocks, 2, ...] with K and V as separate parts; any physical stride order inside
+    a block, as long as one block of one part is a gap-free run."""
     elt = tensor.element_size()
-    if tensor.dim() >= 3 and tensor.shape[0] == 2 and tensor.shape[1] == num_blocks:
+    # Only the older 5-d layouts carry K/V as a dim of 2; vLLM 0.33's [B, H, N, C] packs K||V in C, and there a
+    # dim 1 of size 2 is two heads.
+    if tensor.dim() == 5 and tensor.shape[0] == 2 and tensor.shape[1] == num_blocks:
         parts, part_stride, block_stride, block = 2, tensor.stride(0), tensor.stride(1), tensor[0, 0]
-    elif tensor.dim() >= 3 and tensor.shape[0] == num_blocks and tensor.shape[1] == 2 and info.pool == "kv" \
-            and rank.model.pools["kv"].num_parts == 2:
+    elif tensor.dim() == 5 and tensor.shape[0] == num_blocks and tensor.shape[1] == 2:
         parts, part_stride, block_stride, block = 2, tensor.stride(1), tensor.stride(0), tensor[0, 0]
     elif tensor.shape[0] == num_blocks:
         parts, part_stride, block_stride, block = 1, 0, tensor.stride(0), tensor[0]
@@ -135,5 +136,7 @@ def model_layout_from_vllm(vllm_config) -> ModelLayout:  # noqa: ANN001 - VllmCo
     hf = vllm_config.model_config.hf_config
     config = hf.to_dict() if hasattr(hf, "to_dict") else dict(hf)
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    indexer = str(getattr(getattr(vllm_config, "attention_config", None), "indexer_kv_dtype", "auto") or "auto")
     name = str(getattr(vllm_config.model_config, "served_model_name", None) or vllm_config.model_config.model)
-    return model_from_config(config, name.rsplit("/", 1)[-1], "fp8" if cache_dtype.startswith("fp8") else "auto")
+    return model_from_config(config, name.rsplit("/", 1)[-1], "fp8" if cache_dtype.startswith("fp8") else "auto",
+                             indexer_kv_dtype="fp8" if indexer.startswith("fp8") else "auto")

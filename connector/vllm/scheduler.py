@@ -123,6 +123,8 @@ class SchedulerSide:
             self._send_started.discard(req_id)
         for req_id in output.finished_recving or ():
             self._recv_waiting.pop(req_id, None)
+            # vLLM finishes a failed load (policy "fail") before it shows us the output: no abort for it then.
+            self._aborts.pop(req_id, None)
 
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id

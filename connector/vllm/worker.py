@@ -153,15 +153,14 @@ class WorkerSide:
     def _abort(self, req_id: str, tid: str) -> None:
         if self.sender is not None:
             self.sender.abort(tid, "request aborted on prefill")
-        if self.receiver is None:
+        if self.receiver is None or req_id not in self._receiving:
+            # Not receiving (any more): it was already reported finished, and vLLM must not hear of it twice.
+            # (A registration that never went out comes as RecvSpec.aborted instead.)
             return
         self._aborted.add(req_id)
-        if req_id in self._receiving:
-            # The receive ends once every prefill rank confirmed it writes nothing more into our blocks; only
-            # then is the request reported finished, so vLLM does not hand the blocks to another request early.
-            self.loop.submit(self.receiver.abort(tid, "request aborted on decode"))
-        else:
-            self._failed[req_id] = ""  # never registered: nothing can land, finish it at once
+        # The receive ends once every prefill rank confirmed it writes nothing more into our blocks; only then is
+        # the request reported finished, so vLLM does not hand the blocks to another request early.
+        self.loop.submit(self.receiver.abort(tid, "request aborted on decode"))
 
     def layer_saved(self, layer_name: str) -> None:
         """save_kv_layer: must return at once. Records a CUDA event; the engine waits for it off this thread."""

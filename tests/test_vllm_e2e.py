@@ -1,0 +1,170 @@
+"""SparseKVConnector end to end inside vLLM 0.33: two instances (prefill kv_producer, decode kv_consumer), each with
+vLLM's REAL Scheduler here in the test process and its (pp, tp) worker ranks in separate OS processes
+(tests/vllm_e2e_worker.py) that move every byte over real NIXL.
+
+Per step of each instance: `so = scheduler.schedule()`, pickled to every worker of the instance (as vLLM's executor
+does); each worker runs the model runner's connector hooks around a fake forward that writes deterministic KV for
+the scheduled tokens; the KVConnectorOutputs are merged with vLLM's KVOutputAggregator (count = tp * pp) and fed to
+`update_from_output`. Both instances step in one loop until every request finished and every block is back.
+
+Checked: decode goes WAITING_FOR_REMOTE_KVS -> RUNNING -> finished (length); when it leaves WAITING, decode's
+workers hold, byte for byte, what prefill computed for every (pool, layer, token, global head) of the request's
+blocks; prefill keeps its blocks until finished_sending and then frees them; both block pools return to their
+start; the bytes prefill wrote are exactly the blocks decode asked for.
+
+The worker processes (3: enough for prefill PP=2 or TP=2 plus decode) are started once for the module and host a
+fresh rank set (fresh connector, NIXL agent, KV caches) per test, as a fresh deployment would.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+import pytest
+
+vllm = pytest.importorskip("vllm", reason="needs vllm==0.33.0")
+pytest.importorskip("nixl", reason="needs nixl")
+
+from tests import vllm_harness as H  # noqa: E402
+
+if H.VLLM_IMPORT_ERROR is not None:  # pragma: no cover
+    pytest.skip(f"vllm import failed: {H.VLLM_IMPORT_ERROR!r}", allow_module_level=True)
+
+from tests.vllm_e2e_driver import *  # noqa: E402,F403  (the driver: Pool, Pair, drive, checks, constants)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(240)]
+
+@pytest.fixture(scope="module")
+def m3_dir(tmp_path_factory):
+    return H.write_m3_config(tmp_path_factory.mktemp("m3e2e"), num_layers=8, dense_layers=2, kv_heads=4,
+                             head_dim=64, index_dim=64)
+
+
+@pytest.fixture(scope="module")
+def pool_holder():
+    holder: dict[str, Pool] = {}
+    yield holder
+    if "pool" in holder:
+        holder["pool"].close()
+
+
+@pytest.fixture
+def pool(pool_holder) -> Pool:
+    """The module's worker processes; restarted if a previous test left them broken."""
+    current = pool_holder.get("pool")
+    if current is None or current.broken or not all(p.is_alive() for p in current.procs):
+        if current is not None:
+            current.close()
+        pool_holder["pool"] = Pool(POOL_SIZE)
+    return pool_holder["pool"]
+
+
+def test_tp1_to_tp1_by_module_path(pool, m3_dir):
+    with Pair(pool, m3_dir, by_name=False) as pair:
+        assert pair.P.cfg.kv_transfer_config.kv_connector_module_path == "connector.vllm"
+        trace, job, sent = run_one(pair, "s1", 100)
+        check_transfer(pair, trace, job)
+        check_blocks_back(pair)
+        assert trace.scheduled_prefill["s1"] == [100]
+        # exactly the blocks decode asked for (tokens 0..98: 7 blocks), each byte once
+        assert sent == block_bytes(pair.D) * math.ceil(99 / BS)
+
+
+def test_pp2_prefill_to_pp1_decode_by_registered_name(pool, m3_dir):
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    with Pair(pool, m3_dir, prefill=(1, 2), by_name=True) as pair:
+        assert "SparseKVConnector" in KVConnectorFactory._registry
+        assert pair.P.cfg.kv_transfer_config.kv_connector_module_path is None
+        stage_layers = {rank: {layer for _n, _p, layer in info["layers"]} for rank, info in pair.P.infos.items()}
+        assert stage_layers == {(0, 0): set(range(0, 4)), (1, 0): set(range(4, 8))}
+        assert pair.P.infos[(0, 0)]["hooked"] and not pair.P.infos[(1, 0)]["hooked"]  # dense 0-1 on stage 0
+        trace, job, sent = run_one(pair, "s2", 90)
+        check_transfer(pair, trace, job)
+        check_blocks_back(pair)
+        assert sent == block_bytes(pair.D) * math.ceil(89 / BS)
+
+
+def test_tp2_prefill_to_tp1_decode_head_slicing(pool, m3_dir):
+    with Pair(pool, m3_dir, prefill=(2, 1)) as pair:
+        # each prefill TP rank holds 2 of the 4 KV heads: decode's heads 0-1 come from tp0, 2-3 from tp1
+        for (pp, tp), info in pair.P.infos.items():
+            assert info["block_bytes"] < block_bytes(pair.D)
+        trace, job, sent = run_one(pair, "s3", 77)
+        check_transfer(pair, trace, job)
+        check_blocks_back(pair)
+        assert sent == block_bytes(pair.D) * math.ceil(76 / BS)  # index cache from ONE prefill rank
+
+
+def test_chunked_prefill_streams_each_chunk(pool, m3_dir):
+    with Pair(pool, m3_dir, prefill_max_batched=40) as pair:
+        trace, job, sent = run_one(pair, "s4", 100)
+        assert trace.scheduled_prefill["s4"] == [40, 40, 20]  # chunk boundaries 40 and 80 fall inside blocks
+        assert [s.computed_after_step for s in trace.send_specs["s4"]] == [40, 80, 100]
+        check_transfer(pair, trace, job)
+        check_blocks_back(pair)
+        # a block sent partly filled is sent again when it fills: per layer, at most one extra block per chunk
+        # boundary (layers go out at different times, so the extra count differs per layer)
+        per_block = block_bytes(pair.D)
+        assert 7 * per_block <= sent <= (7 + 2) * per_block, sent / per_block
+
+
+def test_decode_prefix_hit_transfers_only_the_rest(pool, m3_dir):
+    with Pair(pool, m3_dir) as pair:
+        shared = prompt_of("prefix", 64)
+        first = decode_job(pair, "s5a", shared + prompt_of("tail-a", 16))
+        trace_a = drive(pair, [first])
+        check_transfer(pair, trace_a, first)
+        check_blocks_back(pair)
+        second = decode_job(pair, "s5b", shared + prompt_of("tail-b", 36))
+        before = pair.sender_bytes()
+        trace_b = drive(pair, [second])
+        sent = pair.sender_bytes() - before
+        spec = trace_b.recv_specs["s5b"]
+        assert spec.first_token == 64 > 0  # decode's own prefix-cache hit: 4 full blocks
+        assert trace_b.scheduled_prefill["s5b"] == [36]  # prefill hits the same prefix in its own cache
+        check_transfer(pair, trace_b, second, first_token=64)
+        # decode reuses the first request's blocks for the shared prefix
+        assert trace_b.left_waiting["s5b"][1][0][:4] == trace_a.left_waiting["s5a"][1][0][:4]
+        check_blocks_back(pair)
+        # only tokens 64..98 moved: blocks 4, 5, 6
+        assert sent == block_bytes(pair.D) * (math.ceil(99 / BS) - 64 // BS)
+
+
+def test_bad_transfer_params_fail_alone(pool, m3_dir, caplog):
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        closed_port = s.getsockname()[1]
+    caplog.set_level(logging.INFO, logger="connector")
+    with Pair(pool, m3_dir) as pair:
+        good = decode_job(pair, "s6-good", prompt_of("s6-good", 60))
+        no_tid = Job("s6-no-tid", prompt_of("s6-no-tid", 50), {"do_remote_prefill": True,
+                                                                "prefill_addr": pair.addr}, to_prefill=False)
+        bad_addr = Job("s6-bad-addr", prompt_of("s6-bad-addr", 50),
+                       {"do_remote_prefill": True, "transfer_id": "t-bad-addr", "prefill_addr": "nohost"},
+                       to_prefill=False)
+        unknown = Job("s6-unknown-peer", prompt_of("s6-unknown-peer", 50),
+                      {"do_remote_prefill": True, "transfer_id": "t-unknown",
+                       "prefill_addr": f"127.0.0.1:{closed_port}"}, to_prefill=False)
+        before = pair.sender_bytes()
+        trace = drive(pair, [good, no_tid, bad_addr, unknown])
+        sent = pair.sender_bytes() - before
+        check_transfer(pair, trace, good)
+        assert sent == block_bytes(pair.D) * math.ceil(59 / BS)
+        for job in (no_tid, bad_addr, unknown):
+            assert trace.finish[("decode", job.rid)] == FinishReason.ERROR, (job.rid, trace.finish)
+            assert trace.statuses[job.rid] == ["WAITING_FOR_REMOTE_KVS", "finished:ERROR"], trace.statuses[job.rid]
+            assert job.rid in trace.failed_recving and job.rid not in trace.left_waiting
+        assert trace.recv_specs["s6-no-tid"].error and trace.recv_specs["s6-bad-addr"].error
+        assert not trace.recv_specs["s6-unknown-peer"].error  # well-formed: fails only when it is tried
+        check_blocks_back(pair)
+        worker_log = "\n".join(pair.logs(pair.D))
+        sched_log = "\n".join(r.getMessage() for r in caplog.records)
+    # every failure names its request and why
+    assert "s6-no-tid" in sched_log and "transfer_id" in sched_log
+    assert "s6-bad-addr" in sched_log and "'nohost' is not host:port" in sched_log
+    assert f"s6-unknown-peer: KV transfer failed: cannot reach prefill 127.0.0.1:{closed_port}" in worker_log
+    for rid in ("s6-no-tid", "s6-bad-addr"):
+        assert f"request {rid}: KV transfer failed" in worker_log
+    assert "request s6-good:" not in worker_log  # the good one logged no failure

@@ -1,0 +1,436 @@
+"""Driver of the vLLM end-to-end tests (see test_vllm_e2e.py): worker-process pool, instances, the step loop
+and the byte checks. Not a test module."""
+
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import pickle
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from tests import vllm_harness as H
+
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator  # noqa: E402
+from vllm.v1.engine import FinishReason  # noqa: E402
+
+import connector  # noqa: E402
+from connector.demo import free_port_range  # noqa: E402
+from connector.vllm import SparseKVConnector  # noqa: E402
+from connector.vllm.metadata import RecvSpec, SendSpec, SparseKVMetadata  # noqa: E402
+from tests import vllm_e2e_worker as W  # noqa: E402
+
+BS = 16
+NUM_BLOCKS = 64
+POOL_SIZE = 3
+REPLY_S = 90.0          # one worker command (setup includes NIXL agent creation)
+DRIVE_WALL_S = 60.0     # one scenario's step loop
+EXTRA = {"side_channel_host": "127.0.0.1", "lease_s": 20, "handshake_timeout_s": 10, "transfer_timeout_s": 30,
+         "write_timeout_s": 20, "heartbeat_interval_s": 1, "dead_after_s": 10}
+
+# ---------------------------------------------------------------------------------------------------------------
+# worker processes
+
+class Pool:
+    """Worker processes (spawn), each able to host one rank at a time. Ended by PID, never by name."""
+
+    def __init__(self, size: int) -> None:
+        self.ctx = mp.get_context("spawn")
+        self.procs: list[Any] = []
+        self.conns: list[Any] = []
+        self.pending: list[int] = []
+        """Commands sent to each worker whose answer was not read yet."""
+        self.broken = False
+        try:
+            for i in range(size):
+                parent, child = self.ctx.Pipe()
+                proc = self.ctx.Process(target=W.main, args=(child,), name=f"vllm-e2e-worker-{i}", daemon=True)
+                proc.start()
+                child.close()
+                self.procs.append(proc)
+                self.conns.append(parent)
+                self.pending.append(1)  # its "ready"
+            for i in range(size):  # they import vLLM in parallel
+                self.reply(i, 180)
+        except BaseException:
+            self.close()
+            raise
+
+    def send(self, i: int, msg: tuple) -> None:
+        self.conns[i].send(msg)
+        self.pending[i] += 1
+
+    def reply(self, i: int, timeout: float = REPLY_S) -> tuple:
+        conn, proc = self.conns[i], self.procs[i]
+        deadline = time.monotonic() + timeout
+        while not conn.poll(0.2):
+            if not proc.is_alive():
+                self.broken = True
+                raise RuntimeError(f"worker {i} (pid {proc.pid}) died with exit code {proc.exitcode}")
+            if time.monotonic() > deadline:
+                self.broken = True
+                raise TimeoutError(f"worker {i} (pid {proc.pid}) did not answer within {timeout:.0f} s")
+        answer = conn.recv()
+        self.pending[i] -= 1
+        if answer[0] == "error":
+            raise RuntimeError(f"worker {i} (pid {proc.pid}) failed: {answer[1]}")
+        return answer
+
+    def ask(self, i: int, msg: tuple, timeout: float = REPLY_S) -> tuple:
+        self.send(i, msg)
+        return self.reply(i, timeout)
+
+    def drain(self, i: int) -> None:
+        """Read the answers a failed test left unread, so the next command gets its own answer."""
+        while self.pending[i] > 0:
+            try:
+                self.reply(i)
+            except RuntimeError as exc:
+                if self.broken:
+                    raise
+                del exc  # an error answer: consumed, go on
+
+    def close(self) -> None:
+        for conn in self.conns:
+            try:
+                conn.send(("quit",))
+            except (BrokenPipeError, OSError):
+                pass
+        deadline = time.monotonic() + 20
+        for proc in self.procs:
+            proc.join(max(0.1, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()  # this very process, by its PID
+                proc.join(5)
+        for conn in self.conns:
+            conn.close()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# one vLLM instance: scheduler here, ranks in worker processes
+
+@dataclass
+class Instance:
+    name: str
+    tp: int
+    pp: int
+    cfg: Any
+    sched: Any
+    workers: dict[tuple[int, int], int]
+    """(pp, tp) rank -> pool worker index."""
+    infos: dict[tuple[int, int], dict]
+    aggregator: Any
+    free0: int
+
+    @property
+    def connector(self) -> SparseKVConnector:
+        return self.sched.connector
+
+    def free(self) -> int:
+        return H.free_block_count(self.sched)
+
+
+def make_instance(pool: Pool, first_worker: int, model_dir, *, role: str, tp: int, pp: int, by_name: bool,
+                  base_port: int, max_num_batched_tokens: int = 256, policy: str = "fail") -> Instance:
+    name = "prefill" if role == "kv_producer" else "decode"
+    engine_id = f"{name}-{uuid.uuid4().hex[:8]}"
+    extra = dict(EXTRA, side_channel_port=base_port)
+    if by_name:
+        connector.register()
+        cfg = H.make_vllm_config(model_dir, kv_role=role, engine_id=engine_id, extra_config=extra, block_size=BS,
+                                 max_num_batched_tokens=max_num_batched_tokens, tp=tp, pp=pp,
+                                 kv_load_failure_policy=policy)
+        cfg.kv_transfer_config.kv_connector_module_path = None  # the registered name alone
+    else:
+        cfg = H.make_vllm_config(model_dir, kv_role=role, engine_id=engine_id, extra_config=extra, block_size=BS,
+                                 kv_connector_module_path="connector.vllm",
+                                 max_num_batched_tokens=max_num_batched_tokens, tp=tp, pp=pp,
+                                 kv_load_failure_policy=policy)
+    assert H.resolve_layout(cfg).name == "LBHNC"  # the connector's requirement wins over the sm90 default
+    # The engine core hands the scheduler worker 0's (PP stage 0's) KV-cache config.
+    sched = H.make_scheduler(cfg, H.make_kv_cache_config(cfg, num_blocks=NUM_BLOCKS, pp_rank=0))
+    assert isinstance(sched.connector, SparseKVConnector)
+    ranks = [(p, t) for p in range(pp) for t in range(tp)]
+    workers = {rank: first_worker + i for i, rank in enumerate(ranks)}
+    spec = {"model_dir": str(model_dir), "kv_role": role, "engine_id": engine_id, "extra_config": extra,
+            "block_size": BS, "max_num_batched_tokens": max_num_batched_tokens, "tp": tp, "pp": pp,
+            "kv_load_failure_policy": policy, "num_blocks": NUM_BLOCKS, "by_name": by_name}
+    for rank, w in workers.items():
+        pool.send(w, ("setup", dict(spec, rank=rank)))
+    infos = {rank: pool.reply(w)[1] for rank, w in workers.items()}
+    # What EngineCore._set_kv_connector_handshake_metadata does after the workers registered their caches.
+    handshakes: dict[tuple[int, int], Any] = {}
+    for info in infos.values():
+        handshakes.update(info["handshake"] or {})
+    sched.connector.set_xfer_handshake_metadata_pp_aware(handshakes)
+    for rank, info in infos.items():
+        assert info["num_blocks"] == NUM_BLOCKS and info["layout"] == "LBHNC", info
+        assert info["connector"] == "connector.vllm.connector.SparseKVConnector"
+        if role == "kv_producer":
+            assert handshakes[rank].side_channel == f"127.0.0.1:{base_port + rank[0] * tp + rank[1]}"
+    aggregator = KVOutputAggregator.from_connector(sched.connector, tp * pp)  # as vLLM's executor builds it
+    assert aggregator._expected_finished_count == tp * pp  # a request is done once EVERY rank reported it
+    return Instance(name, tp, pp, cfg, sched, workers, infos, aggregator, H.free_block_count(sched))
+
+
+class Pair:
+    """A prefill and a decode instance on the pool; tears every rank down on exit."""
+
+    def __init__(self, pool: Pool, model_dir, *, prefill=(1, 1), decode=(1, 1), by_name=False,
+                 prefill_max_batched=256) -> None:
+        self.pool = pool
+        (ptp, ppp), (dtp, dpp) = prefill, decode
+        assert ptp * ppp + dtp * dpp <= len(pool.procs)
+        self.base_port = free_port_range(ptp * ppp)
+        self.instances: list[Instance] = []
+        try:
+            self.P = make_instance(pool, 0, model_dir, role="kv_producer", tp=ptp, pp=ppp, by_name=by_name,
+                                   base_port=self.base_port, max_num_batched_tokens=prefill_max_batched)
+            self.instances.append(self.P)
+            self.D = make_instance(pool, ptp * ppp, model_dir, role="kv_consumer", tp=dtp, pp=dpp,
+                                   by_name=by_name, base_port=self.base_port)
+            self.instances.append(self.D)
+        except BaseException:
+            self.close()
+            raise
+        self.addr = f"127.0.0.1:{self.base_port}"
+
+    def __enter__(self) -> "Pair":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.pool.broken:
+            return  # the pool fixture ends these processes (by PID) and starts new ones
+        for w in range(len(self.pool.procs)):  # every worker: a failed setup may have reached any of them
+            try:
+                self.pool.drain(w)
+                self.pool.ask(w, ("teardown",), 60)
+            except Exception:  # noqa: BLE001 - a worker that cannot tear down is restarted for the next test
+                self.pool.broken = True
+
+    def logs(self, inst: Instance) -> list[str]:
+        return [line for w in inst.workers.values() for line in self.pool.ask(w, ("logs",))[1]]
+
+    def sender_bytes(self) -> int:
+        return sum(self.pool.ask(w, ("stats",))[1].get("bytes_written", 0) for w in self.P.workers.values())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the step loop
+
+@dataclass
+class Job:
+    """One request as the proxy sends it: to decode always, to prefill when it has a transfer id to serve."""
+
+    rid: str
+    prompt: list[int]
+    decode_params: dict
+    to_prefill: bool = True
+    max_tokens: int = 4
+
+    @property
+    def tid(self) -> str:
+        return self.decode_params.get("transfer_id", "")
+
+
+@dataclass
+class Trace:
+    steps: int = 0
+    statuses: dict[str, list[str]] = field(default_factory=dict)
+    """decode request -> its distinct statuses after each schedule(), then the finish reason."""
+    finish: dict[tuple[str, str], FinishReason] = field(default_factory=dict)
+    """(instance, request) -> finish reason."""
+    finish_step: dict[tuple[str, str], int] = field(default_factory=dict)
+    finished_sending: dict[str, int] = field(default_factory=dict)
+    finished_recving: dict[str, int] = field(default_factory=dict)
+    failed_recving: dict[str, int] = field(default_factory=dict)
+    recv_specs: dict[str, RecvSpec] = field(default_factory=dict)
+    send_specs: dict[str, list[SendSpec]] = field(default_factory=dict)
+    scheduled_prefill: dict[str, list[int]] = field(default_factory=dict)
+    left_waiting: dict[str, tuple[int, tuple[list[int], ...]]] = field(default_factory=dict)
+    verified: dict[str, tuple[list[str], int]] = field(default_factory=dict)
+    prefill_held: dict[str, list[tuple[int, bool, int]]] = field(default_factory=dict)
+    """prefill request -> (step, still in the scheduler, free blocks) after each update_from_output from its
+    finish on."""
+
+    def dump(self) -> str:
+        return (f"steps={self.steps} statuses={self.statuses} finish={self.finish} "
+                f"finished_sending={self.finished_sending} finished_recving={self.finished_recving} "
+                f"failed_recving={self.failed_recving} left_waiting={self.left_waiting}")
+
+
+def _step_workers(pair: Pair, items: list[tuple[Instance, Any]]) -> dict[str, Any]:
+    """Ship each SchedulerOutput (pickled) to every worker of its instance, all at once; aggregate per instance."""
+    for inst, so in items:
+        blob = pickle.dumps(so)
+        for w in inst.workers.values():
+            pair.pool.send(w, ("step", blob))
+    merged = {}
+    for inst, so in items:
+        outs = [pair.pool.reply(w)[1] for w in inst.workers.values()]
+        merged[inst.name] = H.aggregate(outs, inst.aggregator)
+    return merged
+
+
+def drive(pair: Pair, jobs: list[Job], *, max_steps: int = 400, wall_s: float = DRIVE_WALL_S) -> Trace:
+    """Add the jobs to both instances and step both until every request finished and every block is back."""
+    P, D = pair.P, pair.D
+    trace = Trace()
+    for job in jobs:
+        D.sched.add_request(H.make_request(job.rid, len(job.prompt), kv_transfer_params=dict(job.decode_params),
+                                           max_tokens=job.max_tokens, prompt_token_ids=job.prompt, block_size=BS))
+        if job.to_prefill:
+            # The proxy's prefill leg: one output token, KV pushed to decode.
+            P.sched.add_request(H.make_request(job.rid, len(job.prompt), max_tokens=1, prompt_token_ids=job.prompt,
+                                               kv_transfer_params={"do_remote_decode": True,
+                                                                   "transfer_id": job.tid}, block_size=BS))
+        trace.statuses[job.rid] = []
+    by_rid = {job.rid: job for job in jobs}
+    began = time.monotonic()
+    while True:
+        trace.steps += 1
+        step = trace.steps
+        so_p, so_d = P.sched.schedule(), D.sched.schedule()
+        meta_p, meta_d = so_p.kv_connector_metadata, so_d.kv_connector_metadata
+        assert isinstance(meta_p, SparseKVMetadata) and isinstance(meta_d, SparseKVMetadata)
+        for rid, spec in meta_p.sends.items():
+            trace.send_specs.setdefault(rid, []).append(spec)
+        for rid, n in so_p.num_scheduled_tokens.items():
+            trace.scheduled_prefill.setdefault(rid, []).append(n)
+        for rid, spec in meta_d.recvs.items():
+            assert rid not in trace.recv_specs, f"{rid} registered twice"
+            trace.recv_specs[rid] = spec
+        for rid, seen in trace.statuses.items():
+            req = D.sched.requests.get(rid)
+            if req is None:
+                continue
+            status = req.status.name
+            if seen and seen[-1] == "WAITING_FOR_REMOTE_KVS" and status != "WAITING_FOR_REMOTE_KVS" \
+                    and rid not in trace.left_waiting:
+                # It left WAITING_FOR_REMOTE_KVS in this schedule(): check decode's cache before its forward.
+                blocks = D.sched.kv_cache_manager.get_block_ids(rid)
+                trace.left_waiting[rid] = (step, tuple(list(g) for g in blocks))
+                trace.verified[rid] = verify_decode(pair, rid, blocks, by_rid[rid].prompt)
+            if not seen or seen[-1] != status:
+                seen.append(status)
+        kv = _step_workers(pair, [(P, so_p), (D, so_d)])
+        for inst, so in ((P, so_p), (D, so_d)):
+            agg = kv[inst.name]
+            for rid in (agg.finished_recving or ()) if agg is not None else ():
+                # vLLM's Scheduler asserts this (_update_from_kv_xfer_finished); failing it kills the engine core
+                assert rid in inst.sched.requests, \
+                    f"step {step}: {inst.name} workers report finished_recving for {rid!r}, which vLLM already " \
+                    f"finished and freed (reported before at step {trace.finished_recving.get(rid)}); " \
+                    f"{trace.dump()}"
+            if agg is not None:
+                for rid in agg.finished_sending or ():
+                    trace.finished_sending.setdefault(rid, step)
+                for rid in agg.finished_recving or ():
+                    trace.finished_recving.setdefault(rid, step)
+                for rid in agg.failed_recving or ():
+                    trace.failed_recving.setdefault(rid, step)
+            outputs = H.outputs_by_request(H.finish_step(inst.sched, so, agg))
+            for rid, out in outputs.items():
+                if out.finish_reason is not None:
+                    trace.finish.setdefault((inst.name, rid), out.finish_reason)
+                    trace.finish_step.setdefault((inst.name, rid), step)
+                    if inst is D:
+                        trace.statuses[rid].append(f"finished:{out.finish_reason.name}")
+        for job in jobs:
+            if ("prefill", job.rid) in trace.finish:
+                trace.prefill_held.setdefault(job.rid, []).append((step, job.rid in P.sched.requests, P.free()))
+        if not P.sched.requests and not D.sched.requests and not P.connector.has_pending_push_work() \
+                and all(("decode", j.rid) in trace.finish for j in jobs):
+            return trace
+        if step >= max_steps or time.monotonic() - began > wall_s:
+            raise AssertionError(f"not finished after {step} steps / {time.monotonic() - began:.1f} s: "
+                                 f"{trace.dump()}; prefill requests {list(P.sched.requests)}, decode requests "
+                                 f"{list(D.sched.requests)}\nprefill logs: {pair.logs(P)}\n"
+                                 f"decode logs: {pair.logs(D)}")
+        if not so_p.total_num_scheduled_tokens and not so_d.total_num_scheduled_tokens:
+            time.sleep(0.005)  # waiting on the transfer: do not starve the NIXL threads of the 2 cores
+
+
+def verify_decode(pair: Pair, rid: str, blocks, prompt: list[int]) -> tuple[list[str], int]:
+    """Every decode rank checks tokens [0, prompt_len - 1) of the request's blocks (decode's own prefix hits and
+    what was transferred) against the expected bytes."""
+    problems, checked = [], 0
+    for w in pair.D.workers.values():
+        _ok, probs, n = pair.pool.ask(w, ("verify", [list(g) for g in blocks], 0, len(prompt) - 1, prompt))
+        problems += probs
+        checked += n
+    return problems, checked
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# assertions shared by the scenarios
+
+def prompt_of(rid: str, n: int, base: int | None = None) -> list[int]:
+    start = base if base is not None else (sum(map(ord, rid)) * 7) % 500 + 10
+    return [(start + 3 * i) % 1000 + 1 for i in range(n)]
+
+
+def decode_job(pair: Pair, rid: str, prompt: list[int], **kw) -> Job:
+    params = {"do_remote_prefill": True, "transfer_id": f"{rid}-{uuid.uuid4().hex[:8]}", "prefill_addr": pair.addr}
+    return Job(rid, prompt, params, **kw)
+
+
+def block_bytes(inst: Instance) -> int:
+    """Bytes one block holds over every pool and layer of the whole instance (decode is TP1/PP1 here)."""
+    assert inst.tp == inst.pp == 1
+    return next(iter(inst.infos.values()))["block_bytes"]
+
+
+def check_transfer(pair: Pair, trace: Trace, job: Job, *, first_token: int = 0) -> None:
+    rid, n = job.rid, len(job.prompt)
+    # decode: registered once, WAITING_FOR_REMOTE_KVS -> RUNNING -> finished by length
+    spec = trace.recv_specs[rid]
+    assert (spec.transfer_id, spec.prefill_addr, spec.error) == (job.tid, pair.addr, "")
+    assert (spec.first_token, spec.num_tokens) == (first_token, n - 1), spec
+    assert trace.statuses[rid] == ["WAITING_FOR_REMOTE_KVS", "RUNNING", "finished:LENGTH"], \
+        f"{rid}: {trace.statuses[rid]}\ndecode logs: {pair.logs(pair.D)}\nprefill logs: {pair.logs(pair.P)}"
+    assert trace.finish[("decode", rid)] == FinishReason.LENGTH
+    assert rid in trace.finished_recving and rid not in trace.failed_recving
+    step, blocks = trace.left_waiting[rid]
+    assert trace.finished_recving[rid] < step
+    assert blocks == spec.block_ids, "decode's blocks changed between registration and use"
+    assert len(blocks[0]) >= math.ceil(n / BS)
+    problems, checked = trace.verified[rid]
+    assert problems == [], problems
+    assert checked > 0
+    # prefill: held its blocks from its finish until finished_sending, then freed them
+    assert trace.finish[("prefill", rid)] == FinishReason.LENGTH
+    sends = trace.send_specs[rid]
+    assert [s.transfer_id for s in sends] == [job.tid] * len(sends)
+    assert [s.new for s in sends] == [True] + [False] * (len(sends) - 1)
+    assert sends[-1].computed_after_step == n and sends[-1].num_prompt_tokens == n
+    done = trace.finished_sending[rid]
+    fin = trace.finish_step[("prefill", rid)]
+    assert done >= fin, "finished_sending before prefill finished"
+    for s, present, free in trace.prefill_held[rid]:
+        assert present == (s < done), f"prefill request at step {s}: present={present}, finished_sending at {done}"
+        if present:  # held: every prompt block still out (one prefill request at a time in these scenarios)
+            assert pair.P.free0 - free == math.ceil(n / BS), (s, free, pair.P.free0)
+
+
+def check_blocks_back(pair: Pair) -> None:
+    for inst in (pair.P, pair.D):
+        assert inst.free() == inst.free0, f"{inst.name}: {inst.free()} free blocks, started with {inst.free0}"
+        assert not inst.sched.requests
+
+
+def run_one(pair: Pair, rid: str, prompt_len: int, **kw) -> tuple[Trace, Job, int]:
+    job = decode_job(pair, rid, prompt_of(rid, prompt_len), **kw)
+    before = pair.sender_bytes()
+    trace = drive(pair, [job])
+    return trace, job, pair.sender_bytes() - before
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# scenarios
