@@ -19,6 +19,7 @@ fresh rank set (fresh connector, NIXL agent, KV caches) per test, as a fresh dep
 from __future__ import annotations
 
 import logging
+import math
 import socket
 
 import pytest
@@ -130,6 +131,24 @@ def test_decode_prefix_hit_transfers_only_the_rest(pool, m3_dir):
         check_blocks_back(pair)
         # only tokens 64..98 moved: blocks 4, 5, 6
         assert sent == block_bytes(pair.D) * (math.ceil(99 / BS) - 64 // BS)
+
+
+def test_prefill_prefix_hit_is_still_sent_whole(pool, m3_dir):
+    # Decode keeps no prefix cache, prefill does: the second request's first 64 tokens are prefill cache hits
+    # (never computed in this request) and must still reach decode, from prefill's cached blocks.
+    with Pair(pool, m3_dir, decode_prefix_caching=False) as pair:
+        shared = prompt_of("prefix", 64)
+        first = decode_job(pair, "s7a", shared + prompt_of("tail-a", 16))
+        check_transfer(pair, drive(pair, [first]), first)
+        second = decode_job(pair, "s7b", shared + prompt_of("tail-b", 36))
+        before = pair.sender_bytes()
+        trace = drive(pair, [second])
+        sent = pair.sender_bytes() - before
+        assert trace.scheduled_prefill["s7b"] == [36]  # prefill computed only the tail
+        assert trace.recv_specs["s7b"].first_token == 0
+        check_transfer(pair, trace, second)
+        check_blocks_back(pair)
+        assert sent == block_bytes(pair.D) * math.ceil(99 / BS)  # every block, prefix included
 
 
 def test_bad_transfer_params_fail_alone(pool, m3_dir, caplog):

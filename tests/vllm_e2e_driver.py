@@ -134,7 +134,8 @@ class Instance:
 
 
 def make_instance(pool: Pool, first_worker: int, model_dir, *, role: str, tp: int, pp: int, by_name: bool,
-                  base_port: int, max_num_batched_tokens: int = 256, policy: str = "fail") -> Instance:
+                  base_port: int, max_num_batched_tokens: int = 256, policy: str = "fail",
+                  prefix_caching: bool = True) -> Instance:
     name = "prefill" if role == "kv_producer" else "decode"
     engine_id = f"{name}-{uuid.uuid4().hex[:8]}"
     extra = dict(EXTRA, side_channel_port=base_port)
@@ -142,13 +143,13 @@ def make_instance(pool: Pool, first_worker: int, model_dir, *, role: str, tp: in
         connector.register()
         cfg = H.make_vllm_config(model_dir, kv_role=role, engine_id=engine_id, extra_config=extra, block_size=BS,
                                  max_num_batched_tokens=max_num_batched_tokens, tp=tp, pp=pp,
-                                 kv_load_failure_policy=policy)
+                                 kv_load_failure_policy=policy, enable_prefix_caching=prefix_caching)
         cfg.kv_transfer_config.kv_connector_module_path = None  # the registered name alone
     else:
         cfg = H.make_vllm_config(model_dir, kv_role=role, engine_id=engine_id, extra_config=extra, block_size=BS,
                                  kv_connector_module_path="connector.vllm",
                                  max_num_batched_tokens=max_num_batched_tokens, tp=tp, pp=pp,
-                                 kv_load_failure_policy=policy)
+                                 kv_load_failure_policy=policy, enable_prefix_caching=prefix_caching)
     assert H.resolve_layout(cfg).name == "LBHNC"  # the connector's requirement wins over the sm90 default
     # The engine core hands the scheduler worker 0's (PP stage 0's) KV-cache config.
     sched = H.make_scheduler(cfg, H.make_kv_cache_config(cfg, num_blocks=NUM_BLOCKS, pp_rank=0))
@@ -157,7 +158,8 @@ def make_instance(pool: Pool, first_worker: int, model_dir, *, role: str, tp: in
     workers = {rank: first_worker + i for i, rank in enumerate(ranks)}
     spec = {"model_dir": str(model_dir), "kv_role": role, "engine_id": engine_id, "extra_config": extra,
             "block_size": BS, "max_num_batched_tokens": max_num_batched_tokens, "tp": tp, "pp": pp,
-            "kv_load_failure_policy": policy, "num_blocks": NUM_BLOCKS, "by_name": by_name}
+            "kv_load_failure_policy": policy, "num_blocks": NUM_BLOCKS, "by_name": by_name,
+            "enable_prefix_caching": prefix_caching}
     for rank, w in workers.items():
         pool.send(w, ("setup", dict(spec, rank=rank)))
     infos = {rank: pool.reply(w)[1] for rank, w in workers.items()}
@@ -180,7 +182,7 @@ class Pair:
     """A prefill and a decode instance on the pool; tears every rank down on exit."""
 
     def __init__(self, pool: Pool, model_dir, *, prefill=(1, 1), decode=(1, 1), by_name=False,
-                 prefill_max_batched=256) -> None:
+                 prefill_max_batched=256, decode_prefix_caching=True) -> None:
         self.pool = pool
         (ptp, ppp), (dtp, dpp) = prefill, decode
         assert ptp * ppp + dtp * dpp <= len(pool.procs)
@@ -191,7 +193,7 @@ class Pair:
                                    base_port=self.base_port, max_num_batched_tokens=prefill_max_batched)
             self.instances.append(self.P)
             self.D = make_instance(pool, ptp * ppp, model_dir, role="kv_consumer", tp=dtp, pp=dpp,
-                                   by_name=by_name, base_port=self.base_port)
+                                   by_name=by_name, base_port=self.base_port, prefix_caching=decode_prefix_caching)
             self.instances.append(self.D)
         except BaseException:
             self.close()

@@ -95,7 +95,8 @@ class Rank:
         cfg = H.make_vllm_config(spec["model_dir"], kv_role=spec["kv_role"], engine_id=spec["engine_id"],
                                  extra_config=spec["extra_config"], block_size=spec["block_size"],
                                  max_num_batched_tokens=spec["max_num_batched_tokens"], tp=self.tp, pp=self.pp,
-                                 kv_load_failure_policy=spec["kv_load_failure_policy"])
+                                 kv_load_failure_policy=spec["kv_load_failure_policy"],
+                                 enable_prefix_caching=spec.get("enable_prefix_caching", True))
         if spec["by_name"]:
             cfg.kv_transfer_config.kv_connector_module_path = None  # the registered name alone
         self.cfg = cfg
