@@ -26,31 +26,37 @@ class _Progress:
                 sys.stderr.write("\n")
 
 
-def bench(sc: Scenario, progress: bool = False, repeats: int = 3) -> dict[str, Any]:
+def bench(sc: Scenario, progress: bool = False, repeats: int = 5) -> dict[str, Any]:
     """Medians over `repeats` runs of each: raw NIXL, connector bulk, connector stream (same blocks each time)."""
     one = ParallelLayout.build(sc.model.num_layers, 1, 1)
     sc = dataclasses.replace(sc, prefill=one, decode=one, chunks=1, prefix_tokens=0, late_register=False)
-    bar = _Progress(progress, 2 + 3 * repeats)
+    bar = _Progress(progress, 3 + 3 * repeats)
     raw_s, bulks, streams, seq = [], [], [], iter(range(1_000_000))
     with Cluster(sc) as cluster:
         bar.step("processes up")
         cluster.run_request(next(seq), seed=0, mode="bulk", layer_ms=0.0)   # warm-up: handshakes, page faults
         bar.step("warm-up")
         _, prefill_conn = cluster.prefill[(0, 0)]
-        for _ in range(repeats):
-            _, seconds, raw_bytes, raw_descs = cluster.ask(prefill_conn, ("raw", 0, sc.tokens, cluster.registered),
-                                                          sc.timeout_s, "prefill (0, 0)")
-            raw_s.append(seconds)
-            bar.step("raw NIXL")
-        raw_median = statistics.median(raw_s)
-        layer_ms = sc.layer_ms or round(1.5 * raw_median * 1e3 / sc.model.num_layers, 3)
+
+        def raw() -> tuple[float, int, int]:
+            _, seconds, nbytes, count = cluster.ask(prefill_conn, ("raw", 0, sc.tokens, cluster.registered),
+                                                    sc.timeout_s, "prefill (0, 0)")
+            return seconds, nbytes, count
+
+        first_raw, raw_bytes, raw_descs = raw()
+        bar.step("raw NIXL (sizing)")
+        layer_ms = sc.layer_ms or round(1.5 * first_raw * 1e3 / sc.model.num_layers, 3)
         hooks_before = len(cluster.hook_ns)
+        # Interleaved, so machine noise hits the three kinds alike.
         for _ in range(repeats):
+            raw_s.append(raw()[0])
+            bar.step("raw NIXL")
             bulks.append(cluster.run_request(next(seq), seed=0, mode="bulk", layer_ms=layer_ms))
             bar.step("connector bulk")
             streams.append(cluster.run_request(next(seq), seed=0, mode="stream", layer_ms=layer_ms))
             bar.step("connector stream")
         hook_ns = cluster.hook_ns[hooks_before:]
+    raw_median = statistics.median(raw_s)
 
     def exposed(r: RequestResult) -> float:
         return max(0.0, r.last_complete - r.compute_end) * 1e3

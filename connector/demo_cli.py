@@ -25,7 +25,7 @@ def add_subcommands(subs: Any, add_common: Callable[[argparse.ArgumentParser], N
     bench = subs.add_parser("bench", help="raw NIXL vs connector bulk vs connector stream, one process pair")
     add_common(bench)
     _add_run_args(bench, layer_ms=None)
-    bench.add_argument("--repeats", type=int, default=3, help="runs of each kind; medians are reported")
+    bench.add_argument("--repeats", type=int, default=5, help="runs of each kind; medians are reported")
     bench.set_defaults(run=run_bench)
 
 
