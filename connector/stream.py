@@ -191,7 +191,7 @@ class StreamSender:
         self._check_finished(req, ok=False)
 
     # ---- registration ----------------------------------------------------------------------------------------
-    def _on_hello(self, hello: Hello) -> None:
+    async def _on_hello(self, hello: Hello) -> None:
         """Check a decode rank before it is accepted: its layout must be one our plan can serve."""
         decode = layout_of(hello, self.model)
         plan = build_plan(self.model, self.parallel, decode)
@@ -199,8 +199,13 @@ class StreamSender:
         if hello.block_size != self.block_size:
             raise LayoutError(f"decode block size {hello.block_size} != prefill block size {self.block_size}: "
                               f"start both with the same --block-size")
-        agent = self.transport.add_peer(hello.agent_metadata)
-        self._peers[(hello.engine_id, hello.pp_rank, hello.tp_rank)] = PeerInfo(hello, plan, regions, agent)
+        key = (hello.engine_id, hello.pp_rank, hello.tp_rank)
+        # NIXL peer calls can wait behind a DRAM copy in progress: keep them off the loop.
+        old = self._peers.get(key)
+        if old is not None and old.hello.agent_metadata != hello.agent_metadata:
+            await asyncio.to_thread(self.transport.remove_peer, old.agent)  # that rank restarted
+        agent = await asyncio.to_thread(self.transport.add_peer, hello.agent_metadata)
+        self._peers[key] = PeerInfo(hello, plan, regions, agent)
 
     async def _on_message(self, conn: ControlConnection, msg: Any) -> None:
         if isinstance(msg, Register):

@@ -135,7 +135,7 @@ class SchedulerSide:
             if req_id not in self._send_started:  # never reached the workers: nothing reads its blocks
                 self._send_known.pop(req_id, None)
                 return False, None
-            if request.status != RequestStatus.FINISHED_STOPPED and request.status != RequestStatus.FINISHED_LENGTH_CAPPED:
+            if request.status not in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED):
                 # Aborted or failed prefill: tell decode, stop writing. Blocks are still held until the workers
                 # report the transfer finished, so no WRITE in flight reads a reused block.
                 self._aborts[req_id] = known[0]

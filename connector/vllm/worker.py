@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
+import uuid
 from typing import Any
 
 import torch
@@ -76,7 +77,9 @@ class WorkerSide:
         regions = build_regions(kv_caches, self.kv_cache_config, self.rank_layout)
         self._cuda = any(t.is_cuda for t in kv_caches.values())
         self.loop.start()
-        name = f"{self.engine_id}-{'p' if self.is_producer else 'd'}-{self.rank[0]}-{self.rank[1]}"
+        # Unique per process start: a restarted rank must not look like the old one to its peers' NIXL agents.
+        side = "p" if self.is_producer else "d"
+        name = f"{self.engine_id}-{side}-{self.rank[0]}-{self.rank[1]}-{uuid.uuid4().hex[:8]}"
         self.transport = Transport(TransportConfig(name=name, max_inflight_bytes=self.settings.max_inflight_bytes,
                                                    posts_per_second=self.settings.posts_per_second,
                                                    progress_delay_us=self.settings.progress_delay_us))
