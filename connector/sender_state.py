@@ -74,6 +74,8 @@ class SendRequest:
     expected: set[PeerKey] | None = None
     lease_deadline: float = math.inf
     failed: bool = False
+    generation: int = 0
+    """Bumped when prefill restarts the request (vLLM preemption): WRITEs of an older generation do not count."""
     first_write_at: float = 0.0
     """Wall-clock time (time.time()) the first WRITE of this request was posted; 0 = none yet."""
     finished: asyncio.Future | None = None

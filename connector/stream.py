@@ -150,6 +150,16 @@ class StreamSender:
         if req is None:
             log.error("begin_chunk for unknown transfer %s", transfer_id)
             return
+        moved = any(new[:len(old)] != old[:len(new)] for new, old in zip(block_ids, req.block_ids))
+        if computed_tokens < req.computed_tokens or moved:
+            # vLLM preempted and is recomputing the request, possibly into other blocks: nothing counts as ready
+            # until recomputed, and everything is sent again (a WRITE in flight may have read a reused block).
+            log.warning("transfer %s: prefill restarted at %d tokens (was %d); resending from scratch",
+                        transfer_id, computed_tokens, req.computed_tokens)
+            req.generation += 1
+            req.ready_tokens.clear()
+            for dest in req.dests.values():
+                dest.sent_tokens.clear()
         req.block_ids = [list(g) for g in block_ids]
         req.computed_tokens = computed_tokens
 
@@ -324,6 +334,7 @@ class StreamSender:
     async def _write_batch(self, req: SendRequest, dest: Destination, batch: list[tuple[int, int]]) -> None:
         req.first_write_at = req.first_write_at or time.time()
         layers = [layer for layer, _ in batch]
+        generation = req.generation
         try:
             descs = self._batch_descriptors(req, dest, batch)
             if len(descs):
@@ -346,8 +357,9 @@ class StreamSender:
             if dest.done:  # aborted or failed meanwhile: this may have been the last reader of the blocks
                 self._flush_notice(dest)
                 self._check_finished(req)
-        for layer, ready in batch:
-            dest.sent_tokens[layer] = ready
+        if generation == req.generation:  # else a restart made what this WRITE read stale: send it again
+            for layer, ready in batch:
+                dest.sent_tokens[layer] = ready
         dest.bytes_written += descs.nbytes
         dest.descriptors += len(descs)
         self.stats.bytes_written += descs.nbytes

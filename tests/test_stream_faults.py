@@ -252,3 +252,37 @@ def test_decode_abort_before_registering_frees_prefill_without_waiting_for_the_l
     ok = cluster.ask(conn, ("finish", "t-abort-early"), 30, "prefill")
     assert ok[1] is False and time.monotonic() - began < 5
     assert not any(bool(t.any()) for t in decode.bufs.tensors)
+
+
+def test_prefill_restart_after_preemption_resends_from_the_new_blocks(prefill_cluster_and_decode):
+    """vLLM may preempt a prefill and recompute it into other blocks: what was streamed from the old blocks must
+    not count, and decode must end up with the bytes of the recomputation."""
+    sc, cluster, decode, receiver = prefill_cluster_and_decode()
+    prefill = InProcess("prefill", sc)
+    sender = StreamSender(prefill.transport, sc.model, sc.prefill, (0, 0), prefill.bufs.regions(), BLOCK,
+                          SenderConfig(engine_id="test-prefill-2", port=cluster.base_port + 1), prefill.lt.loop)
+    try:
+        prefill.lt.run(sender.start(), 10)
+        addr = PrefillAddress("127.0.0.1", cluster.base_port + 1)
+        dst = pick_blocks(TOKENS, BLOCK, decode.num_blocks, seed=8)
+        fut = decode.lt.submit(receiver.receive("t-preempt", addr, dst, 0, TOKENS))
+        old = pick_blocks(TOKENS, BLOCK, prefill.num_blocks, seed=9)
+        sender.start_request("t-preempt", TOKENS)
+        sender.begin_chunk("t-preempt", old, 32)
+        for layer in range(60):  # the first chunk is computed...
+            prefill.bufs.fill(layer, old, 0, 32)
+        for t in prefill.bufs.tensors:
+            t.zero_()  # ...but preempted, its blocks reused by another request before the WRITEs read them
+        for layer in range(60):
+            sender.layer_ready("t-preempt", layer)
+        sender.end_chunk("t-preempt")
+        time.sleep(0.5)
+        new = pick_blocks(TOKENS, BLOCK, prefill.num_blocks, seed=10)
+        sender.begin_chunk("t-preempt", new, TOKENS)  # recomputed from scratch into new blocks, in one go
+        for layer in range(60):
+            prefill.bufs.fill(layer, new, 0, TOKENS)
+        sender.end_chunk("t-preempt")
+        fut.result(30)
+        assert decode.bufs.verify(dst, 0, TOKENS) == []
+    finally:
+        prefill.close(sender)
