@@ -242,3 +242,15 @@ def test_pp_aware_handshake_metadata_is_accepted(m3_dir):
     bad[(1, 1)] = SparseKVHandshake("e", 1, 1, "0" * 16, "127.0.0.1:5603")
     with pytest.raises(ValueError, match="disagree on the model layout fingerprint"):
         sched.connector.set_xfer_handshake_metadata_pp_aware(bad)
+
+
+def test_installed_package_registers_by_name_through_the_vllm_plugin_entry_point():
+    from importlib.metadata import entry_points
+
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    plugins = {ep.name: ep for ep in entry_points(group="vllm.general_plugins")}
+    assert plugins["sparse_kv_connector"].value == "connector:register"
+    plugins["sparse_kv_connector"].load()()  # what vLLM's load_general_plugins() does in every process
+    plugins["sparse_kv_connector"].load()()  # idempotent
+    assert KVConnectorFactory.get_connector_class_by_name("SparseKVConnector") is SparseKVConnector
