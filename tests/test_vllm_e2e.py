@@ -98,6 +98,16 @@ def test_tp2_prefill_to_tp1_decode_head_slicing(pool, m3_dir):
         assert sent == block_bytes(pair.D) * math.ceil(76 / BS)  # index cache from ONE prefill rank
 
 
+@pytest.mark.parametrize("decode", [(2, 1), (1, 2)], ids=["decode-tp2", "decode-pp2"])
+def test_decode_with_more_ranks_than_prefill(pool, m3_dir, decode):
+    # decode TP=2: each decode rank gets its two heads from the one prefill rank (head slicing the other way),
+    # plus its own copy of the replicated index cache; decode PP=2: each stage registers its own layer range.
+    with Pair(pool, m3_dir, decode=decode) as pair:
+        trace, job, sent = run_one(pair, "s8", 70)
+        check_transfer(pair, trace, job)
+        check_blocks_back(pair)
+
+
 def test_chunked_prefill_streams_each_chunk(pool, m3_dir):
     with Pair(pool, m3_dir, prefill_max_batched=40) as pair:
         trace, job, sent = run_one(pair, "s4", 100)
