@@ -286,3 +286,38 @@ def test_prefill_restart_after_preemption_resends_from_the_new_blocks(prefill_cl
         assert decode.bufs.verify(dst, 0, TOKENS) == []
     finally:
         prefill.close(sender)
+
+
+def test_decode_heartbeats_extend_the_lease():
+    """A finished request waits past its 1 s lease while decode keeps listing it in heartbeats, then completes."""
+    sc = make_scenario()
+    prefill = InProcess("prefill", sc)
+    decode = InProcess("decode", sc)
+    sender = StreamSender(prefill.transport, sc.model, sc.prefill, (0, 0), prefill.bufs.regions(), BLOCK,
+                          SenderConfig(engine_id="test-prefill-hb", port=0, lease_s=1.0), prefill.lt.loop)
+    receiver = StreamReceiver(decode.transport, sc.model, sc.decode, (0, 0), decode.bufs.regions(), BLOCK,
+                              ReceiverConfig(engine_id="test-decode-hb"))
+    try:
+        port = prefill.lt.run(sender.start(), 10)
+        blocks = pick_blocks(TOKENS, BLOCK, prefill.num_blocks, seed=11)
+        sender.start_request("t-hb", TOKENS)
+        sender.begin_chunk("t-hb", blocks, TOKENS)
+        for layer in range(60):
+            prefill.bufs.fill(layer, blocks, 0, TOKENS)
+        sender.end_chunk("t-hb")  # finished; the lease (1 s) starts now
+
+        async def keep_alive():
+            return await connect("127.0.0.1", port, receiver.hello, timeout=10, heartbeat_interval_s=0.2,
+                                 heartbeat_ids=lambda: ["t-hb"])
+
+        beating = decode.lt.run(keep_alive(), 15)
+        time.sleep(3.0)  # three leases long
+        assert "t-hb" in sender.requests, "the lease expired although decode kept heartbeating"
+        dst = pick_blocks(TOKENS, BLOCK, decode.num_blocks, seed=12)
+        decode.lt.run(receiver.receive("t-hb", PrefillAddress("127.0.0.1", port), dst, 0, TOKENS), 30)
+        assert prefill.lt.run(sender.wait_finished("t-hb", 10), 15) is True
+        assert decode.bufs.verify(dst, 0, TOKENS) == []
+        decode.lt.run(beating.close(), 10)
+    finally:
+        decode.close(receiver)
+        prefill.close(sender)
