@@ -58,7 +58,6 @@ class WorkerSide:
         self.sender: StreamSender | None = None
         self.receiver: StreamReceiver | None = None
         self._layer_of: dict[str, int] = {name: info.layer for name, info in classify_layers(kv_cache_config).items()}
-        self._meta: SparseKVMetadata | None = None
         self._lock = threading.Lock()
         self._finished_sending: set[str] = set()
         self._req_of_tid: dict[str, str] = {}
@@ -123,7 +122,6 @@ class WorkerSide:
     def bind(self, meta: SparseKVMetadata) -> None:
         """Called before the forward: announce this step's tokens to the sender, start receives and aborts.
         (start_load_kv may run after the forward launch, too late for the sender's bookkeeping.)"""
-        self._meta = meta
         for req_id, tid in meta.aborts.items():
             self._abort(req_id, tid)
         if self.sender is not None:
