@@ -46,12 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(plan)
     plan.add_argument("--prefill", required=True, metavar="tp=T,pp=P[,layers=a:b:c]")
     plan.add_argument("--decode", required=True, metavar="tp=T,pp=P[,layers=a:b:c]")
-    try:
-        from connector.demo_cli import add_subcommands
-    except ImportError:  # demo needs the transport stack; plan must work without it
-        pass
-    else:
-        add_subcommands(subs, _add_common)
+    from connector.demo_cli import add_subcommands  # imports the transport stack only when a command runs
+
+    add_subcommands(subs, _add_common)
     return parser
 
 

@@ -78,9 +78,6 @@ class TransferPlan:
     def routes_to(self, dst: Rank) -> tuple[Route, ...]:
         return self._by_dst.get(dst, ())
 
-    def destinations_of(self, src: Rank) -> list[Rank]:
-        return sorted({r.dst.rank for r in self.routes_from(src)})
-
     def sources_of(self, dst: Rank) -> list[Rank]:
         return sorted({r.src.rank for r in self.routes_to(dst)})
 
