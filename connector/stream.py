@@ -123,7 +123,9 @@ class StreamSender:
 
     async def _drain_loop(self) -> None:
         while True:
-            if self.requests or self._inbox:
+            # Poll only while some request is still computing (hooks can come); requests that wait for decode
+            # or their lease need no polling.
+            if self._inbox or any(not r.final for r in self.requests.values()):
                 await asyncio.sleep(self.config.poll_interval_s)
             else:
                 self._wake.clear()
