@@ -69,6 +69,10 @@ class Poller(threading.Thread):
         self._stopping = True
         self._wake.set()
 
+    def detach(self) -> None:
+        """After the thread ended: drop the agent so the Transport's close can destroy it."""
+        self._agent = None
+
     def run(self) -> None:
         delay = 0.0
         try:
