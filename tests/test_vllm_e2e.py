@@ -43,6 +43,13 @@ def m3_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def m3v_dir(tmp_path_factory):
+    """The index-V variant: sparse layers 3 and 6 keep an index value (see vllm_harness.layer_specs)."""
+    return H.write_m3_config(tmp_path_factory.mktemp("m3v_e2e"), num_layers=8, dense_layers=2, kv_heads=4,
+                             head_dim=64, index_dim=64, index_value_layers=(3, 6))
+
+
+@pytest.fixture(scope="module")
 def pool_holder():
     holder: dict[str, Pool] = {}
     yield holder
@@ -96,6 +103,27 @@ def test_tp2_prefill_to_tp1_decode_head_slicing(pool, m3_dir):
         check_transfer(pair, trace, job)
         check_blocks_back(pair)
         assert sent == block_bytes(pair.D) * math.ceil(76 / BS)  # index cache from ONE prefill rank
+
+
+@pytest.mark.parametrize("prefill", [(1, 2), (2, 1)], ids=["prefill-pp2", "prefill-tp2"])
+def test_index_value_pool_moves_with_the_rest(pool, m3v_dir, prefill):
+    # index_v exists on layers 3 and 6 only. Prefill PP=2 (layers 0-3 | 4-7) holds it at stage-local slot 0 on
+    # both stages; decode PP=1 holds it at slots 0 and 1: routed by (pool, global layer), never by position.
+    # Prefill TP=2: the replicated index pools come from exactly one of the two prefill ranks.
+    with Pair(pool, m3v_dir, prefill=prefill) as pair:
+        def pool_layers(inst, name):
+            return {rank: sorted(layer for _n, p, layer in info["layers"] if p == name)
+                    for rank, info in inst.infos.items()}
+
+        assert pool_layers(pair.D, "index_v") == {(0, 0): [3, 6]}
+        if prefill == (1, 2):
+            assert pool_layers(pair.P, "index_v") == {(0, 0): [3], (1, 0): [6]}
+        else:
+            assert pool_layers(pair.P, "index_v") == {(0, 0): [3, 6], (0, 1): [3, 6]}
+        trace, job, sent = run_one(pair, "v1", 90)
+        check_transfer(pair, trace, job)  # byte-exact on every pool, index_v included
+        check_blocks_back(pair)
+        assert sent == block_bytes(pair.D) * math.ceil(89 / BS)  # each decode byte written once
 
 
 @pytest.mark.parametrize("decode", [(2, 1), (1, 2)], ids=["decode-tp2", "decode-pp2"])

@@ -361,3 +361,35 @@ def test_dist_init_gives_real_groups(m3_dir):
     with H.dist_init(cfg):
         assert ps.get_tensor_model_parallel_rank() == 0 and ps.get_tensor_model_parallel_world_size() == 1
         assert ps.get_pp_group().is_first_rank and ps.get_pp_group().is_last_rank
+
+
+def _regions_of(model_dir, *, drop_index_values: bool):
+    """build_regions on a real vLLM allocation of the whole model (TP1/PP1), optionally without the index-value
+    caches (what vLLM 0.33 itself builds for any M3 config)."""
+    from connector.layout import ParallelLayout, RankLayout
+    from connector.vllm.regions import build_regions, model_layout_from_vllm
+
+    cfg = H.make_vllm_config(model_dir, kv_role="kv_producer", kv_connector="TinyConnector",
+                             kv_connector_module_path=MODULE)
+    specs = {n: s for n, s in H.layer_specs(cfg).items()
+             if not (drop_index_values and n.endswith(".index_value_cache"))}
+    kvc = H.make_kv_cache_config(cfg, specs, num_blocks=4)
+    caches = H.allocate_kv_caches(kvc, cfg)
+    model = model_layout_from_vllm(cfg)
+    rank = RankLayout(model, ParallelLayout.build(model.num_layers, 1, 1), 0, 0)
+    return build_regions(caches, kvc, rank)
+
+
+def test_index_value_caches_become_the_index_v_pool(tmp_path):
+    regions = _regions_of(H.write_m3_config(tmp_path, index_value_layers=(3, 6)), drop_index_values=False)
+    by_pool = {p: [(r.layer, r.slot) for r in regions if r.pool == p] for p in ("kv", "index_k", "index_v")}
+    assert by_pool["index_v"] == [(3, 0), (6, 1)]  # slots are compacted per pool
+    assert [layer for layer, _ in by_pool["index_k"]] == list(range(2, 8))
+    assert len(by_pool["kv"]) == 8
+
+
+def test_config_with_index_values_but_no_index_value_cache_is_refused(tmp_path):
+    from connector.layout import LayoutError
+
+    with pytest.raises(LayoutError, match=r"keeps an index value on sparse layers \[3, 6\].*no index-value cache"):
+        _regions_of(H.write_m3_config(tmp_path, index_value_layers=(3, 6)), drop_index_values=True)

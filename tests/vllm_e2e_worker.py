@@ -129,8 +129,9 @@ class Rank:
             tensor = self.caches[name]
             u8 = tensor.view(torch.uint8)
             layer = int(name.split(".layers.")[1].split(".")[0])
-            if name.endswith(".index_cache"):
-                pool, heads = "index_k", (0, 1)  # one replicated head on every TP rank
+            if name.endswith((".index_cache", ".index_value_cache")):
+                pool = "index_v" if name.endswith(".index_value_cache") else "index_k"
+                heads = (0, 1)  # one replicated head on every TP rank
                 assert u8.shape[1] == 1, f"{name}: index cache has {u8.shape[1]} heads"
             else:
                 pool = "kv"

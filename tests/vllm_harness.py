@@ -79,7 +79,8 @@ def write_m3_config(path, num_layers: int = 8, dense_layers: int = 2, index_valu
     """A tiny MiniMax-M3 config.json shaped like connector/presets/minimax-m3.json (VL top level + text_config;
     a bare text config does not load: vLLM maps only minimax_m3_vl/_mtp, transformers_utils/config.py:155).
     Layers < dense_layers are dense, the rest sparse. index_value_layers clears sparse_disable_index_value there
-    (vLLM 0.33 never reads it: no index-value cache). Returns the folder."""
+    (vLLM 0.33 never reads it and builds no index-value cache; `layer_specs` adds one, see there). Returns the
+    folder."""
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
     freq = [0] * dense_layers + [1] * (num_layers - dense_layers)
@@ -177,10 +178,24 @@ def sparse_layer_ids(vllm_config) -> list[int]:
     return [i for i, f in enumerate(sparse["sparse_attention_freq"][: cfg.num_hidden_layers]) if f]
 
 
+def index_value_layer_ids(vllm_config) -> list[int]:
+    """Sparse layers whose config keeps an index value (`sparse_disable_index_value[i] == 0`)."""
+    sparse = sparse_layer_ids(vllm_config)
+    if not sparse:
+        return []
+    flags = vllm_config.model_config.hf_text_config.sparse_attention_config.get("sparse_disable_index_value") or []
+    return [i for i in sparse if i < len(flags) and not flags[i]]
+
+
 def layer_specs(vllm_config, *, pp_rank: int | None = None) -> dict[str, KVCacheSpec]:
     """{layer name: spec} in static_forward_context registration order, for one PP stage (None: all layers).
     Uses the real backends' customize_attention_spec, so sparse/indexer specs carry
-    block_stride_alignment=MultipleOf(128) exactly as on CUDA."""
+    block_stride_alignment=MultipleOf(128) exactly as on CUDA.
+
+    The index-V variant: vLLM 0.33 builds no index-value cache (M3 "always disables" it, nvidia/model.py:404), so
+    for a config that keeps index values on some sparse layers this adds, after that layer's index cache, a
+    `...attn.index_value_cache` spec built like the index-key one (INDEXER role, one head, sparse_index_dim): the
+    shape SGLang's index_kv_pool gives the value half, and what our connector reads as the index_v pool."""
     fa, sparse_backend, index_backend = _backends()
     cfg = vllm_config.model_config.hf_text_config
     tp = vllm_config.parallel_config.tensor_parallel_size
@@ -190,6 +205,7 @@ def layer_specs(vllm_config, *, pp_rank: int | None = None) -> dict[str, KVCache
     kv_heads = max(1, cfg.num_key_value_heads // tp)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     sparse = set(sparse_layer_ids(vllm_config))
+    values = set(index_value_layer_ids(vllm_config))
     prefix = layer_prefix(vllm_config)
     main = FullAttentionSpec(block_size=bs, num_kv_heads=kv_heads, head_size=head_dim, head_size_v=head_dim,
                              dtype=torch.bfloat16)
@@ -198,9 +214,10 @@ def layer_specs(vllm_config, *, pp_rank: int | None = None) -> dict[str, KVCache
         name = f"{prefix}.layers.{i}.self_attn.attn"
         if i in sparse:
             index_dim = cfg.sparse_attention_config["sparse_index_dim"]
-            specs[f"{name}.index_cache"] = customize_attention_spec(index_backend, MLAAttentionSpec(
-                block_size=bs, num_kv_heads=1, head_size=index_dim, dtype=torch.bfloat16,
-                cache_role=SparseCacheRole.INDEXER))
+            for cache in ("index_cache", "index_value_cache") if i in values else ("index_cache",):
+                specs[f"{name}.{cache}"] = customize_attention_spec(index_backend, MLAAttentionSpec(
+                    block_size=bs, num_kv_heads=1, head_size=index_dim, dtype=torch.bfloat16,
+                    cache_role=SparseCacheRole.INDEXER))
             specs[name] = customize_attention_spec(sparse_backend, main)
         else:
             specs[name] = customize_attention_spec(fa, main)

@@ -122,6 +122,15 @@ def build_regions(kv_caches: dict[str, torch.Tensor], kv_cache_config: KVCacheCo
         want = set(rank.layers(pool))
         if have != want:
             extra, missing = sorted(have - want), sorted(want - have)
+            if pool == "index_v" and not have:
+                # vLLM 0.33's MiniMax-M3 assumes sparse_disable_index_value is set on every sparse layer and never
+                # builds an index-value cache; moving the rest would hand decode a state the config says is partial.
+                raise LayoutError(
+                    f"{who}: config.json keeps an index value on sparse layers {missing} "
+                    f"(sparse_attention_config.sparse_disable_index_value is 0 there) but this vLLM built no "
+                    f"index-value cache for them (vLLM 0.33's MiniMax-M3 never does), so their index_v state "
+                    f"cannot be transferred: serve a config whose sparse layers all set sparse_disable_index_value "
+                    f"to 1, or a vLLM whose model registers the index-value cache")
             raise LayoutError(
                 f"{who}: vLLM's KV caches have {pool} for layers {extra or '{}'} the model config does not, and "
                 f"lack it for layers {missing or '{}'} that the config has: the model config and the running "
