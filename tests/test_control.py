@@ -268,7 +268,7 @@ async def test_silent_peer_detected_by_dead_after(caplog):
         with pytest.raises(ControlError, match="silent"):
             await conn.recv(5)  # fails promptly instead of waiting the full 5 s
         elapsed = time.monotonic() - start
-        assert 0.25 < elapsed < 1.5
+        assert 0.25 < elapsed < 3  # far below the 5 s the recv would otherwise wait
         assert reasons == [conn.close_reason] and "dead_after" in reasons[0]
         assert await asyncio.wait_for(conn.closed, 1) == reasons[0]
         await conn.close()

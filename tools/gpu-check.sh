@@ -7,9 +7,9 @@ OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD UCX_NET_DEVICES=lo NIXL_LOG_LEVEL=WARN PYTHONUNBUFFERED=1
 nvidia-smi -L | tee "$OUT/gpu.txt"
-timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_transport.py tests/test_gpu.py 2>&1 | tee "$OUT/gpu-tests.log"
-timeout 90 python3 -m connector demo --model minimax-m3 --prefill tp=1,pp=2 --decode tp=1,pp=1 --device cuda \
+timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_transport.py tests/test_gpu.py 2>&1 | tee "$OUT/gpu-tests.log"
+timeout 60 python3 -m connector demo --model minimax-m3 --prefill tp=1,pp=2 --decode tp=1,pp=1 --device cuda \
     --tokens 4096 --json 2>&1 | tee "$OUT/demo.json"
-timeout 120 python3 -m connector bench --model minimax-m3 --tokens 4096 --device cuda --repeats 3 --json 2>&1 | tee "$OUT/bench.json"
-timeout 120 python3 -m connector bench --model minimax-m3 --tokens 4096 --device cuda --repeats 3 --run-blocks 16 --json 2>&1 \
+timeout 80 python3 -m connector bench --model minimax-m3 --tokens 4096 --device cuda --repeats 3 --json 2>&1 | tee "$OUT/bench.json"
+timeout 80 python3 -m connector bench --model minimax-m3 --tokens 4096 --device cuda --repeats 3 --run-blocks 16 --json 2>&1 \
     | tee "$OUT/bench-runs16.json"
