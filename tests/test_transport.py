@@ -420,12 +420,14 @@ async def test_close_ends_the_agents_native_threads() -> None:
         pass
     base = len(_thread_cpu_ticks())
     kept = []
-    for i in range(3):
+    for i in range(6):
         t = Transport(TransportConfig(_name(f"threads{i}")))
         async with t:
             assert len(_thread_cpu_ticks()) > base
         kept.append(t)
-    assert len(_thread_cpu_ticks()) <= base, "closed transports still hold native threads (agent not destroyed)"
+    # each leaked agent keeps at least one native thread (+6 here); slack of 2 for unrelated pool threads
+    after = len(_thread_cpu_ticks())
+    assert after <= base + 2, f"closed transports still hold native threads: {base} -> {after} (agent not destroyed)"
 
 
 async def test_byte_gate_is_fifo_admits_oversize_alone_and_survives_cancel() -> None:
