@@ -12,7 +12,8 @@ workers hold, byte for byte, what prefill computed for every (pool, layer, token
 blocks; prefill keeps its blocks until finished_sending and then frees them; both block pools return to their
 start; the bytes prefill wrote are exactly the blocks decode asked for.
 
-The worker processes (3: enough for prefill PP=2 or TP=2 plus decode) are started once for the module and host a
+The worker processes (3: enough for prefill PP=2 or TP=2 plus decode; grown to 5 for PP and TP at once) are
+started once for the module and host a
 fresh rank set (fresh connector, NIXL agent, KV caches) per test, as a fresh deployment would.
 """
 
@@ -134,6 +135,21 @@ def test_decode_with_more_ranks_than_prefill(pool, m3_dir, decode):
         trace, job, sent = run_one(pair, "s8", 70)
         check_transfer(pair, trace, job)
         check_blocks_back(pair)
+
+
+@pytest.mark.parametrize("prefill,decode", [((2, 2), (1, 1)), ((1, 2), (2, 1))],
+                         ids=["prefill-tp2pp2-to-tp1", "prefill-pp2-to-decode-tp2"])
+def test_pp_and_tp_together(pool, m3_dir, prefill, decode):
+    # PP and TP at once: each prefill stage sends its own compacted layer range, and each of its TP ranks its own
+    # heads (prefill tp2pp2: 4 prefill ranks into one decode rank); or PP on one side and TP on the other.
+    pool.grow(prefill[0] * prefill[1] + decode[0] * decode[1])
+    with Pair(pool, m3_dir, prefill=prefill, decode=decode) as pair:
+        assert len(pair.P.infos) == prefill[0] * prefill[1] and len(pair.D.infos) == decode[0] * decode[1]
+        trace, job, sent = run_one(pair, "s9", 83)
+        check_transfer(pair, trace, job)
+        check_blocks_back(pair)
+        if decode == (1, 1):
+            assert sent == block_bytes(pair.D) * math.ceil(82 / BS)
 
 
 def test_chunked_prefill_streams_each_chunk(pool, m3_dir):

@@ -44,8 +44,13 @@ class Pool:
         self.pending: list[int] = []
         """Commands sent to each worker whose answer was not read yet."""
         self.broken = False
+        self.grow(size)
+
+    def grow(self, size: int) -> None:
+        """Start workers until there are `size` (a test needing more ranks than the module default)."""
+        first = len(self.procs)
         try:
-            for i in range(size):
+            for i in range(first, size):
                 parent, child = self.ctx.Pipe()
                 proc = self.ctx.Process(target=W.main, args=(child,), name=f"vllm-e2e-worker-{i}", daemon=True)
                 proc.start()
@@ -53,7 +58,7 @@ class Pool:
                 self.procs.append(proc)
                 self.conns.append(parent)
                 self.pending.append(1)  # its "ready"
-            for i in range(size):  # they import vLLM in parallel
+            for i in range(first, size):  # they import vLLM in parallel
                 self.reply(i, 180)
         except BaseException:
             self.close()
