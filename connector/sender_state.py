@@ -101,9 +101,14 @@ class FinishedInfo:
 
 @dataclass
 class SenderStats:
+    """Cumulative counters (read from other threads as plain ints)."""
     bytes_written: int = 0
+    bytes_during_compute: int = 0
+    """Bytes of WRITEs posted while their request was still computing (streamed, not swept afterwards)."""
     descriptors: int = 0
     writes: int = 0
+    transfers_ok: int = 0
+    transfers_failed: int = 0
 
 
 

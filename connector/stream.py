@@ -335,6 +335,7 @@ class StreamSender:
 
     async def _write_batch(self, req: SendRequest, dest: Destination, batch: list[tuple[int, int]]) -> None:
         req.first_write_at = req.first_write_at or time.time()
+        during_compute = not req.final
         layers = [layer for layer, _ in batch]
         generation = req.generation
         try:
@@ -365,6 +366,8 @@ class StreamSender:
         dest.bytes_written += descs.nbytes
         dest.descriptors += len(descs)
         self.stats.bytes_written += descs.nbytes
+        if during_compute:
+            self.stats.bytes_during_compute += descs.nbytes
         self.stats.descriptors += len(descs)
         self.stats.writes += 1
         if self.requests.get(req.transfer_id) is req:
@@ -407,6 +410,10 @@ class StreamSender:
         if self.requests.pop(req.transfer_id, None) is None:
             return
         self._released[req.transfer_id] = time.monotonic()
+        if ok:
+            self.stats.transfers_ok += 1
+        else:
+            self.stats.transfers_failed += 1
         self.finished_info[req.transfer_id] = FinishedInfo(ok, req.first_write_at)
         log.debug("transfer %s released: %s", req.transfer_id, why)
         if not req.finished.done():

@@ -78,6 +78,14 @@ def test_tp1_to_tp1_by_module_path(pool, m3_dir):
         assert trace.scheduled_prefill["s1"] == [100]
         # exactly the blocks decode asked for (tokens 0..98: 7 blocks), each byte once
         assert sent == block_bytes(pair.D) * math.ceil(99 / BS)
+        # the transfer metrics, as vLLM's KVOutputAggregator merged the workers' get_kv_connector_stats
+        p, d = trace.kv_stats[pair.P.name].data, trace.kv_stats[pair.D.name].data
+        assert (p["bytes_sent"], p["sends_ok"], p["sends_failed"]) == (sent, 1, 0)
+        assert 0 < p["bytes_sent_during_compute"] < sent  # hooked dense layers 0-1 streamed; the rest swept
+        assert p["writes"] >= 2 and p["descriptors"] >= p["writes"]
+        assert (d["bytes_received"], d["recvs_ok"], d["recvs_failed"], len(d["recv_seconds"])) == (sent, 1, 0, 1)
+        summary = trace.kv_stats[pair.P.name].aggregate(trace.kv_stats[pair.D.name]).reduce()
+        assert summary["sent_MB"] == summary["received_MB"] == round(sent / 1e6, 3) and summary["recvs_ok"] == 1
 
 
 def test_pp2_prefill_to_pp1_decode_by_registered_name(pool, m3_dir):
@@ -225,6 +233,8 @@ def test_bad_transfer_params_fail_alone(pool, m3_dir, caplog):
         sent = pair.sender_bytes() - before
         check_transfer(pair, trace, good)
         assert sent == block_bytes(pair.D) * math.ceil(59 / BS)
+        d = trace.kv_stats[pair.D.name].data
+        assert (d["recvs_ok"], d["recvs_failed"], d["bytes_received"]) == (1, 3, sent)
         for job in (no_tid, bad_addr, unknown):
             assert trace.finish[("decode", job.rid)] == FinishReason.ERROR, (job.rid, trace.finish)
             assert trace.statuses[job.rid] == ["WAITING_FOR_REMOTE_KVS", "finished:ERROR"], trace.statuses[job.rid]

@@ -262,6 +262,8 @@ class Trace:
     scheduled_prefill: dict[str, list[int]] = field(default_factory=dict)
     left_waiting: dict[str, tuple[int, tuple[list[int], ...]]] = field(default_factory=dict)
     verified: dict[str, tuple[list[str], int]] = field(default_factory=dict)
+    kv_stats: dict[str, Any] = field(default_factory=dict)
+    """instance -> its workers' kv_connector_stats as vLLM's aggregator merged them, summed over the steps."""
     prefill_held: dict[str, list[tuple[int, bool, int]]] = field(default_factory=dict)
     """prefill request -> (step, still in the scheduler, free blocks) after each update_from_output from its
     finish on."""
@@ -335,6 +337,11 @@ def drive(pair: Pair, jobs: list[Job], *, max_steps: int = 400, wall_s: float = 
                     f"step {step}: {inst.name} workers report finished_recving for {rid!r}, which vLLM already " \
                     f"finished and freed (reported before at step {trace.finished_recving.get(rid)}); " \
                     f"{trace.dump()}"
+            if agg is not None and agg.kv_connector_stats is not None:
+                if inst.name in trace.kv_stats:
+                    trace.kv_stats[inst.name].aggregate(agg.kv_connector_stats)
+                else:
+                    trace.kv_stats[inst.name] = agg.kv_connector_stats
             if agg is not None:
                 for rid in agg.finished_sending or ():
                     trace.finished_sending.setdefault(rid, step)

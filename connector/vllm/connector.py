@@ -14,6 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 from connector.vllm.config import ConnectorSettings
 from connector.vllm.metadata import SparseKVMetadata
 from connector.vllm.scheduler import SchedulerSide
+from connector.vllm.stats import SparseKVConnectorStats, SparseKVPromMetrics
 from connector.vllm.worker import WorkerSide
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,19 @@ class SparseKVConnector(KVConnectorBase_V1, SupportsHMA):
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         # save_kv_layer records a CUDA event per layer: full CUDA graphs would skip the hook on replay.
         return True
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> SparseKVConnectorStats:
+        return SparseKVConnectorStats(data=data) if data is not None else SparseKVConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> SparseKVPromMetrics:
+        return SparseKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def get_kv_connector_stats(self) -> SparseKVConnectorStats | None:
+        # Worker: this step's transfer counters (vLLM sums the ranks). Scheduler: nothing of its own.
+        return self._worker.take_stats() if self._worker is not None else None
 
     # ---- scheduler side ---------------------------------------------------------------------------------------
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:

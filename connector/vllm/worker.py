@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import dataclasses
 import threading
+import time
 import uuid
 from typing import Any
 
@@ -13,11 +15,13 @@ import torch
 
 from connector.layout import ParallelLayout, RankLayout
 from connector.loop import LoopThread
-from connector.receiver import PrefillAddress, ReceiverConfig, StreamReceiver
+from connector.receiver import PrefillAddress, ReceiverConfig, ReceiveResult, StreamReceiver
+from connector.sender_state import SenderStats
 from connector.stream import SenderConfig, StreamSender
 from connector.vllm.config import ConnectorSettings
 from connector.vllm.metadata import SparseKVHandshake, SparseKVMetadata
 from connector.vllm.regions import build_regions, classify_layers, model_layout_from_vllm
+from connector.vllm.stats import SparseKVConnectorStats
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +70,12 @@ class WorkerSide:
         self._failed: dict[str, str] = {}
         """Receives that ended without data (bad params, never started): request id -> reason."""
         self._aborted: set[str] = set()
+        self._recv_started: dict[str, float] = {}
+        """Request id -> time.monotonic() its receive was started (for recv_seconds)."""
+        self._stats = SparseKVConnectorStats()
+        """Decode-side observations since the last get_kv_connector_stats (model-runner thread only)."""
+        self._sender_seen = SenderStats()
+        """The sender's cumulative counters at the last get_kv_connector_stats: the next report is the delta."""
         self._cuda = False
         self.port = 0
 
@@ -148,6 +158,7 @@ class WorkerSide:
             self._receiving[req_id] = self.loop.submit(self.receiver.abort_unregistered(
                 spec.transfer_id, addr, "request aborted on decode before it registered"))
             return
+        self._recv_started[req_id] = time.monotonic()
         self._receiving[req_id] = self.loop.submit(self.receiver.receive(
             spec.transfer_id, addr, [list(g) for g in spec.block_ids], spec.first_token, spec.num_tokens))
 
@@ -209,8 +220,14 @@ class WorkerSide:
             if fut.done():
                 del self._receiving[req_id]
                 exc = fut.exception() if not fut.cancelled() else TimeoutError("cancelled")
+                started = self._recv_started.pop(req_id, None)
                 if exc is None:
                     recving.add(req_id)
+                    result = fut.result()
+                    if isinstance(result, ReceiveResult):  # (an abort_unregistered has no result)
+                        self._stats.add(bytes_received=result.bytes_written, recvs_ok=1)
+                        if started is not None:
+                            self._stats.data["recv_seconds"].append(time.monotonic() - started)
                 else:
                     done[req_id] = str(exc)
         for req_id, reason in done.items():
@@ -220,7 +237,22 @@ class WorkerSide:
             else:
                 log.error("request %s: KV transfer failed: %s", req_id, reason)
                 failed.add(req_id)
+                self._stats.add(recvs_failed=1)
         return sending, recving, failed
+
+    def take_stats(self) -> SparseKVConnectorStats | None:
+        """What happened since the last call (model-runner thread): the sender's counters as a delta, and the
+        receives that ended. None when nothing did, so vLLM ships nothing."""
+        out, self._stats = self._stats, SparseKVConnectorStats()
+        if self.sender is not None:
+            now = dataclasses.replace(self.sender.stats)  # a snapshot: the loop thread keeps counting
+            seen, self._sender_seen = self._sender_seen, now
+            out.add(bytes_sent=now.bytes_written - seen.bytes_written,
+                    bytes_sent_during_compute=now.bytes_during_compute - seen.bytes_during_compute,
+                    writes=now.writes - seen.writes, descriptors=now.descriptors - seen.descriptors,
+                    sends_ok=now.transfers_ok - seen.transfers_ok,
+                    sends_failed=now.transfers_failed - seen.transfers_failed)
+        return None if out.is_empty() else out
 
     def shutdown(self) -> None:
         if not self.loop._thread:

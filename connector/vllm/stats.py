@@ -1,0 +1,108 @@
+"""Transfer metrics for vLLM's KV-connector stats path: the worker returns one `SparseKVConnectorStats` per step
+(`get_kv_connector_stats`), vLLM's KVOutputAggregator sums the ranks, the engine core's KVConnectorLogging logs
+`reduce()` every interval ("KV Transfer metrics: ...") and KVConnectorProm feeds `SparseKVPromMetrics`.
+
+Everything in `data` is a plain int or a list of floats, because vLLM ships it from the worker processes to the
+engine core (msgpack) and rebuilds it with `SparseKVConnector.build_kv_connector_stats(data)`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+
+COUNTERS = (
+    "bytes_sent",                  # prefill: bytes of completed WRITEs
+    "bytes_sent_during_compute",   # ... of those, posted while the request was still computing (streamed)
+    "writes",                      # prefill: WRITE operations
+    "descriptors",                 # prefill: descriptors in them
+    "sends_ok",                    # prefill: requests every decode rank completed
+    "sends_failed",                # prefill: requests aborted, failed or expired
+    "bytes_received",              # decode: bytes its prefill sources report written
+    "recvs_ok",
+    "recvs_failed",
+)
+SERIES = ("recv_seconds",)         # decode: registration to the last source's completion, per request
+
+
+@dataclass
+class SparseKVConnectorStats(KVConnectorStats):
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.reset()
+        else:  # rebuilt from another process's payload: tolerate keys an older peer did not send
+            for key in COUNTERS:
+                self.data.setdefault(key, 0)
+            for key in SERIES:
+                self.data.setdefault(key, [])
+
+    def reset(self) -> None:
+        self.data = {**{key: 0 for key in COUNTERS}, **{key: [] for key in SERIES}}
+
+    def add(self, **counts: int) -> None:
+        for key, n in counts.items():
+            self.data[key] += int(n)
+
+    def aggregate(self, other: KVConnectorStats) -> "SparseKVConnectorStats":
+        for key in COUNTERS:
+            self.data[key] += int(other.data.get(key, 0))
+        for key in SERIES:
+            self.data[key].extend(other.data.get(key, ()))
+        return self
+
+    def is_empty(self) -> bool:
+        return not any(self.data[key] for key in COUNTERS) and not any(self.data[key] for key in SERIES)
+
+    def reduce(self) -> dict[str, int | float]:
+        d = self.data
+        out: dict[str, int | float] = {}
+        if d["writes"] or d["sends_ok"] or d["sends_failed"]:
+            out.update({
+                "sent_MB": round(d["bytes_sent"] / 1e6, 3),
+                # how much of the KV left while prefill was still computing: the point of streaming
+                "streamed_pct": round(100.0 * d["bytes_sent_during_compute"] / d["bytes_sent"], 1)
+                if d["bytes_sent"] else 0.0,
+                "writes": d["writes"],
+                "descriptors": d["descriptors"],
+                "sends_ok": d["sends_ok"],
+                "sends_failed": d["sends_failed"],
+            })
+        if d["recvs_ok"] or d["recvs_failed"]:
+            waits = sorted(d["recv_seconds"])
+            out.update({
+                "received_MB": round(d["bytes_received"] / 1e6, 3),
+                "recvs_ok": d["recvs_ok"],
+                "recvs_failed": d["recvs_failed"],
+                "recv_avg_ms": round(1e3 * sum(waits) / len(waits), 2) if waits else 0.0,
+                "recv_max_ms": round(1e3 * waits[-1], 2) if waits else 0.0,
+            })
+        return out
+
+
+class SparseKVPromMetrics(KVConnectorPromMetrics):
+    """Counters `vllm:sparse_kv_<counter>` (exported as ..._total) and the histogram
+    `vllm:sparse_kv_recv_seconds`, one child per engine."""
+
+    BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+    def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.counters = {}
+        for key in COUNTERS:
+            metric = self._counter_cls(name=f"vllm:sparse_kv_{key}", labelnames=labelnames,
+                                       documentation=f"SparseKVConnector: {key.replace('_', ' ')}")
+            self.counters[key] = {idx: metric.labels(*values) for idx, values in per_engine_labelvalues.items()}
+        hist = self._histogram_cls(name="vllm:sparse_kv_recv_seconds", labelnames=labelnames,
+                                   buckets=list(self.BUCKETS_S),
+                                   documentation="SparseKVConnector: decode registration to complete KV, seconds")
+        self.recv_seconds = {idx: hist.labels(*values) for idx, values in per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key in COUNTERS:
+            n = int(transfer_stats_data.get(key, 0))
+            if n:
+                self.counters[key][engine_idx].inc(n)
+        for seconds in transfer_stats_data.get("recv_seconds", ()):
+            self.recv_seconds[engine_idx].observe(seconds)
