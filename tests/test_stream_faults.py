@@ -321,3 +321,47 @@ def test_decode_heartbeats_extend_the_lease():
     finally:
         decode.close(receiver)
         prefill.close(sender)
+
+
+def test_sender_counts_bytes_streamed_during_compute_apart_from_the_sweep():
+    """SenderStats (the source of the vLLM metrics): a layer written while its request still computes counts as
+    streamed; what the final sweep sends does not; a completed transfer counts as ok."""
+    sc = make_scenario()
+    prefill = InProcess("prefill", sc)
+    decode = InProcess("decode", sc)
+    sender = StreamSender(prefill.transport, sc.model, sc.prefill, (0, 0), prefill.bufs.regions(), BLOCK,
+                          SenderConfig(engine_id="test-prefill-st", port=0), prefill.lt.loop)
+    receiver = StreamReceiver(decode.transport, sc.model, sc.decode, (0, 0), decode.bufs.regions(), BLOCK,
+                              ReceiverConfig(engine_id="test-decode-st"))
+
+    def wait_for(check, what: str) -> None:
+        deadline = time.monotonic() + 15
+        while not check():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.01)
+
+    try:
+        port = prefill.lt.run(sender.start(), 10)
+        blocks = pick_blocks(TOKENS, BLOCK, prefill.num_blocks, seed=21)
+        dst = pick_blocks(TOKENS, BLOCK, decode.num_blocks, seed=22)
+        sender.start_request("t-st", TOKENS)
+        sender.begin_chunk("t-st", blocks, TOKENS)
+        got = decode.lt.submit(receiver.receive("t-st", PrefillAddress("127.0.0.1", port), dst, 0, TOKENS))
+        wait_for(lambda: sender.requests["t-st"].dests, "decode never registered")
+        prefill.bufs.fill(0, blocks, 0, TOKENS)
+        sender.layer_ready("t-st", 0)  # layer 0 computed; 59 to go
+        wait_for(lambda: sender.stats.writes >= 1, "layer 0 was not streamed")
+        streamed = sender.stats.bytes_during_compute
+        assert streamed == sender.stats.bytes_written > 0
+        for layer in range(1, 60):
+            prefill.bufs.fill(layer, blocks, 0, TOKENS)
+        sender.end_chunk("t-st")  # the sweep: layers 1-59
+        got.result(30)
+        assert prefill.lt.run(sender.wait_finished("t-st", 10), 15) is True
+        assert decode.bufs.verify(dst, 0, TOKENS) == []
+        stats = sender.stats
+        assert stats.bytes_during_compute == streamed < stats.bytes_written
+        assert (stats.transfers_ok, stats.transfers_failed) == (1, 0)
+    finally:
+        decode.close(receiver)
+        prefill.close(sender)

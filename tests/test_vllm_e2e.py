@@ -81,7 +81,9 @@ def test_tp1_to_tp1_by_module_path(pool, m3_dir):
         # the transfer metrics, as vLLM's KVOutputAggregator merged the workers' get_kv_connector_stats
         p, d = trace.kv_stats[pair.P.name].data, trace.kv_stats[pair.D.name].data
         assert (p["bytes_sent"], p["sends_ok"], p["sends_failed"]) == (sent, 1, 0)
-        assert 0 < p["bytes_sent_during_compute"] < sent  # hooked dense layers 0-1 streamed; the rest swept
+        # Only hooked dense layers 0-1 can go out before the sweep, and whether they do depends on timing (this
+        # fake forward has no compute to hide behind): at most those two layers' bytes, never the swept rest.
+        assert 0 <= p["bytes_sent_during_compute"] <= sent * 2 // 8
         assert p["writes"] >= 2 and p["descriptors"] >= p["writes"]
         assert (d["bytes_received"], d["recvs_ok"], d["recvs_failed"], len(d["recv_seconds"])) == (sent, 1, 0, 1)
         summary = trace.kv_stats[pair.P.name].aggregate(trace.kv_stats[pair.D.name]).reduce()
