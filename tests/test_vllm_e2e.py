@@ -51,6 +51,11 @@ def m3v_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def dsv_dir(tmp_path_factory):
+    return H.write_dsv32_config(tmp_path_factory.mktemp("dsv32_e2e"))
+
+
+@pytest.fixture(scope="module")
 def pool_holder():
     holder: dict[str, Pool] = {}
     yield holder
@@ -160,6 +165,25 @@ def test_pp_and_tp_together(pool, m3_dir, prefill, decode):
         check_blocks_back(pair)
         if decode == (1, 1):
             assert sent == block_bytes(pair.D) * math.ceil(82 / BS)
+
+
+@pytest.mark.parametrize("prefill,decode", [((1, 2), (1, 1)), ((2, 1), (1, 2))],
+                         ids=["prefill-pp2-to-pp1", "prefill-tp2-to-decode-pp2"])
+def test_deepseek_v32_mla_latent_and_indexer_keys(pool, dsv_dir, prefill, decode):
+    # DeepSeek-V3.2 as vLLM 0.33 lays it out: per layer an MLA latent [B, 1, N, 192] bf16 and indexer keys
+    # [B, 1, N, 132] uint8, both one replicated head (the connector leaves the layout to vLLM for MLA). No layer
+    # runs a save_kv_layer hook on CUDA, so every byte goes out in the wait_for_save sweep.
+    pool.grow(prefill[0] * prefill[1] + decode[0] * decode[1])
+    with Pair(pool, dsv_dir, prefill=prefill, decode=decode) as pair:
+        assert not any(info["hooked"] for info in pair.P.infos.values())
+        layers = {(p, layer) for info in pair.D.infos.values() for _n, p, layer in info["layers"]}
+        assert layers == {(p, i) for p in ("kv", "index_k") for i in range(6)}
+        trace, job, sent = run_one(pair, "ds1", 75)
+        check_transfer(pair, trace, job)
+        check_blocks_back(pair)
+        if decode == (1, 1):
+            assert sent == block_bytes(pair.D) * math.ceil(74 / BS)
+            assert block_bytes(pair.D) == 6 * BS * (192 * 2 + 132)
 
 
 def test_chunked_prefill_streams_each_chunk(pool, m3_dir):

@@ -155,7 +155,8 @@ def make_instance(pool: Pool, first_worker: int, model_dir, *, role: str, tp: in
                                  kv_connector_module_path="connector.vllm",
                                  max_num_batched_tokens=max_num_batched_tokens, tp=tp, pp=pp,
                                  kv_load_failure_policy=policy, enable_prefix_caching=prefix_caching)
-    assert H.resolve_layout(cfg).name == "LBHNC"  # the connector's requirement wins over the sm90 default
+    if not cfg.model_config.use_mla:  # (MLA: one head, any layout works, so the connector asks for none)
+        assert H.resolve_layout(cfg).name == "LBHNC"  # the connector's requirement wins over the sm90 default
     # The engine core hands the scheduler worker 0's (PP stage 0's) KV-cache config.
     sched = H.make_scheduler(cfg, H.make_kv_cache_config(cfg, num_blocks=NUM_BLOCKS, pp_rank=0))
     assert isinstance(sched.connector, SparseKVConnector)
@@ -174,7 +175,8 @@ def make_instance(pool: Pool, first_worker: int, model_dir, *, role: str, tp: in
         handshakes.update(info["handshake"] or {})
     sched.connector.set_xfer_handshake_metadata_pp_aware(handshakes)
     for rank, info in infos.items():
-        assert info["num_blocks"] == NUM_BLOCKS and info["layout"] == "LBHNC", info
+        assert info["num_blocks"] == NUM_BLOCKS, info
+        assert info["layout"] == "LBHNC" or cfg.model_config.use_mla, info
         assert info["connector"] == "connector.vllm.connector.SparseKVConnector"
         if role == "kv_producer":
             assert handshakes[rank].side_channel == f"127.0.0.1:{base_port + rank[0] * tp + rank[1]}"

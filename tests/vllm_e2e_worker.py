@@ -129,10 +129,13 @@ class Rank:
             tensor = self.caches[name]
             u8 = tensor.view(torch.uint8)
             layer = int(name.split(".layers.")[1].split(".")[0])
-            if name.endswith((".index_cache", ".index_value_cache")):
+            if name.endswith((".index_cache", ".index_value_cache", ".indexer.k_cache")):
                 pool = "index_v" if name.endswith(".index_value_cache") else "index_k"
                 heads = (0, 1)  # one replicated head on every TP rank
                 assert u8.shape[1] == 1, f"{name}: index cache has {u8.shape[1]} heads"
+            elif cfg.model_config.use_mla:
+                pool, heads = "kv", (0, 1)  # the MLA latent: one head, replicated on every TP rank
+                assert u8.shape[1] == 1, f"{name}: MLA cache has {u8.shape[1]} heads"
             else:
                 pool = "kv"
                 local = u8.shape[1]

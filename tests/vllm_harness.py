@@ -178,6 +178,48 @@ def sparse_layer_ids(vllm_config) -> list[int]:
     return [i for i, f in enumerate(sparse["sparse_attention_freq"][: cfg.num_hidden_layers]) if f]
 
 
+def write_dsv32_config(path, num_layers: int = 6, first_dense: int = 1, kv_lora_rank: int = 128,
+                       rope_dim: int = 64, index_head_dim: int = 128) -> pathlib.Path:
+    """A tiny DeepSeek-V3.2 config.json (connector/presets/deepseek-v3.2.json, shrunk): MLA latent of
+    kv_lora_rank + rope_dim bf16 per token, and an indexer on every layer (no index_topk_freq). Returns the folder."""
+    path = pathlib.Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    preset = pathlib.Path(__file__).resolve().parents[1] / "connector" / "presets" / "deepseek-v3.2.json"
+    config = json.loads(preset.read_text())
+    config.pop("quantization_config", None)
+    config.update(num_hidden_layers=num_layers, first_k_dense_replace=first_dense, hidden_size=256,
+                  intermediate_size=256, moe_intermediate_size=64, n_routed_experts=4, num_experts_per_tok=2,
+                  n_group=1, topk_group=1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=64,
+                  kv_lora_rank=kv_lora_rank, qk_rope_head_dim=rope_dim, qk_nope_head_dim=32, v_head_dim=32,
+                  index_head_dim=index_head_dim, index_n_heads=4, index_topk=64, vocab_size=1024)
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    return path
+
+
+def is_dsa(vllm_config) -> bool:
+    return "DeepseekV32ForCausalLM" in vllm_config.model_config.architectures
+
+
+def _dsa_layer_specs(vllm_config, lo: int, hi: int) -> dict[str, KVCacheSpec]:
+    """DeepSeek-V3.2 on CUDA (models/deepseek_v32/attention.py): per layer the indexer's key cache
+    `model.layers.{i}.self_attn.indexer.k_cache` (registered first: the indexer is built before the attention;
+    uint8, index_head_dim + index_head_dim // 128 * 4 bytes, INDEXER role, deepseek_v2.py:658) and the MLA latent
+    `model.layers.{i}.self_attn.attn` (one replicated head of kv_lora_rank + qk_rope_head_dim, mla_attention.py:1371)."""
+    cfg = vllm_config.model_config.hf_text_config
+    bs = vllm_config.cache_config.block_size
+    index_bytes = cfg.index_head_dim + cfg.index_head_dim // 128 * 4
+    specs: dict[str, KVCacheSpec] = {}
+    for i in range(lo, hi):
+        name = f"model.layers.{i}.self_attn"
+        specs[f"{name}.indexer.k_cache"] = MLAAttentionSpec(
+            block_size=bs, num_kv_heads=1, head_size=index_bytes, dtype=torch.uint8,
+            cache_role=SparseCacheRole.INDEXER)
+        specs[f"{name}.attn"] = MLAAttentionSpec(
+            block_size=bs, num_kv_heads=1, head_size=cfg.kv_lora_rank + cfg.qk_rope_head_dim,
+            dtype=torch.bfloat16, cache_dtype_str="auto", is_index_group_leader=True)
+    return specs
+
+
 def index_value_layer_ids(vllm_config) -> list[int]:
     """Sparse layers whose config keeps an index value (`sparse_disable_index_value[i] == 0`)."""
     sparse = sparse_layer_ids(vllm_config)
@@ -196,8 +238,12 @@ def layer_specs(vllm_config, *, pp_rank: int | None = None) -> dict[str, KVCache
     for a config that keeps index values on some sparse layers this adds, after that layer's index cache, a
     `...attn.index_value_cache` spec built like the index-key one (INDEXER role, one head, sparse_index_dim): the
     shape SGLang's index_kv_pool gives the value half, and what our connector reads as the index_v pool."""
-    fa, sparse_backend, index_backend = _backends()
     cfg = vllm_config.model_config.hf_text_config
+    if is_dsa(vllm_config):
+        pp = vllm_config.parallel_config.pipeline_parallel_size
+        lo, hi = (0, cfg.num_hidden_layers) if pp_rank is None else get_pp_indices(cfg.num_hidden_layers, pp_rank, pp)
+        return _dsa_layer_specs(vllm_config, lo, hi)
+    fa, sparse_backend, index_backend = _backends()
     tp = vllm_config.parallel_config.tensor_parallel_size
     pp = vllm_config.parallel_config.pipeline_parallel_size
     bs = vllm_config.cache_config.block_size
