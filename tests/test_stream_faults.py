@@ -347,7 +347,8 @@ def test_sender_counts_bytes_streamed_during_compute_apart_from_the_sweep():
         sender.start_request("t-st", TOKENS)
         sender.begin_chunk("t-st", blocks, TOKENS)
         got = decode.lt.submit(receiver.receive("t-st", PrefillAddress("127.0.0.1", port), dst, 0, TOKENS))
-        wait_for(lambda: sender.requests["t-st"].dests, "decode never registered")
+        # (start_request is only queued for the loop: the request may not exist yet)
+        wait_for(lambda: "t-st" in sender.requests and sender.requests["t-st"].dests, "decode never registered")
         prefill.bufs.fill(0, blocks, 0, TOKENS)
         sender.layer_ready("t-st", 0)  # layer 0 computed; 59 to go
         wait_for(lambda: sender.stats.writes >= 1, "layer 0 was not streamed")

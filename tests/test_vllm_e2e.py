@@ -89,7 +89,7 @@ def test_tp1_to_tp1_by_module_path(pool, m3_dir):
         # Only hooked dense layers 0-1 can go out before the sweep, and whether they do depends on timing (this
         # fake forward has no compute to hide behind): at most those two layers' bytes, never the swept rest.
         assert 0 <= p["bytes_sent_during_compute"] <= sent * 2 // 8
-        assert p["writes"] >= 2 and p["descriptors"] >= p["writes"]
+        assert p["writes"] >= 1 and p["descriptors"] >= p["writes"]  # one WRITE when the sweep takes all layers
         assert (d["bytes_received"], d["recvs_ok"], d["recvs_failed"], len(d["recv_seconds"])) == (sent, 1, 0, 1)
         summary = trace.kv_stats[pair.P.name].aggregate(trace.kv_stats[pair.D.name]).reduce()
         assert summary["sent_MB"] == summary["received_MB"] == round(sent / 1e6, 3) and summary["recvs_ok"] == 1
