@@ -18,7 +18,8 @@ import msgspec
 
 from connector.frames import (  # noqa: F401  (re-exported)
     DEFAULT_MAX_FRAME_BYTES, HEADER, MESSAGE_TYPES, PROTOCOL_VERSION, Abort, Complete, ControlError, Error,
-    FrameError, Heartbeat, Hello, Message, Register, RegisterAck, RegisterError, Reject, Role, Stopped, check_header,
+    FrameError, Heartbeat, Hello, Message, Register, RegisterAck, RegisterError, Reject, Role, Scatter, Scattered,
+    Stopped, check_header,
     decode_body, decode_frame, encode_body, encode_frame,
 )
 

@@ -42,6 +42,7 @@ class Scenario:
     late_register: bool = False        # decode registers only after prefill finished (bulk fallback path)
     hook_layers: str = "all"           # all | even: which layers get layer_ready (the rest are swept)
     run_blocks: int = 1                # block allocation: runs of this many consecutive ids (1 = scattered)
+    staging_mb: int = 0                # per rank staging buffer (connector.staging); 0 = direct WRITEs only
     requests: int = 1
     timeout_s: float = 120.0
     seed: int = 0
@@ -54,6 +55,7 @@ class RequestResult:
     problems: list[str]
     bytes: int
     descriptors: int
+    staged_chunks: int
     compute_start: float
     compute_end: float
     first_post: float
@@ -71,6 +73,8 @@ class DemoResult:
     exposed_ms: float
     ranks: dict[str, int]
     hook_us: float
+    staged_chunks: int = 0
+    """Gathered chunks the descriptors went in (0: every descriptor was its own NIXL descriptor)."""
     requests: list[dict[str, Any]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
 
@@ -137,7 +141,7 @@ class Cluster:
         needed = -(-sc.tokens // sc.block_size) * sc.requests
         return {"side": side, "rank": rank, "model": sc.model, "prefill": sc.prefill, "decode": sc.decode,
                 "block_size": sc.block_size, "num_blocks": needed * 2 + 8, "device": sc.device,
-                "run_blocks": sc.run_blocks,
+                "run_blocks": sc.run_blocks, "staging_mb": sc.staging_mb,
                 "base_port": self.base_port, "run_id": self.run_id, "timeout_s": sc.timeout_s,
                 "log_level": logging.getLogger().level or logging.WARNING}
 
@@ -224,7 +228,7 @@ class Cluster:
         return RequestResult(
             transfer_id=tid, verified=not problems, problems=problems,
             bytes=sum(out[2] for out in decode_out), descriptors=sum(out[3] for out in decode_out),
-            compute_start=min(starts), compute_end=max(ends),
+            staged_chunks=sum(out[5] for out in decode_out), compute_start=min(starts), compute_end=max(ends),
             first_post=min(posts) if posts else max(ends), last_complete=max(out[4] for out in decode_out))
 
     def _register(self, tid: str, seed: int) -> None:
@@ -249,4 +253,4 @@ def run_scenario(sc: Scenario) -> DemoResult:
         exposed_ms=round(sum(max(0.0, r.last_complete - r.compute_end) for r in results) * 1e3, 2),
         ranks={"prefill": sc.prefill.pp * sc.prefill.tp, "decode": sc.decode.pp * sc.decode.tp},
         hook_us=round(statistics.median(hook_ns) / 1e3, 2) if hook_ns else 0.0,
-        requests=[asdict(r) for r in results], problems=[p for r in results for p in r.problems])
+        staged_chunks=sum(r.staged_chunks for r in results), requests=[asdict(r) for r in results], problems=[p for r in results for p in r.problems])

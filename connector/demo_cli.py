@@ -37,6 +37,8 @@ def _add_run_args(p: argparse.ArgumentParser, layer_ms: float | None = 2.0) -> N
                                                           " (default: 1.5x the measured per-layer transfer time)"))
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--run-blocks", type=int, default=1, help="allocate block ids in runs of this length")
+    p.add_argument("--staging-mb", type=int, default=0,
+                   help="per-rank staging buffer in MiB: scattered blocks move as gathered chunks (0 = off)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds any one step may take")
 
 
@@ -51,7 +53,8 @@ def _scenario(args: argparse.Namespace, **over: Any):
     fields = dict(model=model, prefill=parse_side(getattr(args, "prefill", "tp=1,pp=1"), model, "--prefill"),
                   decode=parse_side(getattr(args, "decode", "tp=1,pp=1"), model, "--decode"),
                   tokens=args.tokens, block_size=args.block_size, layer_ms=args.layer_ms or 0.0,
-                  device=args.device, run_blocks=args.run_blocks, timeout_s=args.timeout)
+                  device=args.device, run_blocks=args.run_blocks, timeout_s=args.timeout,
+                  staging_mb=args.staging_mb)
     fields.update(over)
     prefix = fields.get("prefix_tokens", 0)
     if prefix % args.block_size or not 0 <= prefix < args.tokens:

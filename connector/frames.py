@@ -61,6 +61,9 @@ class Hello(msgspec.Struct, frozen=True, tag="hello", tag_field="type"):
     """This side's PP stages, [start, end) global layers each: the peer builds its transfer plan from it."""
     auth_token: str = ""
     """Shared secret the server checks; empty when the server runs without auth."""
+    staging_addr: int = 0
+    """Decode: base address of its NIXL-registered staging buffer (connector.staging); 0 = it has none."""
+    staging_device: int = 0
     version: int = PROTOCOL_VERSION
 
 
@@ -84,6 +87,9 @@ class Register(msgspec.Struct, frozen=True, tag="register", tag_field="type"):
     """Prompt length in tokens."""
     layers: list[int] = []
     """Global layers decode expects from this prefill rank (its plan); prefill refuses layers it does not hold."""
+    staging_offset: int = 0
+    staging_bytes: int = 0
+    """The slot of decode's staging buffer this prefill rank may stage through (0 bytes: write directly)."""
 
 
 class RegisterAck(msgspec.Struct, frozen=True, tag="register_ack", tag_field="type"):
@@ -103,7 +109,9 @@ class Complete(msgspec.Struct, frozen=True, tag="complete", tag_field="type"):
     src_tp: int
     bytes_written: int
     descriptors: int
-    """Number of NIXL descriptors posted for this transfer by this rank."""
+    """Number of descriptors (byte ranges) this rank moved for this transfer."""
+    staged_chunks: int = 0
+    """How many of those went through staging, as this many gathered chunks (one NIXL descriptor each)."""
 
 
 class Abort(msgspec.Struct, frozen=True, tag="abort", tag_field="type"):
@@ -122,6 +130,25 @@ class Stopped(msgspec.Struct, frozen=True, tag="stopped", tag_field="type"):
     src_tp: int
 
 
+class Scatter(msgspec.Struct, frozen=True, tag="scatter", tag_field="type"):
+    """Prefill -> decode: the first `nbytes` of the staging slot this rank was given now hold a chunk of
+    `transfer_id`; copy them to these destinations (packed little-endian int64 pairs: address, length, in order)."""
+
+    transfer_id: str
+    seq: int
+    nbytes: int
+    destinations: bytes
+
+
+class Scattered(msgspec.Struct, frozen=True, tag="scattered", tag_field="type"):
+    """Decode -> prefill: chunk `seq` is in place (ok) or was refused (nothing written); the slot is free again."""
+
+    transfer_id: str
+    seq: int
+    ok: bool
+    reason: str = ""
+
+
 class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat", tag_field="type"):
     """Liveness. Decode lists the transfers it still wants, which extends their leases on prefill.
     An empty Heartbeat is liveness only and is not delivered to the application."""
@@ -135,7 +162,8 @@ class Error(msgspec.Struct, frozen=True, tag="error", tag_field="type"):
     reason: str
 
 
-Message = Union[Hello, Reject, Register, RegisterAck, RegisterError, Complete, Abort, Stopped, Heartbeat, Error]
+Message = Union[Hello, Reject, Register, RegisterAck, RegisterError, Complete, Abort, Stopped, Scatter, Scattered,
+                Heartbeat, Error]
 MESSAGE_TYPES: tuple[type, ...] = Message.__args__  # type: ignore[attr-defined]
 
 _encoder = msgspec.msgpack.Encoder()

@@ -14,11 +14,14 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from connector.control import (Abort, Complete, ControlConnection, ControlError, Error, Hello, Register, RegisterAck,
-                               RegisterError, Stopped, connect)
+                               RegisterError, Scatter, Scattered, Stopped, connect)
 from connector.handshake import check_peer_regions, layout_of
 from connector.layout import LayoutError, ModelLayout, ParallelLayout, Region
 from connector.plan import Rank, TransferPlan, build_plan
+from connector.staging import Slots, StagingError, allowed_ranges, check_destinations, copy_ranges
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +40,8 @@ class ReceiverConfig:
     dead_after_s: float = 10.0
     stop_timeout_s: float = 60.0
     """After an abort or failure, how long to wait for every prefill rank to confirm it writes nothing more."""
+    staging_slot_bytes: int = 64 * 1024 * 1024
+    """With a staging buffer: the slot each prefill rank connection gets (a staged chunk is at most this)."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,7 @@ class ReceiveResult:
     bytes_written: int
     descriptors: int
     sources: tuple[Rank, ...]
+    staged_chunks: int = 0
 
 
 @dataclass
@@ -70,6 +76,8 @@ class _Engine:
     plan: TransferPlan
     conns: dict[Rank, ControlConnection] = field(default_factory=dict)
     readers: list[asyncio.Task] = field(default_factory=list)
+    slots: dict[Rank, int] = field(default_factory=dict)
+    """Staging slot offset per prefill rank connection (absent: that rank writes directly)."""
 
 
 @dataclass
@@ -81,6 +89,9 @@ class _Pending:
     stopped: dict[Rank, asyncio.Future]
     """Per source: resolved once it will write nothing more (Complete, Stopped, its own Abort, a refused
     registration, or a dead connection). Blocks are only handed back to vLLM after all are resolved."""
+    block_ids: list[list[int]] = field(default_factory=list)
+    allowed: tuple[np.ndarray, np.ndarray] | None = None
+    """Byte ranges a staged chunk of this transfer may be scattered to (computed on the first chunk)."""
 
     def source_failed(self, src: Rank, exc: Exception, stopped: bool) -> None:
         if not self.completes[src].done():
@@ -91,13 +102,20 @@ class _Pending:
 
 class StreamReceiver:
     def __init__(self, transport: Any, model: ModelLayout, parallel: ParallelLayout, rank: Rank,
-                 regions: list[Region], block_size: int, config: ReceiverConfig) -> None:
+                 regions: list[Region], block_size: int, config: ReceiverConfig, staging: Any = None) -> None:
+        """`staging`: an optional contiguous uint8 tensor on the KV device, already registered with `transport`.
+        Prefill ranks that have one too then send scattered blocks as staged chunks (connector.staging)."""
         self.model, self.parallel, self.rank, self.config = model, parallel, rank, config
+        self._staging = staging
+        nbytes = staging.numel() * staging.element_size() if staging is not None else 0
+        self._slots = Slots(nbytes, min(config.staging_slot_bytes, nbytes) if nbytes else 0)
         self.hello = Hello(role="decode", engine_id=config.engine_id, pp_rank=rank[0], tp_rank=rank[1],
                            pp_size=parallel.pp, tp_size=parallel.tp, fingerprint=model.fingerprint(),
                            block_size=block_size, agent_name=transport.name, agent_metadata=transport.metadata,
                            regions=list(regions), stages=[tuple(s) for s in parallel.stages],
-                           auth_token=config.auth_token)
+                           auth_token=config.auth_token,
+                           staging_addr=staging.data_ptr() if staging is not None else 0,
+                           staging_device=(staging.device.index or 0) if staging is not None else 0)
         self._engines: dict[PrefillAddress, _Engine] = {}
         self._connecting: dict[PrefillAddress, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._pending: dict[str, _Pending] = {}
@@ -146,11 +164,16 @@ class StreamReceiver:
                                           f"port + pp * tp_size + tp")
                     check_peer_regions(conn.peer, engine.plan, "prefill")
                     engine.conns[src] = conn
+                    slot = self._slots.take()  # none left: this rank writes directly, which is always correct
+                    if slot is not None:
+                        engine.slots[src] = slot
                     engine.readers.append(asyncio.create_task(self._read(engine, src, conn)))
             except BaseException:
                 await first.close("handshake checks failed")
                 for conn in engine.conns.values() if engine else ():
                     await conn.close("handshake checks failed")
+                for slot in engine.slots.values() if engine else ():
+                    self._slots.give_back(slot)
                 raise
             self._engines[address] = engine
             return engine
@@ -163,9 +186,17 @@ class StreamReceiver:
                 task.cancel()
         for conn in engine.conns.values():
             await conn.close(reason)
+        # The connections are closed, so no more staged chunk can arrive for these slots.
+        slots, engine.slots = engine.slots, {}
+        for slot in slots.values():
+            self._slots.give_back(slot)
 
     async def _read(self, engine: _Engine, src: Rank, conn: ControlConnection) -> None:
         async for msg in conn:
+            if isinstance(msg, Scatter):
+                # Handled in line: a Complete that follows it on this connection is dispatched only afterwards.
+                await self._scatter(engine, src, conn, msg)
+                continue
             self._dispatch(src, msg)
         reason = conn.close_reason or "connection closed"
         for pend in list(self._pending.values()):
@@ -198,6 +229,43 @@ class StreamReceiver:
         elif isinstance(msg, Stopped):
             pend.source_failed(src, TransferFailed(f"prefill rank {src} stopped {tid!r}"), stopped=True)
 
+    async def _scatter(self, engine: _Engine, src: Rank, conn: ControlConnection, msg: Scatter) -> None:
+        """Copy a staged chunk from this source's slot into the transfer's blocks, after checking every
+        destination lies inside them; answer Scattered either way (the slot is free again then)."""
+        pend = self._pending.get(msg.transfer_id)
+        slot = engine.slots.get(src)
+        try:
+            if pend is None or src not in pend.completes or pend.completes[src].done():
+                raise StagingError(f"transfer {msg.transfer_id!r} is not being received from {src} here (aborted, "
+                                   f"failed or finished)")
+            if slot is None:
+                raise StagingError(f"prefill rank {src} was given no staging slot")
+            pairs = np.frombuffer(msg.destinations, dtype="<i8")
+            if pairs.size % 2:
+                raise StagingError("staged destinations are not (address, length) pairs")
+            dst, lens = pairs.reshape(-1, 2).T
+            if (lens <= 0).any() or int(lens.sum()) != msg.nbytes or msg.nbytes > self._slots.slot_bytes:
+                raise StagingError(f"staged chunk of {msg.nbytes} B does not match its destinations "
+                                   f"({int(lens.sum())} B) or exceeds the {self._slots.slot_bytes}-B slot")
+            if pend.allowed is None:
+                pend.allowed = allowed_ranges(self.hello.regions, pend.block_ids)
+            check_destinations(dst, lens, pend.allowed)
+            src_addrs = self.hello.staging_addr + slot + np.cumsum(lens) - lens
+            await asyncio.to_thread(copy_ranges, src_addrs, dst, lens, self._staging.device)
+            reply = Scattered(msg.transfer_id, msg.seq, True)
+        except StagingError as exc:
+            log.warning("refusing staged chunk %d of %s from prefill rank %s: %s", msg.seq, msg.transfer_id, src,
+                        exc)
+            reply = Scattered(msg.transfer_id, msg.seq, False, str(exc))
+        except Exception as exc:  # noqa: BLE001 - the copy failed: tell the sender, keep the connection
+            log.error("staged chunk %d of %s from prefill rank %s: scatter failed: %s", msg.seq, msg.transfer_id,
+                      src, exc)
+            reply = Scattered(msg.transfer_id, msg.seq, False, f"scatter failed on decode: {exc}")
+        try:
+            await conn.send(reply)
+        except ControlError as exc:
+            log.warning("could not answer staged chunk %d of %s: %s", msg.seq, msg.transfer_id, exc)
+
     # ---- transfers -------------------------------------------------------------------------------------------
     async def receive(self, transfer_id: str, prefill: PrefillAddress, block_ids: list[list[int]],
                       first_token: int, num_tokens: int, timeout: float | None = None) -> ReceiveResult:
@@ -213,13 +281,16 @@ class StreamReceiver:
             layers[r.src.rank].add(r.layer)
         loop = asyncio.get_running_loop()
         pend = _Pending(transfer_id, engine, {src: loop.create_future() for src in layers},
-                        {src: loop.create_future() for src in layers})
+                        {src: loop.create_future() for src in layers}, block_ids=[list(g) for g in block_ids])
         self._pending[transfer_id] = pend
         try:
             async with asyncio.timeout(timeout or self.config.transfer_timeout_s):
                 for src, conn in engine.conns.items():
+                    slot = engine.slots.get(src)
                     await conn.send(Register(transfer_id, self.rank[0], self.rank[1], block_ids, first_token,
-                                             num_tokens, layers=sorted(layers[src])))
+                                             num_tokens, layers=sorted(layers[src]),
+                                             staging_offset=slot or 0,
+                                             staging_bytes=self._slots.slot_bytes if slot is not None else 0))
                 done = await asyncio.gather(*pend.completes.values())
         except TimeoutError:
             missing = sorted(src for src, f in pend.completes.items() if not f.done())
@@ -238,7 +309,7 @@ class StreamReceiver:
                 if f.done() and not f.cancelled():
                     f.exception()  # retrieved: no "exception never retrieved" noise
         return ReceiveResult(transfer_id, sum(c.bytes_written for c in done), sum(c.descriptors for c in done),
-                             tuple(sorted(pend.completes)))
+                             tuple(sorted(pend.completes)), sum(c.staged_chunks for c in done))
 
     async def abort(self, transfer_id: str, reason: str) -> None:
         """Stop receiving `transfer_id`: its `receive()` raises TransferFailed once every source has confirmed it

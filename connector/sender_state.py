@@ -59,6 +59,7 @@ class Destination:
     """Abort or Stopped to send once no WRITE to this destination is in flight any more."""
     bytes_written: int = 0
     descriptors: int = 0
+    staged_chunks: int = 0
     done: bool = False
 
 

@@ -16,13 +16,14 @@ from collections import defaultdict, deque
 from typing import Any, Callable
 
 from connector.control import (Abort, Complete, ControlConnection, ControlServer, Heartbeat, Hello, Register,
-                               RegisterAck, RegisterError, Stopped)
+                               RegisterAck, RegisterError, Scattered, Stopped)
 from connector.descriptors import Descriptors, DescriptorError, geometry, layers_descriptors
 from connector.handshake import check_peer_regions, layout_of
 from connector.layout import LayoutError, ModelLayout, ParallelLayout, Region
 from connector.plan import Rank, build_plan, fold_ranges
 from connector.sender_state import (Destination, FinishedInfo, PeerInfo, PeerKey, RegistrationError, SendRequest,
                                     SenderConfig, SenderStats, validate_registration)
+from connector.staged_write import StagedWriter
 
 log = logging.getLogger(__name__)
 
@@ -33,12 +34,16 @@ class StreamSender:
     def __init__(self, transport: Any, model: ModelLayout, parallel: ParallelLayout, rank: Rank,
                  regions: list[Region], block_size: int, config: SenderConfig,
                  loop: asyncio.AbstractEventLoop, mem_type: str = "DRAM",
-                 on_finished: Callable[[str, bool], None] | None = None) -> None:
+                 on_finished: Callable[[str, bool], None] | None = None, staging: Any = None) -> None:
+        """`staging`: an optional contiguous tensor on the KV device, registered with `transport`: decode ranks
+        that have one too get scattered blocks as staged chunks (connector.staging), others direct WRITEs."""
         self.transport, self.model, self.parallel, self.rank = transport, model, parallel, rank
         self.regions = {r.key: r for r in regions}
         self.block_size, self.config, self.loop, self.mem_type = block_size, config, loop, mem_type
         self.on_finished = on_finished
         self.stats = SenderStats()
+        self.staged = (StagedWriter(transport, staging, mem_type, config.write_timeout_s)
+                       if staging is not None else None)
         self.requests: dict[str, SendRequest] = {}
         self._parked: dict[str, list[tuple[ControlConnection, Register, float]]] = defaultdict(list)
         self._released: dict[str, float] = {}
@@ -228,6 +233,9 @@ class StreamSender:
                 await conn.send(RegisterAck(msg.transfer_id))
                 return
             await self._accept(conn, msg)
+        elif isinstance(msg, Scattered):
+            if self.staged is not None:
+                self.staged.on_scattered((conn.peer.engine_id, conn.peer.pp_rank, conn.peer.tp_rank), msg)
         elif isinstance(msg, Heartbeat):
             deadline = time.monotonic() + self.config.lease_s
             for tid in msg.transfer_ids:
@@ -343,9 +351,16 @@ class StreamSender:
             if len(descs):
                 local, remote = descs.arrays()
                 some = next(iter(dest.regions.values()))
-                await self.transport.write(dest.peer_agent, local, remote, mem_type=self.mem_type,
-                                           local_device=next(iter(self.regions.values())).device_id,
-                                           remote_device=some.device_id, timeout=self.config.write_timeout_s)
+                peer_hello = self._peers[dest.key].hello
+                reg = dest.register
+                if self.staged is not None and self.staged.usable(reg.staging_bytes, peer_hello.staging_addr):
+                    dest.staged_chunks += await self.staged.write(
+                        dest.key, dest.conn, dest.peer_agent, req.transfer_id, local, remote,
+                        peer_hello.staging_addr + reg.staging_offset, peer_hello.staging_device, reg.staging_bytes)
+                else:
+                    await self.transport.write(dest.peer_agent, local, remote, mem_type=self.mem_type,
+                                               local_device=next(iter(self.regions.values())).device_id,
+                                               remote_device=some.device_id, timeout=self.config.write_timeout_s)
         except Exception as exc:  # noqa: BLE001 - one destination fails, the rest go on
             log.error("transfer %s: WRITE of layers %s to decode %s failed: %s", req.transfer_id,
                       fold_ranges(layers), dest.key, exc)
@@ -391,7 +406,8 @@ class StreamSender:
         if end > dest.register.first_token and any(dest.sent_tokens.get(layer, 0) < end for layer in dest.layer_routes):
             return
         dest.done = True
-        msg = Complete(req.transfer_id, self.rank[0], self.rank[1], dest.bytes_written, dest.descriptors)
+        msg = Complete(req.transfer_id, self.rank[0], self.rank[1], dest.bytes_written, dest.descriptors,
+                       dest.staged_chunks)
         self._spawn(self._complete(req, dest, msg))
 
     async def _complete(self, req: SendRequest, dest: Destination, msg: Complete) -> None:

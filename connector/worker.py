@@ -42,7 +42,7 @@ def _rank_process(conn: Any, cfg: dict[str, Any]) -> Iterator[SimpleNamespace]:
     from connector.sim import RankBuffers
 
     lt = LoopThread().start()
-    rank = SimpleNamespace(lt=lt, transport=None, bufs=None, engine=None, rank=tuple(cfg["rank"]),
+    rank = SimpleNamespace(lt=lt, transport=None, bufs=None, engine=None, staging=None, rank=tuple(cfg["rank"]),
                            parallel=cfg[cfg["side"]])
     try:
         rank.transport = _transport(cfg, lt)
@@ -50,6 +50,11 @@ def _rank_process(conn: Any, cfg: dict[str, Any]) -> Iterator[SimpleNamespace]:
                                 cfg["device"])
         for tensor in rank.bufs.tensors:
             rank.transport.register(tensor)
+        if cfg.get("staging_mb"):
+            import torch
+
+            rank.staging = torch.empty(cfg["staging_mb"] << 20, dtype=torch.uint8, device=cfg["device"])
+            rank.transport.register(rank.staging)
         yield rank
     except Exception as exc:  # noqa: BLE001 - the parent must hear about it
         conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}"))
@@ -85,7 +90,7 @@ def prefill_main(conn: Any, cfg: dict[str, Any]) -> None:
         sender = me.engine = StreamSender(
             transport, cfg["model"], parallel, rank, bufs.regions(), cfg["block_size"],
             SenderConfig(engine_id=f"prefill-{cfg['run_id']}", port=port, write_timeout_s=cfg["timeout_s"]),
-            lt.loop, mem_type="VRAM" if cfg["device"].startswith("cuda") else "DRAM")
+            lt.loop, mem_type="VRAM" if cfg["device"].startswith("cuda") else "DRAM", staging=me.staging)
         lt.run(sender.start(), 30)
         blocks: dict[str, list[list[int]]] = {}
         stage = parallel.stages[rank[0]]
@@ -162,7 +167,11 @@ def decode_main(conn: Any, cfg: dict[str, Any]) -> None:
         lt, bufs, rank = me.lt, me.bufs, me.rank
         receiver = me.engine = StreamReceiver(
             me.transport, cfg["model"], me.parallel, rank, bufs.regions(), cfg["block_size"],
-            ReceiverConfig(engine_id=f"decode-{cfg['run_id']}", transfer_timeout_s=cfg["timeout_s"]))
+            ReceiverConfig(engine_id=f"decode-{cfg['run_id']}", transfer_timeout_s=cfg["timeout_s"],
+                           # every prefill rank connection gets its own slot
+                           staging_slot_bytes=max(1, cfg.get("staging_mb", 0) << 20)
+                           // (cfg["prefill"].pp * cfg["prefill"].tp)),
+            staging=me.staging)
         pending: dict[str, Any] = {}
         requests: dict[str, tuple] = {}
         used: list[list[int]] = [[], []]
@@ -185,11 +194,11 @@ def decode_main(conn: Any, cfg: dict[str, Any]) -> None:
             try:
                 result, done_at = pending.pop(tid).result(cfg["timeout_s"] + 5)
             except Exception as exc:  # noqa: BLE001 - a failed transfer is a result, not a crash
-                return ("collected", [f"transfer failed: {exc}"], 0, 0, time.time())
+                return ("collected", [f"transfer failed: {exc}"], 0, 0, time.time(), 0)
             problems = bufs.verify(block_ids, first_token, tokens)
             problems += bufs.verify_prefix_untouched(block_ids, first_token) if first_token else []
             problems += bufs.untouched(used)
-            return ("collected", problems, result.bytes_written, result.descriptors, done_at)
+            return ("collected", problems, result.bytes_written, result.descriptors, done_at, result.staged_chunks)
 
         conn.send(("ready",))
         _serve(conn, {"receive": receive, "collect": collect})

@@ -366,3 +366,48 @@ def test_sender_counts_bytes_streamed_during_compute_apart_from_the_sweep():
     finally:
         decode.close(receiver)
         prefill.close(sender)
+
+
+def test_decode_refuses_a_staged_chunk_aimed_outside_its_blocks():
+    """Staging lets prefill name decode-side addresses in a side-channel message, so decode checks them: a chunk
+    whose destinations are not inside the blocks registered for the transfer is refused, nothing is written, and
+    the transfer fails on both sides with the reason."""
+    import numpy as np
+
+    sc = make_scenario()
+    prefill = InProcess("prefill", sc)
+    decode = InProcess("decode", sc)
+    stage_p, stage_d = torch.zeros(1 << 20, dtype=torch.uint8), torch.zeros(1 << 20, dtype=torch.uint8)
+    prefill.transport.register(stage_p)
+    decode.transport.register(stage_d)
+    sender = StreamSender(prefill.transport, sc.model, sc.prefill, (0, 0), prefill.bufs.regions(), BLOCK,
+                          SenderConfig(engine_id="test-prefill-evil", port=0), prefill.lt.loop, staging=stage_p)
+    receiver = StreamReceiver(decode.transport, sc.model, sc.decode, (0, 0), decode.bufs.regions(), BLOCK,
+                              ReceiverConfig(engine_id="test-decode-evil", staging_slot_bytes=1 << 20),
+                              staging=stage_d)
+    dst = pick_blocks(TOKENS, BLOCK, decode.num_blocks, seed=32)
+    outside = next(b for b in range(decode.num_blocks) if b not in dst[0])
+    region = decode.bufs.regions()[0]
+    real = sender.staged._scatter
+
+    async def aimed_elsewhere(key, conn, tid, nbytes, destinations):
+        evil = np.array(destinations, dtype=np.int64)
+        evil[:, 0] = region.base_addr + outside * region.block_stride  # a block decode did not register
+        return await real(key, conn, tid, nbytes, evil)
+
+    sender.staged._scatter = aimed_elsewhere
+    try:
+        port = prefill.lt.run(sender.start(), 10)
+        blocks = pick_blocks(TOKENS, BLOCK, prefill.num_blocks, seed=31)
+        for layer in range(60):
+            prefill.bufs.fill(layer, blocks, 0, TOKENS)
+        sender.start_request("t-evil", TOKENS)
+        sender.begin_chunk("t-evil", blocks, TOKENS)
+        sender.end_chunk("t-evil")
+        with pytest.raises(TransferFailed, match="decode refused staged chunk .* outside the blocks registered"):
+            decode.lt.run(receiver.receive("t-evil", PrefillAddress("127.0.0.1", port), dst, 0, TOKENS), 30)
+        assert prefill.lt.run(sender.wait_finished("t-evil", 10), 15) is False
+        assert not any(bool(t.any()) for t in decode.bufs.tensors), "a refused chunk wrote into decode's cache"
+    finally:
+        decode.close(receiver)
+        prefill.close(sender)

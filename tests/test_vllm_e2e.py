@@ -186,6 +186,18 @@ def test_deepseek_v32_mla_latent_and_indexer_keys(pool, dsv_dir, prefill, decode
             assert block_bytes(pair.D) == 6 * BS * (192 * 2 + 132)
 
 
+def test_staging_moves_scattered_blocks_as_gathered_chunks(pool, m3v_dir):
+    # staging_mb on both sides: the connector allocates and registers a staging buffer per worker; prefill TP2
+    # (head slices) sends index_v/index_k/kv through 256 KiB slots, decode scatters them into vLLM's blocks.
+    with Pair(pool, m3v_dir, prefill=(2, 1), extra_config={"staging_mb": 1, "staging_slot_mb": 1}) as pair:
+        trace, job, sent = run_one(pair, "st1", 90)
+        check_transfer(pair, trace, job)
+        check_blocks_back(pair)
+        assert sent == block_bytes(pair.D) * math.ceil(89 / BS)
+        stats = [pair.pool.ask(w, ("stats",))[1] for w in pair.P.workers.values()]
+        assert sum(s["staged_chunks"] for s in stats) > 0, stats
+
+
 def test_chunked_prefill_streams_each_chunk(pool, m3_dir):
     with Pair(pool, m3_dir, prefill_max_batched=40) as pair:
         trace, job, sent = run_one(pair, "s4", 100)

@@ -140,10 +140,10 @@ class Instance:
 
 def make_instance(pool: Pool, first_worker: int, model_dir, *, role: str, tp: int, pp: int, by_name: bool,
                   base_port: int, max_num_batched_tokens: int = 256, policy: str = "fail",
-                  prefix_caching: bool = True) -> Instance:
+                  prefix_caching: bool = True, extra_config: dict | None = None) -> Instance:
     name = "prefill" if role == "kv_producer" else "decode"
     engine_id = f"{name}-{uuid.uuid4().hex[:8]}"
-    extra = dict(EXTRA, side_channel_port=base_port)
+    extra = dict(EXTRA, side_channel_port=base_port, **(extra_config or {}))
     if by_name:
         connector.register()
         cfg = H.make_vllm_config(model_dir, kv_role=role, engine_id=engine_id, extra_config=extra, block_size=BS,
@@ -189,7 +189,7 @@ class Pair:
     """A prefill and a decode instance on the pool; tears every rank down on exit."""
 
     def __init__(self, pool: Pool, model_dir, *, prefill=(1, 1), decode=(1, 1), by_name=False,
-                 prefill_max_batched=256, decode_prefix_caching=True) -> None:
+                 prefill_max_batched=256, decode_prefix_caching=True, extra_config: dict | None = None) -> None:
         self.pool = pool
         (ptp, ppp), (dtp, dpp) = prefill, decode
         assert ptp * ppp + dtp * dpp <= len(pool.procs)
@@ -197,10 +197,12 @@ class Pair:
         self.instances: list[Instance] = []
         try:
             self.P = make_instance(pool, 0, model_dir, role="kv_producer", tp=ptp, pp=ppp, by_name=by_name,
-                                   base_port=self.base_port, max_num_batched_tokens=prefill_max_batched)
+                                   base_port=self.base_port, max_num_batched_tokens=prefill_max_batched,
+                                   extra_config=extra_config)
             self.instances.append(self.P)
             self.D = make_instance(pool, ptp * ppp, model_dir, role="kv_consumer", tp=dtp, pp=dpp,
-                                   by_name=by_name, base_port=self.base_port, prefix_caching=decode_prefix_caching)
+                                   by_name=by_name, base_port=self.base_port, prefix_caching=decode_prefix_caching,
+                                   extra_config=extra_config)
             self.instances.append(self.D)
         except BaseException:
             self.close()

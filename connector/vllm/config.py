@@ -32,6 +32,12 @@ class ConnectorSettings:
     """A side-channel peer silent for this long is treated as dead."""
     progress_delay_us: int = 1000
     """NIXL progress-thread poll delay (never 0: 0 spins a core)."""
+    staging_mb: int = 0
+    """Per-worker staging buffer on the KV-cache device, in MiB (0 = off). When prefill and decode both have one,
+    scattered blocks move as gathered chunks, one NIXL descriptor each, and decode scatters them (connector.staging):
+    far fewer descriptors when vLLM's blocks are fragmented."""
+    staging_slot_mb: int = 16
+    """Decode: the part of its staging buffer each prefill rank connection may use (one chunk in flight each)."""
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> "ConnectorSettings":
@@ -55,6 +61,9 @@ class ConnectorSettings:
                     "heartbeat_interval_s", "dead_after_s", "max_inflight_bytes", "progress_delay_us"):
             if getattr(settings, key) <= 0:
                 raise ValueError(f"SparseKVConnector: kv_connector_extra_config[{key!r}] must be > 0")
+        if settings.staging_mb < 0 or settings.staging_slot_mb <= 0:
+            raise ValueError(f"SparseKVConnector: staging_mb ({settings.staging_mb}) must be >= 0 and "
+                             f"staging_slot_mb ({settings.staging_slot_mb}) > 0")
         if not 0 < settings.side_channel_port < 65536:
             raise ValueError(f"SparseKVConnector: side_channel_port {settings.side_channel_port} is not a port")
         return settings

@@ -77,6 +77,7 @@ class WorkerSide:
         self._sender_seen = SenderStats()
         """The sender's cumulative counters at the last get_kv_connector_stats: the next report is the delta."""
         self._cuda = False
+        self._staging: torch.Tensor | None = None
         self.port = 0
 
     # ---- startup ----------------------------------------------------------------------------------------------
@@ -98,6 +99,12 @@ class WorkerSide:
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in kv_caches.values()}
         for storage in storages.values():
             self.transport.register(torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage))
+        staging = None
+        if self.settings.staging_mb:
+            device = next(iter(kv_caches.values())).device
+            staging = torch.empty(self.settings.staging_mb << 20, dtype=torch.uint8, device=device)
+            self.transport.register(staging)
+            self._staging = staging  # kept alive as long as the transport uses it
         block_size = {r.group: self.kv_cache_config.kv_cache_groups[r.group].kv_cache_spec.block_size for r in regions}
         if len(set(block_size.values())) != 1:
             raise ValueError(f"SparseKVConnector needs one block size across KV-cache groups, got {block_size}")
@@ -112,7 +119,8 @@ class WorkerSide:
                              lease_s=s.lease_s, write_timeout_s=s.write_timeout_s,
                              handshake_timeout_s=s.handshake_timeout_s, heartbeat_interval_s=s.heartbeat_interval_s,
                              dead_after_s=s.dead_after_s),
-                self.loop.loop, mem_type="VRAM" if self._cuda else "DRAM", on_finished=self._on_sent)
+                self.loop.loop, mem_type="VRAM" if self._cuda else "DRAM", on_finished=self._on_sent,
+                staging=staging)
             self.loop.run(self.sender.start(), 30)
             log.info("SparseKVConnector prefill rank %s: side channel %s:%d, %d regions", self.rank, host, self.port,
                      len(regions))
@@ -121,7 +129,9 @@ class WorkerSide:
                 self.transport, self.model, self.parallel, self.rank, regions, bs,
                 ReceiverConfig(engine_id=self.engine_id, auth_token=s.auth_token,
                                connect_timeout_s=s.handshake_timeout_s, transfer_timeout_s=s.transfer_timeout_s,
-                               heartbeat_interval_s=s.heartbeat_interval_s, dead_after_s=s.dead_after_s))
+                               heartbeat_interval_s=s.heartbeat_interval_s, dead_after_s=s.dead_after_s,
+                               staging_slot_bytes=s.staging_slot_mb << 20),
+                staging=staging)
 
     def handshake_metadata(self) -> SparseKVHandshake:
         host = (self.settings.side_channel_host or default_host()) if self.is_producer else ""

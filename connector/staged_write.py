@@ -1,0 +1,83 @@
+"""The sender's staged path (see connector.staging): gather a destination's scattered descriptors into this rank's
+staging buffer, post ONE descriptor into the slot decode gave this connection, ask decode to scatter it, and wait
+for its answer before the slot is used again. Runs on the sender's event loop; copies run in worker threads."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import Any
+
+import numpy as np
+
+from connector.control import ControlConnection, Scatter, Scattered
+from connector.staging import chunks, copy_ranges, split_long
+
+
+class StagedWriteError(RuntimeError):
+    """A staged chunk that did not land (decode refused it, the connection closed, or it timed out)."""
+
+
+class StagedWriter:
+    def __init__(self, transport: Any, staging: Any, mem_type: str, timeout_s: float) -> None:
+        """`staging`: a contiguous tensor on the KV device, registered with `transport`."""
+        self.transport, self.staging, self.mem_type, self.timeout_s = transport, staging, mem_type, timeout_s
+        self.nbytes = staging.numel() * staging.element_size()
+        self.addr = staging.data_ptr()
+        self.device_id = staging.device.index or 0
+        self._local = asyncio.Lock()
+        """One chunk at a time in this rank's staging buffer (held from the gather until its WRITE completed)."""
+        self._slot_locks: dict[Any, asyncio.Lock] = {}
+        """Per decode connection: its slot holds one chunk until decode answered Scattered."""
+        self._waits: dict[tuple[Any, str, int], asyncio.Future] = {}
+        self._seq = itertools.count()
+        self.chunks = 0
+
+    def usable(self, slot_bytes: int, peer_staging_addr: int) -> bool:
+        return slot_bytes > 0 and peer_staging_addr != 0
+
+    def on_scattered(self, key: Any, msg: Scattered) -> None:
+        fut = self._waits.get((key, msg.transfer_id, msg.seq))
+        if fut is not None and not fut.done():
+            fut.set_result(msg)
+
+    async def write(self, key: Any, conn: ControlConnection, peer_agent: str, transfer_id: str,
+                    local: np.ndarray, remote: np.ndarray, remote_base: int, remote_device: int,
+                    slot_bytes: int) -> int:
+        """Move descriptor arrays `local` -> `remote` ([n, 3]) through staging, chunk by chunk, in order.
+        Returns the number of chunks."""
+        limit = min(slot_bytes, self.nbytes)
+        local, remote = split_long(local, remote, limit)
+        lock = self._slot_locks.setdefault(key, asyncio.Lock())
+        pieces = chunks(local[:, 1], limit)
+        for a, b in pieces:
+            lens = local[a:b, 1]
+            n = int(lens.sum())
+            async with lock:
+                async with self._local:
+                    await asyncio.to_thread(copy_ranges, local[a:b, 0], self.addr + np.cumsum(lens) - lens, lens,
+                                            self.staging.device)
+                    await self.transport.write(peer_agent, [(self.addr, n)], [(remote_base, n)],
+                                               mem_type=self.mem_type, local_device=self.device_id,
+                                               remote_device=remote_device, timeout=self.timeout_s)
+                await self._scatter(key, conn, transfer_id, n, remote[a:b, :2])
+            self.chunks += 1
+        return len(pieces)
+
+    async def _scatter(self, key: Any, conn: ControlConnection, transfer_id: str, nbytes: int,
+                       destinations: np.ndarray) -> None:
+        seq = next(self._seq)
+        fut = asyncio.get_running_loop().create_future()
+        self._waits[(key, transfer_id, seq)] = fut
+        try:
+            await conn.send(Scatter(transfer_id, seq, nbytes, destinations.astype("<i8").tobytes()))
+            done, _ = await asyncio.wait({fut, conn.closed}, timeout=self.timeout_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self._waits.pop((key, transfer_id, seq), None)
+        if fut not in done:
+            why = "the connection closed" if conn.closed in done else f"no answer within {self.timeout_s:g} s"
+            raise StagedWriteError(f"staged chunk {seq} ({nbytes} B): {why}")
+        reply = fut.result()
+        if not reply.ok:
+            raise StagedWriteError(f"decode refused staged chunk {seq}: {reply.reason}")
