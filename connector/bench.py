@@ -77,6 +77,8 @@ def bench(sc: Scenario, progress: bool = False, repeats: int = 5) -> dict[str, A
         "stream_vs_bulk_exposed": round(statistics.median(exposed(r) for r in streams)
                                         / max(statistics.median(exposed(r) for r in bulks), 1e-9), 3),
         "hook_us": round(statistics.median(hook_ns) / 1e3, 2) if hook_ns else 0.0,
+        "staging_mb": sc.staging_mb,
+        "staged_chunks": bulks[0].staged_chunks,  # NIXL posts the bulk run needed instead of `descriptors`
         "verified": all(r.verified for r in bulks + streams),
         "problems": [p for r in bulks + streams for p in r.problems],
     }

@@ -13,3 +13,7 @@ timeout 60 python3 -m connector demo --model minimax-m3 --prefill tp=1,pp=2 --de
 timeout 80 python3 -m connector bench --model minimax-m3 --tokens 4096 --device cuda --repeats 3 --json 2>&1 | tee "$OUT/bench.json"
 timeout 80 python3 -m connector bench --model minimax-m3 --tokens 4096 --device cuda --repeats 3 --run-blocks 16 --json 2>&1 \
     | tee "$OUT/bench-runs16.json"
+timeout 80 python3 -m connector bench --model minimax-m3 --tokens 4096 --device cuda --repeats 3 --staging-mb 256 --json 2>&1 \
+    | tee "$OUT/bench-staged.json"
+timeout 60 python3 -m connector demo --model minimax-m3 --prefill tp=1,pp=2 --decode tp=1,pp=1 --device cuda \
+    --tokens 4096 --staging-mb 256 --json 2>&1 | tee "$OUT/demo-staged.json"
