@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -43,14 +43,16 @@ class StagedWriter:
 
     async def write(self, key: Any, conn: ControlConnection, peer_agent: str, transfer_id: str,
                     local: np.ndarray, remote: np.ndarray, remote_base: int, remote_device: int,
-                    slot_bytes: int) -> int:
-        """Move descriptor arrays `local` -> `remote` ([n, 3]) through staging, chunk by chunk, in order.
-        Returns the number of chunks."""
+                    slot_bytes: int, stop: Callable[[], bool] = lambda: False) -> int:
+        """Move descriptor arrays `local` -> `remote` ([n, 3]) through staging, chunk by chunk, in order, until
+        `stop()` says the destination is gone (aborted). Returns the number of chunks sent."""
         limit = min(slot_bytes, self.nbytes)
         local, remote = split_long(local, remote, limit)
         lock = self._slot_locks.setdefault(key, asyncio.Lock())
-        pieces = chunks(local[:, 1], limit)
-        for a, b in pieces:
+        sent = 0
+        for a, b in chunks(local[:, 1], limit):
+            if stop():
+                break
             lens = local[a:b, 1]
             n = int(lens.sum())
             async with lock:
@@ -62,7 +64,8 @@ class StagedWriter:
                                                remote_device=remote_device, timeout=self.timeout_s)
                 await self._scatter(key, conn, transfer_id, n, remote[a:b, :2])
             self.chunks += 1
-        return len(pieces)
+            sent += 1
+        return sent
 
     async def _scatter(self, key: Any, conn: ControlConnection, transfer_id: str, nbytes: int,
                        destinations: np.ndarray) -> None:
