@@ -28,12 +28,15 @@ PYTHON="${PYTHON:-python3}"
 
 # JSON via Python so a token with quotes or backslashes cannot break (or inject into) the config.
 # side_channel_host/port and lease_s are prefill-side settings; decode only needs the shared token.
-KV_TRANSFER_CONFIG="$("$PYTHON" - <<'PY'
+# Staging (MiB per GPU worker; 0 = off): with prefill PP x TP = 8 ranks, 256 MiB is eight 32-MiB slots.
+KV_TRANSFER_CONFIG="$(STAGING_MB="${STAGING_MB:-256}" "$PYTHON" - <<'PY'
 import json, os
+staging_mb = int(os.environ["STAGING_MB"])
 config = {
     "kv_connector": "SparseKVConnector",
     "kv_role": "kv_consumer",
-    "kv_connector_extra_config": {"auth_token": os.environ.get("SPARSE_KV_AUTH_TOKEN", "")},
+    "kv_connector_extra_config": {"auth_token": os.environ.get("SPARSE_KV_AUTH_TOKEN", ""),
+                                  "staging_mb": staging_mb, "staging_slot_mb": max(1, staging_mb // 8)},
 }
 if os.environ.get("KV_CONNECTOR_MODULE_PATH"):
     config["kv_connector_module_path"] = os.environ["KV_CONNECTOR_MODULE_PATH"]

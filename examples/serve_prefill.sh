@@ -27,6 +27,10 @@ PP="${PP:-2}"
 SIDE_CHANNEL_HOST="${SIDE_CHANNEL_HOST:-${VLLM_HOST_IP:-$(hostname -I 2>/dev/null | awk '{print $1}')}}"
 SIDE_CHANNEL_PORT="${SIDE_CHANNEL_PORT:-5600}"
 LEASE_S="${LEASE_S:-120}"                    # how long finished prefill blocks wait for a slow/late decode
+# Staging buffer per GPU worker (MiB), on both sides: scattered blocks move as gathered chunks (README, "Staged
+# transfers"). It is allocated after vLLM sized its KV cache: lower --gpu-memory-utilization a little for it.
+# 0 turns it off.
+STAGING_MB="${STAGING_MB:-256}"
 PYTHON="${PYTHON:-python3}"
 
 if [[ -z "$SIDE_CHANNEL_HOST" ]]; then
@@ -37,6 +41,7 @@ fi
 
 # JSON via Python so a token with quotes or backslashes cannot break (or inject into) the config.
 KV_TRANSFER_CONFIG="$(SIDE_CHANNEL_HOST="$SIDE_CHANNEL_HOST" SIDE_CHANNEL_PORT="$SIDE_CHANNEL_PORT" LEASE_S="$LEASE_S" \
+STAGING_MB="$STAGING_MB" \
 "$PYTHON" - <<'PY'
 import json, os
 config = {
@@ -47,6 +52,7 @@ config = {
         "side_channel_port": int(os.environ["SIDE_CHANNEL_PORT"]),
         "lease_s": float(os.environ["LEASE_S"]),
         "auth_token": os.environ.get("SPARSE_KV_AUTH_TOKEN", ""),
+        "staging_mb": int(os.environ["STAGING_MB"]),
     },
 }
 if os.environ.get("KV_CONNECTOR_MODULE_PATH"):
