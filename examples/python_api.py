@@ -67,7 +67,9 @@ def main() -> None:
     # other processes: they get the name from the vllm.general_plugins entry point of the installed package, or,
     # when running from a source tree without it, from kv_connector_module_path (importable there via PYTHONPATH).
     connector.register()
-    extra: dict[str, object] = {"auth_token": os.environ.get("SPARSE_KV_AUTH_TOKEN", "")}
+    # staging_mb (both sides): scattered blocks move as gathered chunks; see the README, "Staged transfers".
+    extra: dict[str, object] = {"auth_token": os.environ.get("SPARSE_KV_AUTH_TOKEN", ""),
+                                "staging_mb": int(os.environ.get("STAGING_MB", "256"))}
     if producer:
         extra.update(side_channel_port=args.side_channel_port, lease_s=args.lease_s)
         if args.side_channel_host:
