@@ -4,8 +4,8 @@ stream-engine calls; the transfer logic lives in connector.stream / connector.re
 from __future__ import annotations
 
 import concurrent.futures
-import logging
 import dataclasses
+import logging
 import threading
 import time
 import uuid
@@ -191,10 +191,7 @@ class WorkerSide:
         layer = self._layer_of.get(layer_name)
         if layer is None:
             return
-        event = None
-        if self._cuda:
-            event = torch.cuda.Event()
-            event.record()
+        event = self._record_event()
         for tid in self._active_sends:
             self.sender.layer_ready(tid, layer, event)
 
@@ -202,13 +199,18 @@ class WorkerSide:
         """wait_for_save: the sweep. Every layer of this step is computed (including those with no hook)."""
         if self.sender is None or not self._active_sends:
             return
-        event = None
-        if self._cuda:
-            event = torch.cuda.Event()
-            event.record()
+        event = self._record_event()
         for tid in self._active_sends:
             self.sender.end_chunk(tid, event)
         self._active_sends = []
+
+    def _record_event(self) -> torch.cuda.Event | None:
+        """A CUDA event marking everything queued so far on this stream (None on CPU): the engine waits for it."""
+        if not self._cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
 
     def _on_sent(self, tid: str, ok: bool) -> None:
         """Loop thread: the sender is done with a request (all decode ranks completed, aborted or lease expired)."""
