@@ -110,6 +110,8 @@ class SenderStats:
     writes: int = 0
     transfers_ok: int = 0
     transfers_failed: int = 0
+    staged_chunks: int = 0
+    """WRITEs that went through staging (one NIXL descriptor each) instead of their descriptors."""
 
 
 

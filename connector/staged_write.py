@@ -31,7 +31,6 @@ class StagedWriter:
         """Per decode connection: its slot holds one chunk until decode answered Scattered."""
         self._waits: dict[tuple[Any, str, int], asyncio.Future] = {}
         self._seq = itertools.count()
-        self.chunks = 0
 
     def usable(self, slot_bytes: int, peer_staging_addr: int) -> bool:
         return slot_bytes > 0 and peer_staging_addr != 0
@@ -63,7 +62,6 @@ class StagedWriter:
                                                mem_type=self.mem_type, local_device=self.device_id,
                                                remote_device=remote_device, timeout=self.timeout_s)
                 await self._scatter(key, conn, transfer_id, n, remote[a:b, :2])
-            self.chunks += 1
             sent += 1
         return sent
 

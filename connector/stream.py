@@ -354,10 +354,12 @@ class StreamSender:
                 peer_hello = self._peers[dest.key].hello
                 reg = dest.register
                 if self.staged is not None and self.staged.usable(reg.staging_bytes, peer_hello.staging_addr):
-                    dest.staged_chunks += await self.staged.write(
+                    staged = await self.staged.write(
                         dest.key, dest.conn, dest.peer_agent, req.transfer_id, local, remote,
                         peer_hello.staging_addr + reg.staging_offset, peer_hello.staging_device, reg.staging_bytes,
                         stop=lambda: dest.done)
+                    dest.staged_chunks += staged
+                    self.stats.staged_chunks += staged
                 else:
                     await self.transport.write(dest.peer_agent, local, remote, mem_type=self.mem_type,
                                                local_device=next(iter(self.regions.values())).device_id,

@@ -159,7 +159,7 @@ class Rank:
         if sender is None:
             return {}
         return {"bytes_written": sender.stats.bytes_written, "descriptors": sender.stats.descriptors,
-                "writes": sender.stats.writes, "staged_chunks": sender.staged.chunks if sender.staged else 0}
+                "writes": sender.stats.writes, "staged_chunks": sender.stats.staged_chunks}
 
     # ---- one engine step --------------------------------------------------------------------------------------
     def _update_states(self, so: Any) -> None:
