@@ -3,7 +3,7 @@ process, both on real NIXL. Each case must fail clearly, write nothing, and leav
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import socket
 import time
 import uuid
@@ -72,6 +72,38 @@ def prefill_cluster_and_decode():
     for cluster, decode, receiver in made:
         cluster.close()
         decode.close(receiver)
+
+
+@contextlib.contextmanager
+def sender_and_receiver(tag: str, *, lease_s: float = 120.0, staging_bytes: int = 0):
+    """A started StreamSender and a StreamReceiver, each in its own InProcess rank (M3, TP1/PP1), optionally with
+    registered staging buffers. Yields (prefill, sender, port, decode, receiver); everything made is closed."""
+    sc = make_scenario()
+    made: list[tuple[InProcess, object]] = []
+    try:
+        prefill = InProcess("prefill", sc)
+        made.append((prefill, None))
+        decode = InProcess("decode", sc)
+        made.append((decode, None))
+        staging = [None, None]
+        if staging_bytes:
+            staging = [torch.zeros(staging_bytes, dtype=torch.uint8) for _ in range(2)]
+            prefill.transport.register(staging[0])
+            decode.transport.register(staging[1])
+        sender = StreamSender(prefill.transport, sc.model, sc.prefill, (0, 0), prefill.bufs.regions(), BLOCK,
+                              SenderConfig(engine_id=f"test-prefill-{tag}", port=0, lease_s=lease_s),
+                              prefill.lt.loop, staging=staging[0])
+        made[0] = (prefill, sender)
+        config = ReceiverConfig(engine_id=f"test-decode-{tag}",
+                                **({"staging_slot_bytes": staging_bytes} if staging_bytes else {}))
+        receiver = StreamReceiver(decode.transport, sc.model, sc.decode, (0, 0), decode.bufs.regions(), BLOCK,
+                                  config, staging=staging[1])
+        made[1] = (decode, receiver)
+        port = prefill.lt.run(sender.start(), 10)
+        yield prefill, sender, port, decode, receiver
+    finally:
+        for side, engine in reversed(made):
+            side.close(engine)
 
 
 def start_prefill(cluster: Cluster, tid: str, layer_ms: float = 0.0, wait: bool = True) -> None:
@@ -290,15 +322,7 @@ def test_prefill_restart_after_preemption_resends_from_the_new_blocks(prefill_cl
 
 def test_decode_heartbeats_extend_the_lease():
     """A finished request waits past its 1 s lease while decode keeps listing it in heartbeats, then completes."""
-    sc = make_scenario()
-    prefill = InProcess("prefill", sc)
-    decode = InProcess("decode", sc)
-    sender = StreamSender(prefill.transport, sc.model, sc.prefill, (0, 0), prefill.bufs.regions(), BLOCK,
-                          SenderConfig(engine_id="test-prefill-hb", port=0, lease_s=1.0), prefill.lt.loop)
-    receiver = StreamReceiver(decode.transport, sc.model, sc.decode, (0, 0), decode.bufs.regions(), BLOCK,
-                              ReceiverConfig(engine_id="test-decode-hb"))
-    try:
-        port = prefill.lt.run(sender.start(), 10)
+    with sender_and_receiver("hb", lease_s=1.0) as (prefill, sender, port, decode, receiver):
         blocks = pick_blocks(TOKENS, BLOCK, prefill.num_blocks, seed=11)
         sender.start_request("t-hb", TOKENS)
         sender.begin_chunk("t-hb", blocks, TOKENS)
@@ -318,30 +342,18 @@ def test_decode_heartbeats_extend_the_lease():
         assert prefill.lt.run(sender.wait_finished("t-hb", 10), 15) is True
         assert decode.bufs.verify(dst, 0, TOKENS) == []
         decode.lt.run(beating.close(), 10)
-    finally:
-        decode.close(receiver)
-        prefill.close(sender)
 
 
 def test_sender_counts_bytes_streamed_during_compute_apart_from_the_sweep():
     """SenderStats (the source of the vLLM metrics): a layer written while its request still computes counts as
     streamed; what the final sweep sends does not; a completed transfer counts as ok."""
-    sc = make_scenario()
-    prefill = InProcess("prefill", sc)
-    decode = InProcess("decode", sc)
-    sender = StreamSender(prefill.transport, sc.model, sc.prefill, (0, 0), prefill.bufs.regions(), BLOCK,
-                          SenderConfig(engine_id="test-prefill-st", port=0), prefill.lt.loop)
-    receiver = StreamReceiver(decode.transport, sc.model, sc.decode, (0, 0), decode.bufs.regions(), BLOCK,
-                              ReceiverConfig(engine_id="test-decode-st"))
-
     def wait_for(check, what: str) -> None:
         deadline = time.monotonic() + 15
         while not check():
             assert time.monotonic() < deadline, what
             time.sleep(0.01)
 
-    try:
-        port = prefill.lt.run(sender.start(), 10)
+    with sender_and_receiver("st") as (prefill, sender, port, decode, receiver):
         blocks = pick_blocks(TOKENS, BLOCK, prefill.num_blocks, seed=21)
         dst = pick_blocks(TOKENS, BLOCK, decode.num_blocks, seed=22)
         sender.start_request("t-st", TOKENS)
@@ -363,9 +375,6 @@ def test_sender_counts_bytes_streamed_during_compute_apart_from_the_sweep():
         stats = sender.stats
         assert stats.bytes_during_compute == streamed < stats.bytes_written
         assert (stats.transfers_ok, stats.transfers_failed) == (1, 0)
-    finally:
-        decode.close(receiver)
-        prefill.close(sender)
 
 
 def test_decode_refuses_a_staged_chunk_aimed_outside_its_blocks():
@@ -374,30 +383,18 @@ def test_decode_refuses_a_staged_chunk_aimed_outside_its_blocks():
     the transfer fails on both sides with the reason."""
     import numpy as np
 
-    sc = make_scenario()
-    prefill = InProcess("prefill", sc)
-    decode = InProcess("decode", sc)
-    stage_p, stage_d = torch.zeros(1 << 20, dtype=torch.uint8), torch.zeros(1 << 20, dtype=torch.uint8)
-    prefill.transport.register(stage_p)
-    decode.transport.register(stage_d)
-    sender = StreamSender(prefill.transport, sc.model, sc.prefill, (0, 0), prefill.bufs.regions(), BLOCK,
-                          SenderConfig(engine_id="test-prefill-evil", port=0), prefill.lt.loop, staging=stage_p)
-    receiver = StreamReceiver(decode.transport, sc.model, sc.decode, (0, 0), decode.bufs.regions(), BLOCK,
-                              ReceiverConfig(engine_id="test-decode-evil", staging_slot_bytes=1 << 20),
-                              staging=stage_d)
-    dst = pick_blocks(TOKENS, BLOCK, decode.num_blocks, seed=32)
-    outside = next(b for b in range(decode.num_blocks) if b not in dst[0])
-    region = decode.bufs.regions()[0]
-    real = sender.staged._scatter
+    with sender_and_receiver("evil", staging_bytes=1 << 20) as (prefill, sender, port, decode, receiver):
+        dst = pick_blocks(TOKENS, BLOCK, decode.num_blocks, seed=32)
+        outside = next(b for b in range(decode.num_blocks) if b not in dst[0])
+        region = decode.bufs.regions()[0]
+        real = sender.staged._scatter
 
-    async def aimed_elsewhere(key, conn, tid, nbytes, destinations):
-        evil = np.array(destinations, dtype=np.int64)
-        evil[:, 0] = region.base_addr + outside * region.block_stride  # a block decode did not register
-        return await real(key, conn, tid, nbytes, evil)
+        async def aimed_elsewhere(key, conn, tid, nbytes, destinations):
+            evil = np.array(destinations, dtype=np.int64)
+            evil[:, 0] = region.base_addr + outside * region.block_stride  # a block decode did not register
+            return await real(key, conn, tid, nbytes, evil)
 
-    sender.staged._scatter = aimed_elsewhere
-    try:
-        port = prefill.lt.run(sender.start(), 10)
+        sender.staged._scatter = aimed_elsewhere
         blocks = pick_blocks(TOKENS, BLOCK, prefill.num_blocks, seed=31)
         for layer in range(60):
             prefill.bufs.fill(layer, blocks, 0, TOKENS)
@@ -408,6 +405,3 @@ def test_decode_refuses_a_staged_chunk_aimed_outside_its_blocks():
             decode.lt.run(receiver.receive("t-evil", PrefillAddress("127.0.0.1", port), dst, 0, TOKENS), 30)
         assert prefill.lt.run(sender.wait_finished("t-evil", 10), 15) is False
         assert not any(bool(t.any()) for t in decode.bufs.tensors), "a refused chunk wrote into decode's cache"
-    finally:
-        decode.close(receiver)
-        prefill.close(sender)
