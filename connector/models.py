@@ -154,9 +154,23 @@ def _model_dtype(*sections: _Fields) -> str:
     return "bfloat16"
 
 
-def _kv_elt(kv_cache_dtype: str) -> int:
-    """Bytes per element of the main KV cache: the 16-bit model dtype, or 1 for fp8 (per-tensor scale)."""
-    return 1 if kv_cache_dtype == "fp8" else 2
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def _kv_elt(kv_cache_dtype: str, dtype: str) -> int:
+    """Bytes per element of the main KV cache: the model dtype's ("auto"), or 1 for fp8 (per-tensor scale)."""
+    return 1 if kv_cache_dtype == "fp8" else _DTYPE_BYTES[dtype]
+
+
+def _resolved_dtype(model_dtype: str | None, *sections: _Fields) -> str:
+    """vLLM's own resolved dtype when the caller knows it (`--dtype float32` on a CPU engine), else what
+    `--dtype auto` gives for this config."""
+    if model_dtype is None:
+        return _model_dtype(*sections)
+    name = model_dtype.removeprefix("torch.")
+    if name not in _DTYPE_BYTES:
+        raise _fail(f"model dtype {_show(model_dtype)} is not supported: use one of {sorted(_DTYPE_BYTES)}")
+    return name
 
 
 def _empty(name: str, bytes_per_head: int = 0) -> PoolSpec:
@@ -167,7 +181,8 @@ def _empty(name: str, bytes_per_head: int = 0) -> PoolSpec:
 # ---------------------------------------------------------------------------------------------------------------
 # MiniMax-M3
 
-def _minimax_m3(top: _Fields, name: str, kv_cache_dtype: str, indexer_kv_dtype: str) -> ModelLayout:
+def _minimax_m3(top: _Fields, name: str, kv_cache_dtype: str, indexer_kv_dtype: str,
+                model_dtype: str | None) -> ModelLayout:
     if "text_config" in top.data:
         text = top.section("text_config", "MiniMax-M3 text config")
     else:
@@ -181,7 +196,7 @@ def _minimax_m3(top: _Fields, name: str, kv_cache_dtype: str, indexer_kv_dtype: 
     # vLLM never reads this list (no index value); missing entries mean K-only, as in vLLM.
     disable = sparse.get_int_list("sparse_disable_index_value", default=[])
     index_dim = sparse.get_int("sparse_index_dim")
-    dtype = _model_dtype(text, top)
+    dtype = _resolved_dtype(model_dtype, text, top)
 
     # nvidia/model.py `_sparse_attention_layer_ids`: {i for i, f in enumerate(freq) if f != 0}; entries past the
     # last layer are ignored and layers past the end of the list are dense.
@@ -199,7 +214,7 @@ def _minimax_m3(top: _Fields, name: str, kv_cache_dtype: str, indexer_kv_dtype: 
     index_bytes = index_dim * index_elt
     pools = {
         "kv": PoolSpec(name="kv", layers=tuple(range(num_layers)), num_heads=kv_heads,
-                       bytes_per_token_per_head=2 * head_dim * _kv_elt(kv_cache_dtype), num_parts=2, sharded=True),
+                       bytes_per_token_per_head=2 * head_dim * _kv_elt(kv_cache_dtype, dtype), num_parts=2, sharded=True),
         "index_k": PoolSpec(name="index_k", layers=sparse_layers, num_heads=1, bytes_per_token_per_head=index_bytes,
                             num_parts=1, sharded=False),
         "index_v": PoolSpec(name="index_v", layers=value_layers, num_heads=1, bytes_per_token_per_head=index_bytes,
@@ -239,7 +254,7 @@ def dsa_indexer_layers(num_layers: int, freq: int = 1, pattern: Any = None, offs
     return tuple(layers)
 
 
-def _dsa(top: _Fields, name: str, kv_cache_dtype: str, indexer_kv_dtype: str) -> ModelLayout:
+def _dsa(top: _Fields, name: str, kv_cache_dtype: str, indexer_kv_dtype: str, model_dtype: str | None) -> ModelLayout:
     f = _Fields(top.data, top.src, "DeepSeek-V3.2/GLM DSA config")
     num_layers = f.get_int("num_hidden_layers")
     kv_lora_rank = f.get_int("kv_lora_rank")
@@ -252,7 +267,7 @@ def _dsa(top: _Fields, name: str, kv_cache_dtype: str, indexer_kv_dtype: str) ->
                                     (isinstance(pattern, list) and all(isinstance(c, str) for c in pattern))):
         raise f.bad("index_topk_pattern", pattern, 'give a string like "FSSF..." with one letter per layer '
                                                     '(S = reuse the previous top-k, no indexer)')
-    dtype = _model_dtype(f)
+    dtype = _resolved_dtype(model_dtype, f)
 
     if kv_cache_dtype == "fp8":
         if (kv_lora_rank, rope_dim) != FP8_DS_MLA_DIMS:
@@ -261,7 +276,7 @@ def _dsa(top: _Fields, name: str, kv_cache_dtype: str, indexer_kv_dtype: str) ->
                         f"not {kv_lora_rank} and {rope_dim}: use kv_cache_dtype \"auto\"")
         kv_bytes = FP8_DS_MLA_BYTES
     else:
-        kv_bytes = (kv_lora_rank + rope_dim) * 2
+        kv_bytes = (kv_lora_rank + rope_dim) * _kv_elt(kv_cache_dtype, dtype)
     if indexer_kv_dtype not in ("auto", "fp8"):
         raise _fail(f"indexer_kv_dtype {_show(indexer_kv_dtype)} is not supported for DeepSeek-V3.2/GLM DSA: vLLM "
                     f"0.33 always keeps its indexer keys in fp8 with fp32 scales; use \"auto\"")
@@ -280,8 +295,9 @@ def _dsa(top: _Fields, name: str, kv_cache_dtype: str, indexer_kv_dtype: str) ->
 # ---------------------------------------------------------------------------------------------------------------
 # dense GQA
 
-def _dense(top: _Fields, name: str, kv_cache_dtype: str, indexer_kv_dtype: str) -> ModelLayout:
+def _dense(top: _Fields, name: str, kv_cache_dtype: str, indexer_kv_dtype: str, model_dtype: str | None) -> ModelLayout:
     f = _Fields(top.data, top.src, "dense GQA config")
+    dtype = _resolved_dtype(model_dtype, f)
     num_layers = f.get_int("num_hidden_layers")
     heads = f.get_int("num_attention_heads")
     kv_heads = f.get_int("num_key_value_heads", default=heads)
@@ -295,12 +311,11 @@ def _dense(top: _Fields, name: str, kv_cache_dtype: str, indexer_kv_dtype: str) 
         head_dim = hidden // heads
     pools = {
         "kv": PoolSpec(name="kv", layers=tuple(range(num_layers)), num_heads=kv_heads,
-                       bytes_per_token_per_head=2 * head_dim * _kv_elt(kv_cache_dtype), num_parts=2, sharded=True),
+                       bytes_per_token_per_head=2 * head_dim * _kv_elt(kv_cache_dtype, dtype), num_parts=2, sharded=True),
         "index_k": _empty("index_k"),
         "index_v": _empty("index_v"),
     }
-    return ModelLayout(name=name, num_layers=num_layers, pools=pools, dtype=_model_dtype(f),
-                       kv_cache_dtype=kv_cache_dtype)
+    return ModelLayout(name=name, num_layers=num_layers, pools=pools, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -342,18 +357,19 @@ _BUILDERS = {"m3": _minimax_m3, "dsa": _dsa, "dense": _dense}
 
 
 def model_from_config(config: dict, name: str, kv_cache_dtype: str = "auto", *, indexer_kv_dtype: str = "auto",
-                      source: str | None = None) -> ModelLayout:
+                      source: str | None = None, model_dtype: str | None = None) -> ModelLayout:
     """The layout of the model a config.json describes.
 
     `kv_cache_dtype` is vLLM's `--kv-cache-dtype` ("auto" or "fp8"); `indexer_kv_dtype` is vLLM's
     `--attention-config '{"indexer_kv_dtype": ...}'` (only MiniMax-M3 has a choice: "auto"/"bf16" or "fp8").
-    `source` names the config in error messages (default: `<name>`)."""
+    `source` names the config in error messages (default: `<name>`). `model_dtype` is the dtype vLLM resolved
+    (`model_config.dtype`, e.g. "float32" with `--dtype float32`); None = what `--dtype auto` gives."""
     src = source if source is not None else f"<{name}>"
     _check_kv_cache_dtype(kv_cache_dtype)
     if not isinstance(config, dict):
         raise _fail(f"config {src} is a JSON {type(config).__name__}, not an object: give the model's config.json")
     top = _Fields(config, src, "top level")
-    return _BUILDERS[_family(top)](top, name, kv_cache_dtype, indexer_kv_dtype)
+    return _BUILDERS[_family(top)](top, name, kv_cache_dtype, indexer_kv_dtype, model_dtype)
 
 
 def _resolve(spec: str) -> tuple[pathlib.Path, str]:

@@ -148,4 +148,5 @@ def model_layout_from_vllm(vllm_config) -> ModelLayout:  # noqa: ANN001 - VllmCo
     indexer = str(getattr(getattr(vllm_config, "attention_config", None), "indexer_kv_dtype", "auto") or "auto")
     name = str(getattr(vllm_config.model_config, "served_model_name", None) or vllm_config.model_config.model)
     return model_from_config(config, name.rsplit("/", 1)[-1], "fp8" if cache_dtype.startswith("fp8") else "auto",
-                             indexer_kv_dtype="fp8" if indexer.startswith("fp8") else "auto")
+                             indexer_kv_dtype="fp8" if indexer.startswith("fp8") else "auto",
+                             model_dtype=str(vllm_config.model_config.dtype))
