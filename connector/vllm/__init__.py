@@ -4,7 +4,12 @@
 `vllm.general_plugins` entry point) makes the bare name work: `--kv-transfer-config '{"kv_connector":
 "SparseKVConnector", "kv_role": "kv_producer", ...}'`."""
 
+import logging
+
 from connector.vllm.connector import SparseKVConnector
+from connector.vllm.logs import adopt_vllm_logging
+
+adopt_vllm_logging()  # every process that loads the connector: API server, engine core, workers
 
 CONNECTOR_NAME = "SparseKVConnector"
 
@@ -16,6 +21,7 @@ def register() -> None:
 
     if CONNECTOR_NAME not in KVConnectorFactory._registry:
         KVConnectorFactory.register_connector(CONNECTOR_NAME, "connector.vllm.connector", CONNECTOR_NAME)
+        logging.getLogger(__name__).info("registered SparseKVConnector with vLLM's KVConnectorFactory")
 
 
 __all__ = ["SparseKVConnector", "register", "CONNECTOR_NAME"]
