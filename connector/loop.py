@@ -6,11 +6,19 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import sys
 import threading
+import time
+import traceback
 from typing import Any, Awaitable, Callable, TypeVar
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+
+
+STALL_WARN_S = 2.0
+"""A loop that runs no callback for this long is reported, with what its thread is doing: every peer wait and
+heartbeat of the process stops meanwhile, so a stall must never go unexplained."""
 
 
 class LoopThread:
@@ -18,6 +26,8 @@ class LoopThread:
         self._name = name
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._watchdog: threading.Thread | None = None
+        self._stopping = threading.Event()
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -41,7 +51,33 @@ class LoopThread:
         self._thread.start()
         if not ready.wait(10):
             raise RuntimeError(f"event loop thread {self._name} did not start within 10 s")
+        self._stopping.clear()
+        self._watchdog = threading.Thread(target=self._watch, name=f"{self._name}-watchdog", daemon=True)
+        self._watchdog.start()
         return self
+
+    def _watch(self) -> None:
+        """Ping the loop every half second; if a ping waits more than STALL_WARN_S, log the loop thread's stack
+        (once per stall) and, when it recovers, how long it was blocked."""
+        loop, thread = self._loop, self._thread
+        assert loop is not None and thread is not None
+        while not self._stopping.wait(0.5):
+            answered = threading.Event()
+            sent = time.monotonic()
+            try:
+                loop.call_soon_threadsafe(answered.set)
+            except RuntimeError:  # loop closed
+                return
+            if answered.wait(STALL_WARN_S) or self._stopping.is_set():
+                continue
+            frame = sys._current_frames().get(thread.ident or -1)
+            stack = "".join(traceback.format_stack(frame)) if frame is not None else "(no frame)"
+            log.warning("event loop %s has run nothing for %.1f s; its thread is at:\n%s", self._name,
+                        time.monotonic() - sent, stack)
+            while not answered.wait(1.0):
+                if self._stopping.is_set():
+                    return
+            log.warning("event loop %s ran again after %.1f s blocked", self._name, time.monotonic() - sent)
 
     def call(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run `fn(*args)` on the loop thread soon; returns at once (FIFO with other calls)."""
@@ -62,6 +98,7 @@ class LoopThread:
     def stop(self, timeout: float = 10.0) -> None:
         if self._thread is None or self._loop is None:
             return
+        self._stopping.set()
         loop = self._loop
 
         async def cancel_all() -> None:
@@ -77,3 +114,6 @@ class LoopThread:
         loop.call_soon_threadsafe(loop.stop)
         self._thread.join(timeout)
         self._thread = None
+        if self._watchdog is not None:
+            self._watchdog.join(timeout)
+            self._watchdog = None
