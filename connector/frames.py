@@ -90,6 +90,9 @@ class Register(msgspec.Struct, frozen=True, tag="register", tag_field="type"):
     staging_offset: int = 0
     staging_bytes: int = 0
     """The slot of decode's staging buffer this prefill rank may stage through (0 bytes: write directly)."""
+    after_prefill: bool = False
+    """Decode learned of the transfer from prefill's response (sequential flow): prefill must already know it,
+    so an unknown id is refused at once (restarted prefill, wrong id) instead of parked."""
 
 
 class RegisterAck(msgspec.Struct, frozen=True, tag="register_ack", tag_field="type"):

@@ -268,8 +268,11 @@ class StreamReceiver:
 
     # ---- transfers -------------------------------------------------------------------------------------------
     async def receive(self, transfer_id: str, prefill: PrefillAddress, block_ids: list[list[int]],
-                      first_token: int, num_tokens: int, timeout: float | None = None) -> ReceiveResult:
-        """Register `block_ids` (per group, from token 0) with every source and wait until all completed."""
+                      first_token: int, num_tokens: int, timeout: float | None = None,
+                      after_prefill: bool = False) -> ReceiveResult:
+        """Register `block_ids` (per group, from token 0) with every source and wait until all completed.
+        `after_prefill`: prefill already finished computing (the sequential flow), so a source that does not know
+        the transfer refuses at once rather than parking the registration until prefill starts it."""
         if transfer_id in self._pending:
             raise TransferFailed(f"transfer {transfer_id!r} is already being received on decode rank {self.rank}")
         try:
@@ -290,7 +293,8 @@ class StreamReceiver:
                     await conn.send(Register(transfer_id, self.rank[0], self.rank[1], block_ids, first_token,
                                              num_tokens, layers=sorted(layers[src]),
                                              staging_offset=slot or 0,
-                                             staging_bytes=self._slots.slot_bytes if slot is not None else 0))
+                                             staging_bytes=self._slots.slot_bytes if slot is not None else 0,
+                                             after_prefill=after_prefill))
                 done = await asyncio.gather(*pend.completes.values())
         except TimeoutError:
             missing = sorted(src for src, f in pend.completes.items() if not f.done())

@@ -110,6 +110,9 @@ class SenderStats:
     writes: int = 0
     transfers_ok: int = 0
     transfers_failed: int = 0
+    leases_expired: int = 0
+    """Requests whose lease ran out before every decode rank completed (a router that never sent the decode leg,
+    a decode that died): their KV was freed unread."""
     staged_chunks: int = 0
     """WRITEs that went through staging (one NIXL descriptor each) instead of their descriptors."""
 

@@ -135,12 +135,16 @@ class StreamSender:
             else:
                 self._wake.clear()
                 await self._wake.wait()
-            while self._inbox:
-                fn, *args = self._inbox.popleft()
-                try:
-                    fn(*args)
-                except Exception:  # noqa: BLE001 - one bad call must not stop the engine
-                    log.exception("prefill rank %s: %s%r failed", self.rank, fn.__name__, tuple(args))
+            self._drain_inbox()
+
+    def _drain_inbox(self) -> None:
+        """Run the framework thread's queued calls, in order (on the loop)."""
+        while self._inbox:
+            fn, *args = self._inbox.popleft()
+            try:
+                fn(*args)
+            except Exception:  # noqa: BLE001 - one bad call must not stop the engine
+                log.exception("prefill rank %s: %s%r failed", self.rank, fn.__name__, tuple(args))
 
     # ---- loop side -------------------------------------------------------------------------------------------
     def _start_request(self, transfer_id: str, num_tokens: int) -> None:
@@ -226,7 +230,15 @@ class StreamSender:
 
     async def _on_message(self, conn: ControlConnection, msg: Any) -> None:
         if isinstance(msg, Register):
+            if msg.after_prefill and msg.transfer_id not in self.requests:
+                self._drain_inbox()  # a start_request still queued from the framework thread counts
             if msg.transfer_id not in self.requests and msg.transfer_id not in self._released:
+                if msg.after_prefill:
+                    await conn.send(RegisterError(msg.transfer_id, (
+                        f"prefill rank {self.rank} has no transfer {msg.transfer_id!r} although decode got it from "
+                        f"prefill's response: this prefill instance was restarted since (its KV is gone) or the "
+                        f"router changed the kv_transfer_params")))
+                    return
                 # Decode registers first (DESIGN.md step 2): keep it until prefill starts the request.
                 self._parked[msg.transfer_id].append((conn, msg, time.monotonic()))
                 conn.closed.add_done_callback(lambda _f, c=conn, t=msg.transfer_id: self._drop_parked(t, c))
@@ -452,13 +464,18 @@ class StreamSender:
             now = time.monotonic()
             for req in list(self.requests.values()):
                 if req.final and now > req.lease_deadline:
-                    missing = sorted(req.expected or ()) if req.expected is not None else "all (none registered)"
-                    log.warning("transfer %s: lease of %.0f s expired; decode ranks %s never completed; "
-                                "freeing its blocks", req.transfer_id, self.config.lease_s, missing)
+                    if req.expected is None:
+                        log.warning("transfer %s: lease of %.0f s expired and no decode ever registered for it; "
+                                    "its KV is freed unread (did the router send the decode leg with prefill's "
+                                    "kv_transfer_params?)", req.transfer_id, self.config.lease_s)
+                    else:
+                        log.warning("transfer %s: lease of %.0f s expired; decode ranks %s never completed; "
+                                    "freeing its blocks", req.transfer_id, self.config.lease_s, sorted(req.expected))
                     for dest in req.dests.values():
                         if not dest.done:
                             self._stop_dest(req, dest, Abort(req.transfer_id, "prefill lease expired"))
                     req.expected, req.failed = set(), True
+                    self.stats.leases_expired += 1
                     self._check_finished(req, ok=False)  # released once no WRITE is in flight
             for tid, parked in list(self._parked.items()):
                 if now - parked[0][2] > self.config.lease_s:

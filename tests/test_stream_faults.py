@@ -405,3 +405,17 @@ def test_decode_refuses_a_staged_chunk_aimed_outside_its_blocks():
             decode.lt.run(receiver.receive("t-evil", PrefillAddress("127.0.0.1", port), dst, 0, TOKENS), 30)
         assert prefill.lt.run(sender.wait_finished("t-evil", 10), 15) is False
         assert not any(bool(t.any()) for t in decode.bufs.tensors), "a refused chunk wrote into decode's cache"
+
+
+def test_registration_after_prefill_for_an_unknown_transfer_is_refused_at_once():
+    # Sequential flow: decode learned the transfer from prefill's response, so a prefill that does not know it
+    # (restarted since, or the router changed the params) must refuse now, not park it for a lease.
+    with sender_and_receiver("after-prefill") as (prefill, sender, port, decode, receiver):
+        blocks = pick_blocks(TOKENS, BLOCK, decode.num_blocks, seed=7)
+        started = time.monotonic()
+        with pytest.raises(TransferFailed, match="restarted since"):
+            decode.lt.run(receiver.receive("t-gone", PrefillAddress("127.0.0.1", port), blocks, 0, TOKENS,
+                                           after_prefill=True), 30)
+        assert time.monotonic() - started < 5
+        assert "t-gone" not in sender._parked
+        assert not any(bool(t.any()) for t in decode.bufs.tensors)

@@ -196,7 +196,10 @@ def test_load_failure_policy(m3_dir, policy):
 
 
 @pytest.mark.parametrize("params, needle", [
-    ({"do_remote_prefill": True, "prefill_addr": "127.0.0.1:5600"}, "no usable transfer_id"),
+    ({"do_remote_prefill": True, "prefill_addr": "127.0.0.1:5600"}, "has no transfer_id (keys given"),
+    ({"do_remote_prefill": True, "transfer_id": 7, "prefill_addr": "127.0.0.1:5600"}, "unusable transfer_id (7)"),
+    ({"do_remote_prefill": True, "transfer_id": "t5"}, "has no prefill_addr (keys given: ['do_remote_prefill', "
+                                                       "'transfer_id'])"),
     ({"do_remote_prefill": True, "transfer_id": "t5", "prefill_addr": "nohost"}, "is not host:port"),
     ({"do_remote_prefill": True, "transfer_id": "t5", "prefill_addr": "10.0.0.1:99999"}, "is not host:port"),
 ])
@@ -255,3 +258,53 @@ def test_installed_package_registers_by_name_through_the_vllm_plugin_entry_point
     plugins["sparse_kv_connector"].load()()  # what vLLM's load_general_plugins() does in every process
     plugins["sparse_kv_connector"].load()()  # idempotent
     assert KVConnectorFactory.get_connector_class_by_name("SparseKVConnector") is SparseKVConnector
+
+
+def test_sequential_flow_prefill_makes_a_transfer_id_and_answers_with_what_decode_needs(m3_dir):
+    # vLLM's proxy pattern (and llm-d): prefill gets only {"do_remote_decode": true}, and its response's
+    # kv_transfer_params go to decode unchanged.
+    sched = build(m3_dir, "kv_producer", extra_config={"side_channel_host": "10.1.2.3", "side_channel_port": 5700,
+                                                       "lease_s": 30})
+    free0 = H.free_block_count(sched)
+    req = H.make_request("p9", 40, kv_transfer_params={"do_remote_decode": True}, max_tokens=1)
+    sched.add_request(req)
+    so, out = H.run_step(sched)
+    assert meta_of(so).sends["p9"].transfer_id == "p9"  # vLLM's own request id
+    params = H.outputs_by_request(out)["p9"].kv_transfer_params
+    ours = {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": "p9",
+            "prefill_addr": "10.1.2.3:5700", "prefill_engine_id": sched.connector.engine_id,
+            "prefill_finished": True, "lease_s": 30.0}
+    assert {k: params.get(k) for k in ours} == ours  # (vLLM adds keys of its own, e.g. cached-token counts)
+    assert H.free_block_count(sched) < free0  # held for decode
+    H.run_step(sched, finished_sending={"p9"})
+    assert H.free_block_count(sched) == free0
+    # decode takes that dict as is
+    dec = build(m3_dir, "kv_consumer")
+    dreq = H.make_request("d9", 40, kv_transfer_params=dict(params), max_tokens=2)
+    dec.add_request(dreq)
+    so, _ = H.run_step(dec)
+    spec = meta_of(so).recvs["d9"]
+    assert (spec.transfer_id, spec.prefill_addr, spec.prefill_finished, spec.error) == ("p9", "10.1.2.3:5700",
+                                                                                        True, "")
+
+
+def test_prefill_side_channel_address_comes_from_the_workers_when_they_report_it(m3_dir):
+    from connector.vllm.metadata import SparseKVHandshake
+
+    sched = build(m3_dir, "kv_producer")
+    sched.connector.set_xfer_handshake_metadata_pp_aware(
+        {(0, 0): SparseKVHandshake("e", 0, 0, "f", "192.0.2.7:5600"), (0, 1): SparseKVHandshake("e", 0, 1, "f",
+                                                                                               "192.0.2.7:5601")})
+    sched.add_request(H.make_request("p8", 20, kv_transfer_params={"do_remote_decode": True}, max_tokens=1))
+    _, out = H.run_step(sched)
+    assert H.outputs_by_request(out)["p8"].kv_transfer_params["prefill_addr"] == "192.0.2.7:5600"
+
+
+def test_aborted_prefill_hands_out_no_params(m3_dir):
+    sched = build(m3_dir, "kv_producer", max_num_batched_tokens=32)
+    sched.add_request(H.make_request("p7", 100, kv_transfer_params={"do_remote_decode": True}))
+    H.run_step(sched)
+    H.abort(sched, "p7")
+    so, out = H.run_step(sched)
+    assert meta_of(so).aborts == {"p7": "p7"}
+    assert all(o.kv_transfer_params is None for o in H.outputs_by_request(out).values())

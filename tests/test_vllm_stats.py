@@ -49,6 +49,8 @@ def test_aggregate_sums_ranks_and_survives_the_process_boundary():
     assert merged.data["bytes_sent"] == 4000 and merged.data["sends_ok"] == 1 and merged.data["writes"] == 4
     assert merged.reduce() == {"sent_MB": 0.004, "streamed_pct": 50.0, "writes": 4, "descriptors": 20,
                                "sends_ok": 1, "sends_failed": 0}
+    expired = SparseKVConnector.build_kv_connector_stats({"sends_failed": 1, "sends_expired": 1})
+    assert merged.aggregate(expired).reduce()["sends_expired"] == 1
     # a payload from a peer that lacks some keys still aggregates
     older = SparseKVConnector.build_kv_connector_stats({"bytes_received": 5, "recvs_ok": 1, "recv_seconds": [0.25]})
     assert older.reduce() == {"received_MB": 0.0, "recvs_ok": 1, "recvs_failed": 0, "recv_avg_ms": 250.0,

@@ -67,3 +67,10 @@ class ConnectorSettings:
         if not 0 < settings.side_channel_port < 65536:
             raise ValueError(f"SparseKVConnector: side_channel_port {settings.side_channel_port} is not a port")
         return settings
+
+
+def default_host() -> str:
+    """The address vLLM reports for this node (VLLM_HOST_IP or its own detection), not 0.0.0.0."""
+    from vllm.utils.network_utils import get_ip
+
+    return get_ip()

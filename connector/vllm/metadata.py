@@ -33,6 +33,9 @@ class RecvSpec:
     """Decode's own prefix-cache hit, in tokens: not transferred."""
     num_tokens: int
     """Tokens to receive up to (the last prompt token is recomputed locally)."""
+    prefill_finished: bool = False
+    """The params came from prefill's response (sequential flow): prefill already holds the KV, so a prefill that
+    does not know the transfer refuses at once instead of waiting for it to start."""
     error: str = ""
     """Set when the request's kv_transfer_params are unusable: the workers fail it at once (failed_recving)."""
     aborted: bool = False

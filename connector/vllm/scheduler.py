@@ -11,29 +11,42 @@ from typing import Any
 from vllm.v1.request import RequestStatus
 
 from connector.receiver import PrefillAddress
+from connector.vllm.config import ConnectorSettings, default_host
 from connector.vllm.metadata import RecvSpec, SendSpec, SparseKVHandshake, SparseKVMetadata
 
 log = logging.getLogger(__name__)
 
 
+ROUTER_HINT = "pass the kv_transfer_params of prefill's response to decode unchanged, or send both legs the " \
+              "same transfer_id with prefill_addr on decode (examples/proxy.py)"
+
+
 def check_params(params: dict[str, Any], *, decode: bool) -> str:
-    """'' if the request's kv_transfer_params are usable, else a one-line reason naming the field and the fix."""
-    tid = params.get("transfer_id")
-    if not isinstance(tid, str) or not tid:
-        return f"kv_transfer_params has no usable transfer_id ({tid!r}): the proxy must send the same non-empty " \
-               f"string to prefill and decode"
+    """'' if the request's kv_transfer_params are usable, else a one-line reason naming the key and the fix.
+    (Prefill accepts a missing transfer_id: it then makes one, see SchedulerSide.transfer_id_of.)"""
+    given = sorted(params)
+    if decode or "transfer_id" in params:
+        tid = params.get("transfer_id")
+        if not isinstance(tid, str) or not tid:
+            what = "no transfer_id" if "transfer_id" not in params else f"an unusable transfer_id ({tid!r})"
+            return f"kv_transfer_params has {what} (keys given: {given}): {ROUTER_HINT}"
     if decode:
+        if "prefill_addr" not in params:
+            return f"kv_transfer_params has no prefill_addr (keys given: {given}): {ROUTER_HINT}"
         try:
-            PrefillAddress.parse(params.get("prefill_addr", ""))
+            PrefillAddress.parse(params["prefill_addr"])
         except ValueError as exc:
             return f"kv_transfer_params prefill_addr: {exc}"
     return ""
 
 
 class SchedulerSide:
-    def __init__(self, kv_role: str, engine_id: str) -> None:
+    def __init__(self, kv_role: str, engine_id: str, settings: ConnectorSettings | None = None) -> None:
         self.is_producer = kv_role == "kv_producer"
         self.engine_id = engine_id
+        self.settings = settings or ConnectorSettings()
+        self._side_channel: str | None = None
+        """host:port of prefill rank (pp0, tp0)'s side channel, as the workers reported it (else from settings)."""
         self._kv_cache_manager: Any = None
         # decode
         self._recv_ready: dict[str, RecvSpec] = {}      # to ship in the next metadata
@@ -53,13 +66,14 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params or {}
         if self.is_producer:
-            if params.get("do_remote_decode"):
+            if params.get("do_remote_decode") and request.request_id not in self._send_known:
                 problem = check_params(params, decode=False)
                 if problem:
                     log.error("request %s: %s; it runs as a plain prefill and nothing is sent",
                               request.request_id, problem)
                 else:
-                    self._send_known[request.request_id] = (params["transfer_id"], request.num_prompt_tokens)
+                    self._send_known[request.request_id] = (self.transfer_id_of(request),
+                                                            request.num_prompt_tokens)
             return 0, False
         if not params.get("do_remote_prefill") or request.request_id in self._recv_waiting:
             return 0, False
@@ -80,7 +94,8 @@ class SchedulerSide:
         problem = check_params(params, decode=True)
         self._recv_ready[req_id] = RecvSpec(
             transfer_id=str(params.get("transfer_id") or ""), prefill_addr=str(params.get("prefill_addr") or ""),
-            block_ids=block_ids, first_token=first, num_tokens=first + num_external_tokens, error=problem)
+            block_ids=block_ids, first_token=first, num_tokens=first + num_external_tokens, error=problem,
+            prefill_finished=bool(params.get("prefill_finished")))
         self._recv_waiting[req_id] = str(params.get("transfer_id") or "")
         # One transfer per request: if it fails and kv_load_failure_policy is "recompute", vLLM asks again and the
         # request must then be prefilled locally (as vLLM's NixlConnector does).
@@ -88,6 +103,20 @@ class SchedulerSide:
             request.kv_transfer_params["do_remote_prefill"] = False
         if problem:
             log.error("request %s: %s; failing it (kv_load_failure_policy applies)", req_id, problem)
+
+    @staticmethod
+    def transfer_id_of(request: Any) -> str:
+        """The proxy's transfer_id (concurrent flow), or, when a router sent only `do_remote_decode` (the
+        sequential flow of vLLM's proxy pattern), vLLM's own request id: unique among this engine's requests, and
+        handed to the router in prefill's response."""
+        tid = (request.kv_transfer_params or {}).get("transfer_id")
+        return tid if isinstance(tid, str) and tid else str(request.request_id)
+
+    def side_channel(self) -> str:
+        """host:port decode connects to: what prefill rank (pp0, tp0) reported, else the configured address."""
+        if self._side_channel:
+            return self._side_channel
+        return f"{self.settings.side_channel_host or default_host()}:{self.settings.side_channel_port}"
 
     def _all_block_ids(self, req_id: str, blocks: Any) -> tuple[list[int], ...]:
         """Every block of the request per group, from token 0 (prefix hits included), as the workers index them
@@ -135,12 +164,18 @@ class SchedulerSide:
             if req_id not in self._send_started:  # never reached the workers: nothing reads its blocks
                 self._send_known.pop(req_id, None)
                 return False, None
+            self._send_held.add(req_id)
             if request.status not in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED):
                 # Aborted or failed prefill: tell decode, stop writing. Blocks are still held until the workers
                 # report the transfer finished, so no WRITE in flight reads a reused block.
                 self._aborts[req_id] = known[0]
-            self._send_held.add(req_id)
-            return True, None
+                return True, None
+            # What decode needs, in prefill's response: a router that copies kv_transfer_params into the decode
+            # leg (vLLM's proxy pattern, llm-d) works unchanged. `prefill_finished` tells decode that this transfer
+            # exists already, so a prefill that no longer knows it (restarted, lease gone) refuses at once.
+            return True, {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": known[0],
+                          "prefill_addr": self.side_channel(), "prefill_engine_id": self.engine_id,
+                          "prefill_finished": True, "lease_s": self.settings.lease_s}
         tid = self._recv_waiting.pop(req_id, None)
         self._matched.pop(req_id, None)
         if tid is not None:
@@ -162,6 +197,9 @@ class SchedulerSide:
         if len(set(prints.values())) > 1:
             raise ValueError(f"SparseKVConnector workers disagree on the model layout fingerprint: {prints}")
         self.handshakes = dict(metadata)
+        first = metadata.get((0, 0))
+        if getattr(first, "side_channel", ""):
+            self._side_channel = first.side_channel
         for (pp, tp), hs in sorted(metadata.items()):
             if getattr(hs, "side_channel", ""):
                 log.info("SparseKVConnector prefill rank pp%d,tp%d side channel %s", pp, tp, hs.side_channel)

@@ -19,6 +19,7 @@ COUNTERS = (
     "descriptors",                 # prefill: descriptors in them
     "sends_ok",                    # prefill: requests every decode rank completed
     "sends_failed",                # prefill: requests aborted, failed or expired
+    "sends_expired",               # ... of those, lease ran out: decode never came (or never completed) for the KV
     "bytes_received",              # decode: bytes its prefill sources report written
     "recvs_ok",
     "recvs_failed",
@@ -57,7 +58,7 @@ class SparseKVConnectorStats(KVConnectorStats):
     def reduce(self) -> dict[str, int | float]:
         d = self.data
         out: dict[str, int | float] = {}
-        if d["writes"] or d["sends_ok"] or d["sends_failed"]:
+        if d["writes"] or d["sends_ok"] or d["sends_failed"] or d["sends_expired"]:
             out.update({
                 "sent_MB": round(d["bytes_sent"] / 1e6, 3),
                 # how much of the KV left while prefill was still computing: the point of streaming
@@ -68,6 +69,8 @@ class SparseKVConnectorStats(KVConnectorStats):
                 "sends_ok": d["sends_ok"],
                 "sends_failed": d["sends_failed"],
             })
+            if d["sends_expired"]:  # KV nobody fetched: worth a word in the log line, only when it happens
+                out["sends_expired"] = d["sends_expired"]
         if d["recvs_ok"] or d["recvs_failed"]:
             waits = sorted(d["recv_seconds"])
             out.update({

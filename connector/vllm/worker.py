@@ -18,7 +18,7 @@ from connector.loop import LoopThread
 from connector.receiver import PrefillAddress, ReceiverConfig, ReceiveResult, StreamReceiver
 from connector.sender_state import SenderStats
 from connector.stream import SenderConfig, StreamSender
-from connector.vllm.config import ConnectorSettings
+from connector.vllm.config import ConnectorSettings, default_host
 from connector.vllm.metadata import SparseKVHandshake, SparseKVMetadata
 from connector.vllm.regions import build_regions, classify_layers, model_layout_from_vllm
 from connector.vllm.stats import SparseKVConnectorStats
@@ -38,13 +38,6 @@ def parallel_ranks(vllm_config: Any) -> tuple[ParallelLayout, int, int]:
     parallel = ParallelLayout.build(num_layers, pc.tensor_parallel_size, pc.pipeline_parallel_size,
                                     [e - s for s, e in stages])
     return parallel, get_pp_group().rank_in_group, get_tp_group().rank_in_group
-
-
-def default_host() -> str:
-    """The address vLLM reports for this node (VLLM_HOST_IP or its own detection), not 0.0.0.0."""
-    from vllm.utils.network_utils import get_ip
-
-    return get_ip()
 
 
 class WorkerSide:
@@ -132,6 +125,8 @@ class WorkerSide:
                                heartbeat_interval_s=s.heartbeat_interval_s, dead_after_s=s.dead_after_s,
                                staging_slot_bytes=s.staging_slot_mb << 20),
                 staging=staging)
+            log.info("SparseKVConnector decode rank %s: %d regions, %s", self.rank, len(regions),
+                     f"staging {s.staging_mb} MiB" if staging is not None else "no staging")
 
     def handshake_metadata(self) -> SparseKVHandshake:
         host = (self.settings.side_channel_host or default_host()) if self.is_producer else ""
@@ -170,7 +165,8 @@ class WorkerSide:
             return
         self._recv_started[req_id] = time.monotonic()
         self._receiving[req_id] = self.loop.submit(self.receiver.receive(
-            spec.transfer_id, addr, [list(g) for g in spec.block_ids], spec.first_token, spec.num_tokens))
+            spec.transfer_id, addr, [list(g) for g in spec.block_ids], spec.first_token, spec.num_tokens,
+            after_prefill=spec.prefill_finished))
 
     def _abort(self, req_id: str, tid: str) -> None:
         if self.sender is not None:
@@ -263,7 +259,8 @@ class WorkerSide:
                     bytes_sent_during_compute=now.bytes_during_compute - seen.bytes_during_compute,
                     writes=now.writes - seen.writes, descriptors=now.descriptors - seen.descriptors,
                     sends_ok=now.transfers_ok - seen.transfers_ok,
-                    sends_failed=now.transfers_failed - seen.transfers_failed)
+                    sends_failed=now.transfers_failed - seen.transfers_failed,
+                    sends_expired=now.leases_expired - seen.leases_expired)
         return None if out.is_empty() else out
 
     def shutdown(self) -> None:
