@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     from connector.demo_cli import add_subcommands  # imports the transport stack only when a command runs
 
     add_subcommands(subs, _add_common)
+    from connector.pd.cli import add_subcommand as add_bench_pd
+
+    add_bench_pd(subs)
     return parser
 
 

@@ -12,7 +12,7 @@ from typing import Any, Sequence
 import numpy as np
 
 _UINT64 = np.uint64
-_agent_ctor_lock = threading.Lock()
+_agent_ctor_lock = threading.RLock()  # re-entered when clamp_every_agent wraps make_agent's own call
 
 
 def nixl_api():
@@ -40,6 +40,42 @@ class _BindingsProxy:
         return getattr(self._real, name)
 
 
+def _clamped_config_class(base: type, progress_delay_us: int) -> type:
+    """A subclass of the bindings' `nixlAgentConfig` whose `pthrDelay` cannot be set below `progress_delay_us`."""
+    prop = base.__dict__["pthrDelay"]
+    delay = int(progress_delay_us)
+
+    def _set(self: Any, value: int) -> None:
+        prop.fset(self, max(int(value), delay))
+
+    return type("_DelayedAgentConfig", (base,), {"pthrDelay": property(prop.fget, _set)})
+
+
+def clamp_every_agent(progress_delay_us: int) -> None:
+    """Make every `nixl_agent` created in this process from now on poll with at least `progress_delay_us`, also
+    agents other code creates (vLLM's NixlConnector). For benchmarks that run NixlConnector with its progress
+    thread clamped (`bench-pd`, via a sitecustomize): nixl 1.5.1 hard-codes a delay of 0, a spinning core per
+    agent. Idempotent."""
+    if progress_delay_us <= 0:
+        raise ValueError("progress_delay_us must be > 0")
+    api = nixl_api()
+    init = api.nixl_agent.__init__
+    if getattr(init, "_sparse_kv_clamped", False):
+        return
+
+    def clamped_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        real = api.nixlBind
+        with _agent_ctor_lock:
+            api.nixlBind = _BindingsProxy(real, _clamped_config_class(real.nixlAgentConfig, progress_delay_us))
+            try:
+                init(self, *args, **kwargs)
+            finally:
+                api.nixlBind = real
+
+    clamped_init._sparse_kv_clamped = True  # type: ignore[attr-defined]
+    api.nixl_agent.__init__ = clamped_init
+
+
 def make_agent(name: str, *, progress_delay_us: int, ucx_error_handling_mode: str = "peer"):
     """Create a `nixl_agent` with no backends, a progress thread that sleeps `progress_delay_us` between polls,
     thread-sync mode RW, then the UCX backend.
@@ -60,14 +96,7 @@ def make_agent(name: str, *, progress_delay_us: int, ucx_error_handling_mode: st
         raise ValueError("progress_delay_us must be > 0: 0 makes the NIXL progress thread spin a whole core")
     api = nixl_api()
     real = api.nixlBind
-    base = real.nixlAgentConfig
-    prop = base.__dict__["pthrDelay"]
-    delay = int(progress_delay_us)
-
-    def _set(self: Any, value: int) -> None:
-        prop.fset(self, max(int(value), delay))
-
-    cfg_cls = type("_DelayedAgentConfig", (base,), {"pthrDelay": property(prop.fget, _set)})
+    cfg_cls = _clamped_config_class(real.nixlAgentConfig, progress_delay_us)
     conf = api.nixl_agent_config(
         enable_prog_thread=True,
         enable_listen_thread=False,  # never NIXL's unauthenticated 0.0.0.0 listener: metadata goes over our channel

@@ -1,0 +1,167 @@
+"""`bench-pd`: TTFT of one engine against PD pairs of real vLLM engines on the same model and prompts.
+
+Modes (each on its own servers, one mode at a time, so they do not share the machine):
+- `local`: one engine, no KV transfer (the baseline every overhead is measured against);
+- `sparse-concurrent`: SparseKVConnector, both legs at once (examples/proxy.py's flow);
+- `sparse-sequential`: SparseKVConnector behind a prefill-then-decode router (vLLM's proxy pattern);
+- `nixl`: vLLM's NixlConnector as shipped (its only flow is sequential);
+- `nixl-clamped`: the same with its NIXL progress thread clamped to a 1 ms poll delay (nixl 1.5.1 hard-codes 0,
+  a spinning core per agent), so the comparison is not only about that.
+
+Requests go one at a time (TTFT without queueing), streamed, greedy; each request has a fresh `cache_salt` so no
+prefix cache is reused. Every PD answer is compared token by token with the local engine's answer to the same
+prompt. The first `warmup` requests of each mode are not counted."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from connector.pd import flows
+from connector.pd.client import Completion, prompt_ids
+from connector.pd.model import TinyLlama
+from connector.pd.servers import ServerSpec, VllmServer, free_port, sparse_kv_config, start_all
+
+MODES = ("local", "sparse-concurrent", "sparse-sequential", "nixl", "nixl-clamped")
+CLAMP_DELAY_US = 1000
+
+
+@dataclass
+class ModeResult:
+    mode: str
+    requests: int
+    token_equal: int
+    ttft_ms: list[float] = field(default_factory=list)
+
+    @property
+    def p50_ms(self) -> float:
+        return percentile(self.ttft_ms, 50)
+
+    @property
+    def p99_ms(self) -> float:
+        return percentile(self.ttft_ms, 99)
+
+
+def percentile(values: list[float], pct: float) -> float:
+    """Nearest-rank percentile (p99 of 30 samples is the largest)."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    rank = max(1, min(len(ordered), -(-len(ordered) * pct // 100)))
+    return ordered[int(rank) - 1]
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    requests: int = 30
+    warmup: int = 3
+    prompt_lengths: tuple[int, ...] = (600, 900, 1000)
+    max_tokens: int = 16
+    modes: tuple[str, ...] = MODES
+    engine_python: str = ".venv-cpu/bin/python"
+    work_dir: Path | None = None
+
+
+class PdBench:
+    def __init__(self, config: BenchConfig, log: Callable[[str], None] = print) -> None:
+        self.config, self.log = config, log
+        self.root = Path(config.work_dir or tempfile.mkdtemp(prefix="bench-pd-"))
+        self.model = TinyLlama().write(self.root / "tiny-llama")
+        self.clamp_dir = self._write_clamp()
+        n = config.warmup + config.requests
+        self.prompts = [prompt_ids(config.prompt_lengths[i % len(config.prompt_lengths)], seed=10_000 + i)
+                        for i in range(n)]
+        self.reference: list[list[int]] = []
+
+    def _write_clamp(self) -> Path:
+        """A sitecustomize that clamps every NIXL agent's progress thread in the process (nixl-clamped mode)."""
+        folder = self.root / "nixl-clamp"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "sitecustomize.py").write_text(
+            "from connector.transport.nixl_glue import clamp_every_agent\n"
+            f"clamp_every_agent({CLAMP_DELAY_US})\n")
+        return folder
+
+    def _server(self, name: str, kv: dict | None = None, env: dict | None = None) -> VllmServer:
+        spec = ServerSpec(name, self.model, free_port(), kv_transfer_config=kv, env=env or {})
+        return VllmServer(spec, self.config.engine_python, self.root / "logs")
+
+    def _servers(self, mode: str) -> tuple[list[VllmServer], Callable[[list[int]], Completion]]:
+        if mode == "local":
+            local = self._server("local")
+            return [local], lambda p: flows.local(local.url, p, self.config.max_tokens, cache_salt=fresh())
+        if mode.startswith("sparse"):
+            side = free_port()
+            pre = self._server("sparse-prefill", sparse_kv_config("kv_producer", side_channel_port=side))
+            dec = self._server("sparse-decode", sparse_kv_config("kv_consumer"))
+            if mode == "sparse-concurrent":
+                return [pre, dec], lambda p: flows.concurrent(pre.url, f"127.0.0.1:{side}", dec.url, p,
+                                                              self.config.max_tokens, cache_salt=fresh())
+            return [pre, dec], lambda p: flows.sequential(pre.url, dec.url, p, self.config.max_tokens,
+                                                          cache_salt=fresh())
+        env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
+        if mode == "nixl-clamped":
+            env["PYTHONPATH"] = str(self.clamp_dir)
+        nixl = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+        pre = self._server(f"{mode}-prefill", nixl, env | {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())})
+        dec = self._server(f"{mode}-decode", nixl, env | {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())})
+        return [pre, dec], lambda p: flows.sequential(pre.url, dec.url, p, self.config.max_tokens,
+                                                      cache_salt=fresh())
+
+    def run_mode(self, mode: str) -> ModeResult:
+        servers, ask = self._servers(mode)
+        self.log(f"{mode}: starting {len(servers)} server(s)")
+        start_all(servers)
+        try:
+            result = ModeResult(mode, 0, 0)
+            for i, prompt in enumerate(self.prompts):
+                out = ask(prompt)
+                if mode == "local":
+                    self.reference.append(out.token_ids)
+                if i < self.config.warmup:
+                    continue
+                result.requests += 1
+                result.token_equal += out.token_ids == self.reference[i]
+                result.ttft_ms.append(out.ttft_s * 1e3)
+            self.log(f"{mode}: p50 {result.p50_ms:.1f} ms, p99 {result.p99_ms:.1f} ms, "
+                     f"{result.token_equal}/{result.requests} token-equal")
+            return result
+        finally:
+            for s in servers:
+                s.stop(20)
+
+    def run(self) -> list[ModeResult]:
+        modes = list(self.config.modes)
+        if "local" in modes:
+            modes.remove("local")
+        return [self.run_mode("local")] + [self.run_mode(m) for m in modes]
+
+
+def fresh() -> str:
+    return uuid.uuid4().hex
+
+
+def table(results: list[ModeResult]) -> str:
+    base = results[0].p50_ms
+    lines = ["| mode | requests | token-equal | TTFT p50 ms | TTFT p99 ms | p50 overhead over local |",
+             "|---|---|---|---|---|---|"]
+    for r in results:
+        over = "—" if r.mode == "local" else f"{r.p50_ms - base:+.1f} ms ({100 * (r.p50_ms / base - 1):+.0f}%)"
+        lines.append(f"| {r.mode} | {r.requests} | {r.token_equal}/{r.requests} | {r.p50_ms:.1f} | {r.p99_ms:.1f} "
+                     f"| {over} |")
+    return "\n".join(lines)
+
+
+def to_json(results: list[ModeResult]) -> dict:
+    base = results[0].p50_ms
+    return {"date": time.strftime("%Y-%m-%d"), "modes": [
+        asdict(r) | {"p50_ms": r.p50_ms, "p99_ms": r.p99_ms, "overhead_p50_ms": r.p50_ms - base} for r in results]}
+
+
+def dump(results: list[ModeResult], as_json: bool) -> str:
+    return json.dumps(to_json(results)) if as_json else table(results)

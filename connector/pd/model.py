@@ -1,0 +1,74 @@
+"""A tiny Llama with seeded random weights, written as a Hugging Face folder (config.json + safetensors) that vLLM
+loads like any checkpoint. No weights can be downloaded here, and vLLM's `load_format=dummy` gives near
+context-free output (token equality on it proves little), so the weights are random but large enough that every
+generated token depends on the whole prompt: a decode that got the wrong KV, or none, generates other tokens."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class TinyLlama:
+    num_hidden_layers: int = 2
+    hidden_size: int = 256
+    intermediate_size: int = 512
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    vocab_size: int = 32000
+    max_position_embeddings: int = 4096
+    seed: int = 1234
+
+    def config(self) -> dict:
+        fields = asdict(self)
+        fields.pop("seed")
+        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **fields, "rms_norm_eps": 1e-5,
+                "rope_theta": 10000.0, "torch_dtype": "float32", "tie_word_embeddings": False,
+                "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu"}
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        gen = torch.Generator().manual_seed(self.seed)
+        h, f, d = self.hidden_size, self.intermediate_size, self.head_dim
+        q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
+
+        def rand(*shape: int, std: float) -> torch.Tensor:
+            return torch.randn(*shape, generator=gen) * std
+
+        out = {"model.embed_tokens.weight": rand(self.vocab_size, h, std=1.0),
+               "model.norm.weight": torch.ones(h), "lm_head.weight": rand(self.vocab_size, h, std=h ** -0.5)}
+        for i in range(self.num_hidden_layers):
+            p = f"model.layers.{i}."
+            # q/k several times the usual 1/sqrt(h) scale: sharp attention that mixes far tokens in, so the output
+            # depends on the whole prompt (what a token-equality test needs).
+            out |= {p + "input_layernorm.weight": torch.ones(h), p + "post_attention_layernorm.weight": torch.ones(h),
+                    p + "self_attn.q_proj.weight": rand(q, h, std=4 * h ** -0.5),
+                    p + "self_attn.k_proj.weight": rand(kv, h, std=4 * h ** -0.5),
+                    p + "self_attn.v_proj.weight": rand(kv, h, std=h ** -0.5),
+                    p + "self_attn.o_proj.weight": rand(h, q, std=q ** -0.5),
+                    p + "mlp.gate_proj.weight": rand(f, h, std=h ** -0.5),
+                    p + "mlp.up_proj.weight": rand(f, h, std=h ** -0.5),
+                    p + "mlp.down_proj.weight": rand(h, f, std=f ** -0.5)}
+        return out
+
+    def write(self, folder: str | Path) -> Path:
+        """Write the checkpoint into `folder` (created) unless the same config is already there; returns it."""
+        from safetensors.torch import save_file
+
+        path = Path(folder)
+        config = self.config() | {"sparse_kv_seed": self.seed}
+        cfg_file = path / CONFIG_NAME
+        if cfg_file.exists() and (path / WEIGHTS_NAME).exists() and json.loads(cfg_file.read_text()) == config:
+            return path
+        path.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in self.weights().items()}, str(path / WEIGHTS_NAME),
+                  metadata={"format": "pt"})
+        cfg_file.write_text(json.dumps(config, indent=2) + "\n")
+        return path

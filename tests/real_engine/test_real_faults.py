@@ -1,0 +1,117 @@
+"""Real engines when things go wrong: a decode leg after prefill's lease, a prefill process killed mid-request
+under both kv_load_failure_policy values, and clients that hang up. Each request fails (or recovers) alone, and
+both engines end with no request and no block held."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import threading
+import time
+
+import pytest
+
+from connector.pd import flows
+from connector.pd.client import RequestFailed, complete, completion_body, prompt_ids
+from connector.pd.servers import metric
+from tests.real_engine.conftest import SPARE_CHUNK_TOKENS, SPARE_LEASE_S, fresh_salt
+from tests.real_engine.test_real_pd import wait_for
+
+pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(900)]
+
+
+def idle(server) -> bool:
+    """No request running or waiting, and no KV block held (prefix-cached blocks are free blocks)."""
+    m = server.metrics()
+    return (metric(m, "vllm:num_requests_running") == 0 and metric(m, "vllm:num_requests_waiting") == 0
+            and metric(m, "vllm:kv_cache_usage_perc") == 0)
+
+
+def failed_request(exc: RequestFailed | None, out) -> bool:
+    """vLLM ends a request whose KV failed to load (policy fail) with an error: an HTTP error, or a 200 whose
+    choice says finish_reason "error"."""
+    return exc is not None or (out is not None and out.finish_reason == "error")
+
+
+def test_decode_leg_after_the_lease_expired_fails_cleanly_and_prefill_says_so(engines):
+    spare, decode = engines.spare, engines.decode
+    prompt = prompt_ids(300, seed=41)
+    pre = complete(spare.url, completion_body(prompt, 1, cache_salt=fresh_salt()) | {
+        "kv_transfer_params": {"do_remote_decode": True}})
+    params = pre.kv_transfer_params
+    assert params and params["prefill_addr"] == spare.side_channel and params["prefill_finished"] is True
+    expired0 = metric(spare.server.metrics(), "vllm:sparse_kv_sends_expired_total")
+    wait_for("the lease to expire", lambda: metric(spare.server.metrics(), "vllm:sparse_kv_sends_expired_total")
+             > expired0, timeout_s=SPARE_LEASE_S + 15)
+    assert "no decode ever registered for it" in spare.server.log_text()
+    failed0 = metric(decode.metrics(), "vllm:sparse_kv_recvs_failed_total")
+    exc, out = None, None
+    started = time.monotonic()
+    try:
+        out = complete(decode.url, completion_body(prompt, cache_salt=fresh_salt()) | {"kv_transfer_params": params})
+    except RequestFailed as e:
+        exc = e
+    assert failed_request(exc, out), f"a decode leg for expired KV must fail, got {out and out.token_ids}"
+    assert time.monotonic() - started < 10  # refused at once, not after a lease or a transfer timeout
+    wait_for("decode's recvs_failed", lambda: metric(decode.metrics(), "vllm:sparse_kv_recvs_failed_total") > failed0)
+    assert re.search(r"KV transfer failed: .*refused .*already finished, expired or was aborted", decode.log_text())
+    wait_for("decode idle", lambda: idle(decode))
+    # the engine keeps serving
+    prompt = prompt_ids(200, seed=42)
+    got = flows.concurrent(spare.url, spare.side_channel, decode.url, prompt, cache_salt=fresh_salt())
+    assert got.token_ids == engines.reference(prompt)
+
+
+def test_prefill_killed_mid_request_fails_or_recomputes_by_policy(engines):
+    spare, fail_decode, recompute_decode = engines.spare, engines.decode, engines.decode_recompute
+    prompt = prompt_ids(3000, seed=51)
+    assert len(prompt) / SPARE_CHUNK_TOKENS > 300  # hundreds of prefill steps: seconds to kill it mid-request
+    want = engines.reference(prompt)
+    results: dict[str, object] = {}
+
+    def run(name: str, decode) -> None:
+        try:
+            results[name] = flows.concurrent(spare.url, spare.side_channel, decode.url, prompt,
+                                             cache_salt=fresh_salt(), timeout_s=120, require_prefill=False)
+        except Exception as exc:  # noqa: BLE001 - judged below
+            results[name] = exc
+
+    threads = [threading.Thread(target=run, args=(name, d)) for name, d in (("fail", fail_decode),
+                                                                           ("recompute", recompute_decode))]
+    for t in threads:
+        t.start()
+    wait_for("prefill computing", lambda: metric(spare.server.metrics(), "vllm:num_requests_running") >= 1,
+             timeout_s=30)
+    spare.server.kill()
+    for t in threads:
+        t.join(120)
+    fail_result, recompute_result = results["fail"], results["recompute"]
+    assert failed_request(fail_result if isinstance(fail_result, Exception) else None,
+                          None if isinstance(fail_result, Exception) else fail_result), \
+        f"policy fail: the request must fail, got {fail_result!r}"
+    if isinstance(fail_result, Exception):
+        assert isinstance(fail_result, RequestFailed), f"an HTTP error from decode, not {fail_result!r}"
+    assert not isinstance(recompute_result, Exception), f"policy recompute: {recompute_result!r}"
+    assert recompute_result.token_ids == want  # decode prefilled it itself
+    for d in (fail_decode, recompute_decode):
+        wait_for(f"{d.spec.name} idle", lambda d=d: idle(d))
+        assert "KV transfer failed" in d.log_text()
+        short = prompt_ids(100, seed=52)
+        assert complete(d.url, completion_body(short, cache_salt=fresh_salt())).token_ids == engines.reference(short)
+
+
+@pytest.mark.parametrize("hang_up_after_s", [0.05, 0.3, 1.0])
+def test_client_that_disconnects_frees_the_blocks_on_both_engines(engines, proxy, hang_up_after_s):
+    prompt = prompt_ids(2000, seed=60)
+    body = completion_body(prompt, 1500, stream=True, cache_salt=fresh_salt())
+    conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=30)
+    conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    time.sleep(hang_up_after_s)
+    conn.sock.close()  # hang up mid-request, without reading
+    conn.close()
+    for server in (engines.prefill.server, engines.decode):
+        wait_for(f"{server.spec.name} idle after the client left", lambda s=server: idle(s), timeout_s=60)
+    prompt = prompt_ids(500, seed=61)
+    got = complete(proxy.url, completion_body(prompt, cache_salt=fresh_salt()))
+    assert got.token_ids == engines.reference(prompt)
