@@ -47,6 +47,8 @@ class StreamSender:
         self.requests: dict[str, SendRequest] = {}
         self._parked: dict[str, list[tuple[ControlConnection, Register, float]]] = defaultdict(list)
         self._released: dict[str, float] = {}
+        self._given_up: dict[str, float] = {}
+        """Transfers decode aborted before prefill started them -> when (forgotten after released_memory_s)."""
         self.finished_info: dict[str, FinishedInfo] = {}
         """Finished transfers, kept as long as `_released` (stats, late waiters)."""
         self._peers: dict[PeerKey, PeerInfo] = {}
@@ -153,6 +155,9 @@ class StreamSender:
             return
         req = SendRequest(transfer_id, num_tokens, [], finished=self.loop.create_future())
         self.requests[transfer_id] = req
+        if self._given_up.pop(transfer_id, None) is not None:
+            log.info("transfer %s: decode gave it up before prefill started; its KV is not kept", transfer_id)
+            req.expected, req.failed = set(), True
         for conn, reg, _at in self._parked.pop(transfer_id, []):
             self._spawn(self._accept(conn, reg))
 
@@ -270,8 +275,22 @@ class StreamSender:
                     req.expected = set()
                 req.expected.discard(key)
                 self._check_finished(req, ok=False)
+            elif msg.transfer_id not in self._released:
+                self._given_up_by_decode(msg.transfer_id)
         else:
             log.warning("prefill %s: unexpected %s from %s", self.rank, type(msg).__name__, conn.address)
+
+    def _given_up_by_decode(self, transfer_id: str) -> None:
+        """Decode gave the transfer up before prefill started it (concurrent flow, a client that left at once).
+        Remember that, so the request, when it starts, computes without keeping its KV for a decode that will not
+        come (otherwise its blocks would wait out the lease)."""
+        self._drain_inbox()  # a start already queued by the framework thread counts as started
+        req = self.requests.get(transfer_id)
+        if req is not None:
+            req.expected = set() if req.expected is None else req.expected
+            self._check_finished(req, ok=False)
+        else:
+            self._given_up[transfer_id] = time.monotonic()
 
     def _drop_parked(self, transfer_id: str, conn: ControlConnection) -> None:
         left = [p for p in self._parked.get(transfer_id, []) if p[0] is not conn]
@@ -487,6 +506,9 @@ class StreamSender:
                 if now - at > self.config.released_memory_s:
                     del self._released[tid]
                     self.finished_info.pop(tid, None)
+            for tid, at in list(self._given_up.items()):
+                if now - at > self.config.released_memory_s:
+                    del self._given_up[tid]
 
     async def wait_finished(self, transfer_id: str, timeout: float) -> bool:
         req = self.requests.get(transfer_id)

@@ -419,3 +419,20 @@ def test_registration_after_prefill_for_an_unknown_transfer_is_refused_at_once()
         assert time.monotonic() - started < 5
         assert "t-gone" not in sender._parked
         assert not any(bool(t.any()) for t in decode.bufs.tensors)
+
+
+def test_decode_that_gives_up_before_prefill_starts_leaves_no_kv_held_for_the_lease():
+    # Concurrent flow, a client that hangs up at once: decode's abort reaches prefill before prefill even started
+    # the request. Prefill must not then keep that request's KV for its 120 s lease.
+    with sender_and_receiver("early-abort", lease_s=120.0) as (prefill, sender, port, decode, receiver):
+        decode.lt.run(receiver.abort_unregistered("t-early", PrefillAddress("127.0.0.1", port), "client left"), 10)
+        deadline = time.monotonic() + 5
+        while "t-early" not in sender._given_up and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert "t-early" in sender._given_up
+        sender.start_request("t-early", TOKENS)
+        sender.begin_chunk("t-early", pick_blocks(TOKENS, BLOCK, prefill.num_blocks, seed=8), TOKENS)
+        sender.end_chunk("t-early")
+        started = time.monotonic()
+        assert prefill.lt.run(sender.wait_finished("t-early", 10), 15) is False  # released unsent, not kept
+        assert time.monotonic() - started < 5 and "t-early" not in sender.requests

@@ -308,3 +308,18 @@ def test_aborted_prefill_hands_out_no_params(m3_dir):
     so, out = H.run_step(sched)
     assert meta_of(so).aborts == {"p7": "p7"}
     assert all(o.kv_transfer_params is None for o in H.outputs_by_request(out).values())
+
+
+def test_decode_request_that_ends_before_allocation_still_tells_prefill(m3_dir):
+    # The client left before decode's scheduler ever allocated the request's blocks: it never registered, and
+    # prefill would keep the KV for its lease unless the workers tell it (nothing is reported back to vLLM).
+    sched = build(m3_dir, "kv_consumer")
+    free0 = H.free_block_count(sched)
+    sched.add_request(H.make_request("d10", 40, kv_transfer_params=decode_params("t10")))
+    H.abort(sched, "d10")
+    so, _ = H.run_step(sched)
+    spec = meta_of(so).recvs["d10"]
+    assert (spec.transfer_id, spec.prefill_addr, spec.aborted, spec.finished) == ("t10", "127.0.0.1:5600", True, True)
+    assert H.free_block_count(sched) == free0 and not sched.connector.has_pending_push_work()
+    so, _ = H.run_step(sched)
+    assert meta_of(so).recvs == {}

@@ -41,6 +41,8 @@ class RecvSpec:
     aborted: bool = False
     """Aborted before the registration went out: the workers only tell prefill, so it frees its blocks now
     instead of after its lease."""
+    finished: bool = False
+    """With `aborted`: vLLM already finished the request (it never had blocks), so nothing is reported back."""
 
 
 @dataclass

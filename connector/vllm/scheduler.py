@@ -157,6 +157,7 @@ class SchedulerSide:
 
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
+        params = request.kv_transfer_params or {}
         if self.is_producer:
             known = self._send_known.get(req_id)
             if known is None:
@@ -185,6 +186,12 @@ class SchedulerSide:
                 self._recv_ready[req_id] = dataclasses.replace(spec, aborted=True)
             else:  # workers stop waiting once every prefill rank confirmed it writes nothing more
                 self._aborts[req_id] = tid
+        elif params.get("do_remote_prefill") and not check_params(params, decode=True):
+            # Finished (aborted, or a prompt too short to load anything) before its blocks were ever allocated, so
+            # it never registered: prefill would keep the KV for its whole lease. Tell it to let go now.
+            self._recv_ready[req_id] = RecvSpec(
+                transfer_id=params["transfer_id"], prefill_addr=params["prefill_addr"], block_ids=(), first_token=0,
+                num_tokens=0, aborted=True, finished=True)
         return False, None
 
     def has_pending_push_work(self) -> bool:

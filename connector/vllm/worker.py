@@ -153,6 +153,11 @@ class WorkerSide:
                 self._start_receive(req_id, spec)
 
     def _start_receive(self, req_id: str, spec: Any) -> None:
+        if spec.finished:  # vLLM is done with it: only prefill has to hear, and vLLM must hear nothing more
+            self.loop.submit(self.receiver.abort_unregistered(
+                spec.transfer_id, PrefillAddress.parse(spec.prefill_addr),
+                "request ended on decode before it registered")).add_done_callback(self._log_failure)
+            return
         if spec.aborted:
             self._aborted.add(req_id)
         if spec.error:
@@ -167,6 +172,11 @@ class WorkerSide:
         self._receiving[req_id] = self.loop.submit(self.receiver.receive(
             spec.transfer_id, addr, [list(g) for g in spec.block_ids], spec.first_token, spec.num_tokens,
             after_prefill=spec.prefill_finished))
+
+    @staticmethod
+    def _log_failure(fut: concurrent.futures.Future) -> None:
+        if not fut.cancelled() and fut.exception() is not None:
+            log.warning("could not tell prefill that a transfer is off: %s", fut.exception())
 
     def _abort(self, req_id: str, tid: str) -> None:
         if self.sender is not None:
