@@ -31,9 +31,11 @@ ENGINE_PYTHON = Path(os.environ.get("SPARSE_KV_ENGINE_PYTHON", str(ROOT / ".venv
 PP_COMPILATION = ("--compilation-config", '{"mode": 1, "backend": "eager"}')
 CHUNK_TOKENS = 256
 """The main prefill engine's chunked-prefill budget: a 1,000-token prompt takes 4 chunks."""
+MAIN_LEASE_S = 20.0
+"""The main prefill's lease: what bounds KV held for a decode leg that never reached decode's engine."""
 SPARE_LEASE_S = 4.0
-SPARE_CHUNK_TOKENS = 8
-"""The spare prefill computes 8 tokens a step: a long prompt takes it seconds, time to kill it mid-request."""
+SPARE_CHUNK_TOKENS = 4
+"""The spare prefill computes 4 tokens a step: a long prompt takes it seconds, time to kill it mid-request."""
 LOG_DIR = os.environ.get("SPARSE_KV_ENGINE_LOGS")
 """Where the servers' logs go (default: the session's tmp folder); each failure message names its server's log."""
 
@@ -126,7 +128,7 @@ class Engines:
                               env={"VLLM_PLUGINS": "none"} if kw.get("load_by") == "module_path" else {})
             return VllmServer(spec, py, self.log_dir)
 
-        self.prefill = prefill("prefill")
+        self.prefill = prefill("prefill", lease_s=MAIN_LEASE_S)
         self.prefill_tp2 = prefill("prefill-tp2", tp=2, load_by="module_path")
         self.prefill_pp2 = prefill("prefill-pp2", pp=2, load_by="module_path", extra_args=PP_COMPILATION)
         self.spare = prefill("prefill-spare", chunk=SPARE_CHUNK_TOKENS, lease_s=SPARE_LEASE_S)

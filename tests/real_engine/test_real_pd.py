@@ -131,7 +131,7 @@ def test_sixteen_concurrent_requests_of_mixed_lengths(engines, proxy):
         assert g == w, f"request {i} ({len(prompts[i])} tokens)"
 
 
-VLLM_LINE = r"^\((?:Worker|EngineCore|APIServer)[\w_]* pid=\d+\) (?:INFO|WARNING) \d\d-\d\d \d\d:\d\d:\d\d \[[\w.]+:\d+\] "
+VLLM_LINE = r"^\((?:Worker|EngineCore|APIServer)[\w_]* pid=\d+\) (?:INFO|WARNING) \d\d-\d\d \d\d:\d\d:\d\d \[[^\]]+:\d+\] "
 
 
 def test_loaded_by_name_and_by_module_path_and_logging_in_vllms_format(engines):
