@@ -9,7 +9,7 @@ import sys
 from typing import Any
 
 from connector.demo import Cluster, RequestResult, Scenario
-from connector.layout import ParallelLayout
+from connector.core.layout import ParallelLayout
 
 
 class _Progress:

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from connector.layout import LayoutError, ModelLayout, ParallelLayout
+from connector.core.layout import LayoutError, ModelLayout, ParallelLayout
 
 
 class CliError(ValueError):
@@ -53,8 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from connector.models import load_model
-    from connector.plan import build_plan, check_plan, format_table
+    from connector.core.hf_config import load_model
+    from connector.core.plan import build_plan, check_plan, format_table
 
     model = load_model(args.model, args.kv_cache_dtype)
     plan = build_plan(model, parse_side(args.prefill, model, "--prefill"), parse_side(args.decode, model, "--decode"))

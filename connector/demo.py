@@ -16,7 +16,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from connector.layout import ModelLayout, ParallelLayout
+from connector.core.layout import ModelLayout, ParallelLayout
 
 log = logging.getLogger(__name__)
 

@@ -45,7 +45,7 @@ def _add_run_args(p: argparse.ArgumentParser, layer_ms: float | None = 2.0) -> N
 def _scenario(args: argparse.Namespace, **over: Any):
     from connector.cli import CliError, parse_side
     from connector.demo import Scenario
-    from connector.models import load_model
+    from connector.core.hf_config import load_model
 
     model = load_model(args.model, args.kv_cache_dtype)
     if args.tokens < 1 or args.block_size < 1:

@@ -18,7 +18,7 @@ from typing import Literal, Union
 
 import msgspec
 
-from connector.layout import Region
+from connector.core.layout import Region
 
 PROTOCOL_VERSION = 1
 """Wire protocol version; a frame or Hello with any other version is rejected."""

@@ -4,8 +4,8 @@ the transfer plan says that rank holds. Pure."""
 from __future__ import annotations
 
 from connector.frames import Hello
-from connector.layout import POOLS, LayoutError, ModelLayout, ParallelLayout, RankLayout, Region
-from connector.plan import TransferPlan
+from connector.core.layout import POOLS, LayoutError, ModelLayout, ParallelLayout, RankLayout, Region
+from connector.core.plan import TransferPlan
 
 
 def layout_of(hello: Hello, model: ModelLayout) -> ParallelLayout:

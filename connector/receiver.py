@@ -19,9 +19,10 @@ import numpy as np
 from connector.control import (Abort, Complete, ControlConnection, ControlError, Error, Hello, Register, RegisterAck,
                                RegisterError, Scatter, Scattered, Stopped, connect)
 from connector.handshake import check_peer_regions, layout_of
-from connector.layout import LayoutError, ModelLayout, ParallelLayout, Region
-from connector.plan import Rank, TransferPlan, build_plan
-from connector.staging import Slots, StagingError, allowed_ranges, check_destinations, copy_ranges
+from connector.core.layout import LayoutError, ModelLayout, ParallelLayout, Region
+from connector.core.plan import Rank, TransferPlan, build_plan
+from connector.core.staging_ranges import Slots, StagingError, allowed_ranges, check_destinations
+from connector.transport.device_copy import copy_ranges
 
 log = logging.getLogger(__name__)
 

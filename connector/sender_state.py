@@ -8,10 +8,10 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from connector.descriptors import check_blocks
+from connector.core.descriptors import check_blocks
 from connector.frames import Hello, Register
-from connector.layout import Region
-from connector.plan import Route, TransferPlan
+from connector.core.layout import Region
+from connector.core.plan import Route, TransferPlan
 
 PeerKey = tuple[str, int, int]
 """(engine id, pp, tp) of a decode rank."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from connector.layout import POOLS, ModelLayout, ParallelLayout, RankLayout, Region
+from connector.core.layout import POOLS, ModelLayout, ParallelLayout, RankLayout, Region
 
 POOL_GROUP = {"kv": 0, "index_k": 1, "index_v": 1}
 """KV-cache group per pool: like vLLM, the main cache and the index caches get separate block tables."""

@@ -11,7 +11,8 @@ from typing import Any, Callable
 import numpy as np
 
 from connector.control import ControlConnection, Scatter, Scattered
-from connector.staging import chunks, copy_ranges, split_long
+from connector.core.staging_ranges import chunks, split_long
+from connector.transport.device_copy import copy_ranges
 
 
 class StagedWriteError(RuntimeError):

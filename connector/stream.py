@@ -17,10 +17,10 @@ from typing import Any, Callable
 
 from connector.control import (Abort, Complete, ControlConnection, ControlServer, Heartbeat, Hello, Register,
                                RegisterAck, RegisterError, Scattered, Stopped)
-from connector.descriptors import Descriptors, DescriptorError, geometry, layers_descriptors
+from connector.core.descriptors import Descriptors, DescriptorError, geometry, layers_descriptors
 from connector.handshake import check_peer_regions, layout_of
-from connector.layout import LayoutError, ModelLayout, ParallelLayout, Region
-from connector.plan import Rank, build_plan, fold_ranges
+from connector.core.layout import LayoutError, ModelLayout, ParallelLayout, Region
+from connector.core.plan import Rank, build_plan, fold_ranges
 from connector.sender_state import (Destination, FinishedInfo, PeerInfo, PeerKey, RegistrationError, SendRequest,
                                     SenderConfig, SenderStats, validate_registration)
 from connector.staged_write import StagedWriter

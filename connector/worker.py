@@ -135,7 +135,7 @@ def prefill_main(conn: Any, cfg: dict[str, Any]) -> None:
 
         def raw(seed: int, tokens: int, dst_blocks: dict[tuple[int, int], list[list[int]]]) -> tuple:
             """Bench baseline: the same descriptors the connector posts, as one raw NIXL WRITE per decode rank."""
-            from connector.descriptors import Descriptors, route_descriptors
+            from connector.core.descriptors import Descriptors, route_descriptors
 
             src_blocks = pick_blocks(tokens, cfg["block_size"], cfg["num_blocks"], seed=1000 + seed,
                                      run_blocks=cfg["run_blocks"])

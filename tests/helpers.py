@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from connector.layout import ModelLayout, PoolSpec
+from connector.core.layout import ModelLayout, PoolSpec
 
 
 def make_model(kinds: str, kv_heads: int = 4, mla: bool = False, head_dim: int = 128,

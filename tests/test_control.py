@@ -14,7 +14,7 @@ from connector.control import (
     HEADER, PROTOCOL_VERSION, Abort, Complete, ControlConnection, ControlError, ControlServer, Error, FrameError,
     Heartbeat, Hello, Register, RegisterAck, RegisterError, Reject, connect, decode_frame, encode_body, encode_frame,
 )
-from connector.layout import Region
+from connector.core.layout import Region
 
 pytestmark = pytest.mark.timeout(20)
 

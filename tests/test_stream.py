@@ -8,8 +8,8 @@ import json
 import pytest
 
 from connector.demo import Scenario, run_scenario
-from connector.layout import ParallelLayout
-from connector.models import load_model
+from connector.core.layout import ParallelLayout
+from connector.core.hf_config import load_model
 
 pytestmark = pytest.mark.slow
 

@@ -13,9 +13,9 @@ import torch
 
 from connector.control import ControlError, Register, RegisterError, connect
 from connector.demo import Cluster, Scenario, apply_env
-from connector.layout import ParallelLayout
+from connector.core.layout import ParallelLayout
 from connector.loop import LoopThread
-from connector.models import load_model
+from connector.core.hf_config import load_model
 from connector.receiver import PrefillAddress, ReceiverConfig, StreamReceiver, TransferFailed
 from connector.sim import RankBuffers, pick_blocks
 from connector.stream import SenderConfig, StreamSender

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from connector.layout import ParallelLayout, RankLayout
+from connector.core.layout import ParallelLayout, RankLayout
 from connector.loop import LoopThread
 from connector.receiver import PrefillAddress, ReceiverConfig, ReceiveResult, StreamReceiver
 from connector.sender_state import SenderStats

@@ -12,7 +12,7 @@ from typing import Sequence
 
 import numpy as np
 
-from connector.layout import Region
+from connector.core.layout import Region
 
 
 class DescriptorError(ValueError):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Iterable
 
-from connector.layout import POOLS, LayoutError, ModelLayout, ParallelLayout, RankLayout, check_tp, heads_of_rank
+from connector.core.layout import POOLS, LayoutError, ModelLayout, ParallelLayout, RankLayout, check_tp, heads_of_rank
 
 Rank = tuple[int, int]
 """(pp, tp)."""
