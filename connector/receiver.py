@@ -1,9 +1,9 @@
 """Receiving side (decode rank): registers its blocks with every prefill rank the plan names, then waits for a
 completion from each. Framework-agnostic asyncio on the process's one event loop.
 
-Prefill rank (pp, tp) of an engine whose rank (0, 0) listens on `port` listens on `port + pp * tp_size + tp`
-(the same convention as vLLM's NixlConnector side-channel ports). Rank (0, 0)'s Hello tells the prefill layout,
-from which the plan, and so the sources of this rank, follow.
+A prefill engine is known by the address of its rank (0, 0); the other ranks listen where
+`connector.protocol.addressing` says. Rank (0, 0)'s Hello tells the prefill layout, from which the plan, and so the
+sources of this rank, follow.
 """
 
 from __future__ import annotations
@@ -16,12 +16,14 @@ from typing import Any
 
 import numpy as np
 
-from connector.control import (Abort, Complete, ControlConnection, ControlError, Error, Hello, Register, RegisterAck,
-                               RegisterError, Scatter, Scattered, Stopped, connect)
-from connector.handshake import check_peer_regions, layout_of
 from connector.core.layout import LayoutError, ModelLayout, ParallelLayout, Region
 from connector.core.plan import Rank, TransferPlan, build_plan
 from connector.core.staging_ranges import Slots, StagingError, allowed_ranges, check_destinations
+from connector.protocol.addressing import PrefillAddress
+from connector.protocol.handshake import check_peer_regions, layout_of
+from connector.protocol.messages import (Abort, Complete, ControlError, Error, Hello, Register, RegisterAck,
+                                         RegisterError, Scatter, Scattered, Stopped)
+from connector.transport.control import ControlConnection, connect
 from connector.transport.device_copy import copy_ranges
 
 log = logging.getLogger(__name__)
@@ -46,23 +48,6 @@ class ReceiverConfig:
 
 
 @dataclass(frozen=True)
-class PrefillAddress:
-    host: str
-    port: int
-    """Side-channel port of prefill rank (0, 0)."""
-
-    @classmethod
-    def parse(cls, text: str) -> "PrefillAddress":
-        host, sep, port = str(text).rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"prefill side-channel address {text!r} is not host:port (e.g. 10.0.0.5:5600)")
-        return cls(host.strip("[]"), int(port))
-
-    def __str__(self) -> str:
-        return f"{self.host}:{self.port}"
-
-
-@dataclass(frozen=True)
 class ReceiveResult:
     transfer_id: str
     bytes_written: int
@@ -79,6 +64,9 @@ class _Engine:
     readers: list[asyncio.Task] = field(default_factory=list)
     slots: dict[Rank, int] = field(default_factory=dict)
     """Staging slot offset per prefill rank connection (absent: that rank writes directly)."""
+
+    def port_of(self, src: Rank) -> int:
+        return self.address.port_of(src, self.plan.prefill.tp)
 
 
 @dataclass
@@ -135,11 +123,7 @@ class StreamReceiver:
     def _wanted_from(self, address: PrefillAddress, port: int) -> list[str]:
         """Transfers still waiting on the prefill rank at `port`: heartbeats extend their leases there."""
         return [p.transfer_id for p in self._pending.values() if p.engine.address == address
-                and any(not f.done() and self._port_of(p.engine, src) == port for src, f in p.completes.items())]
-
-    @staticmethod
-    def _port_of(engine: _Engine, src: Rank) -> int:
-        return engine.address.port + src[0] * engine.plan.prefill.tp + src[1]
+                and any(not f.done() and p.engine.port_of(src) == port for src, f in p.completes.items())]
 
     async def _engine(self, address: PrefillAddress) -> _Engine:
         async with self._connecting[address]:
@@ -157,7 +141,7 @@ class StreamReceiver:
                 # Every prefill rank, also those the plan routes nothing from to this rank: each must hear of
                 # every transfer to release its blocks at once (see StreamSender._validate).
                 for src in engine.plan.prefill.ranks():
-                    port = self._port_of(engine, src)
+                    port = engine.port_of(src)
                     conn = first if port == address.port else await self._connect(address, port)
                     if (conn.peer.pp_rank, conn.peer.tp_rank) != src:
                         raise LayoutError(f"{address.host}:{port} is prefill rank ({conn.peer.pp_rank},"

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from connector.core.descriptors import check_blocks
-from connector.frames import Hello, Register
+from connector.protocol.messages import Hello, Register
 from connector.core.layout import Region
 from connector.core.plan import Route, TransferPlan
 

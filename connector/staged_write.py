@@ -10,7 +10,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from connector.control import ControlConnection, Scatter, Scattered
+from connector.protocol.messages import Scatter, Scattered
+from connector.transport.control import ControlConnection
 from connector.core.staging_ranges import chunks, split_long
 from connector.transport.device_copy import copy_ranges
 

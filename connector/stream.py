@@ -15,10 +15,11 @@ import time
 from collections import defaultdict, deque
 from typing import Any, Callable
 
-from connector.control import (Abort, Complete, ControlConnection, ControlServer, Heartbeat, Hello, Register,
-                               RegisterAck, RegisterError, Scattered, Stopped)
+from connector.protocol.messages import (Abort, Complete, Heartbeat, Hello, Register, RegisterAck, RegisterError,
+                                         Scattered, Stopped)
+from connector.transport.control import ControlConnection, ControlServer
 from connector.core.descriptors import Descriptors, DescriptorError, geometry, layers_descriptors
-from connector.handshake import check_peer_regions, layout_of
+from connector.protocol.handshake import check_peer_regions, layout_of
 from connector.core.layout import LayoutError, ModelLayout, ParallelLayout, Region
 from connector.core.plan import Rank, build_plan, fold_ranges
 from connector.sender_state import (Destination, FinishedInfo, PeerInfo, PeerKey, RegistrationError, SendRequest,

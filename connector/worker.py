@@ -38,7 +38,7 @@ def _rank_process(conn: Any, cfg: dict[str, Any]) -> Iterator[SimpleNamespace]:
     """The parts every worker has: the event loop thread, a NIXL transport, this rank's simulated cache registered
     with it. Closes them (the engine set on `.engine` first) on the way out; a failure is reported to the parent."""
     _setup(cfg)
-    from connector.loop import LoopThread
+    from connector.transport.loop import LoopThread
     from connector.sim import RankBuffers
 
     lt = LoopThread().start()
@@ -160,7 +160,8 @@ def prefill_main(conn: Any, cfg: dict[str, Any]) -> None:
 
 
 def decode_main(conn: Any, cfg: dict[str, Any]) -> None:
-    from connector.receiver import PrefillAddress, ReceiverConfig, StreamReceiver
+    from connector.protocol.addressing import PrefillAddress
+    from connector.receiver import ReceiverConfig, StreamReceiver
     from connector.sim import pick_blocks
 
     with _rank_process(conn, cfg) as me:

@@ -10,16 +10,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from connector.control import (
-    HEADER, PROTOCOL_VERSION, Abort, Complete, ControlConnection, ControlError, ControlServer, Error, FrameError,
-    Heartbeat, Hello, Register, RegisterAck, RegisterError, Reject, connect, decode_frame, encode_body, encode_frame,
-)
 from connector.core.layout import Region
+from connector.protocol.messages import (
+    HEADER, PROTOCOL_VERSION, Abort, Complete, ControlError, Error, FrameError, Heartbeat, Hello, Register,
+    RegisterAck, RegisterError, Reject, decode_frame, encode_body, encode_frame,
+)
+from connector.transport.control import ControlConnection, ControlServer, connect
 
 pytestmark = pytest.mark.timeout(20)
 
 FP = "0123456789abcdef"
-LOG = "connector.control"
+LOG = "connector.transport.control"
 
 
 def regions() -> list[Region]:

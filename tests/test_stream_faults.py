@@ -11,12 +11,14 @@ import uuid
 import pytest
 import torch
 
-from connector.control import ControlError, Register, RegisterError, connect
+from connector.protocol.messages import ControlError, Register, RegisterError
+from connector.transport.control import connect
 from connector.demo import Cluster, Scenario, apply_env
 from connector.core.layout import ParallelLayout
-from connector.loop import LoopThread
+from connector.transport.loop import LoopThread
 from connector.core.hf_config import load_model
-from connector.receiver import PrefillAddress, ReceiverConfig, StreamReceiver, TransferFailed
+from connector.protocol.addressing import PrefillAddress
+from connector.receiver import ReceiverConfig, StreamReceiver, TransferFailed
 from connector.sim import RankBuffers, pick_blocks
 from connector.stream import SenderConfig, StreamSender
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from vllm.v1.request import RequestStatus
 
-from connector.receiver import PrefillAddress
+from connector.protocol.addressing import PrefillAddress
 from connector.vllm.metadata import RecvSpec, SendSpec, SparseKVHandshake, SparseKVMetadata
 
 log = logging.getLogger(__name__)

@@ -14,8 +14,9 @@ from typing import Any
 import torch
 
 from connector.core.layout import ParallelLayout, RankLayout
-from connector.loop import LoopThread
-from connector.receiver import PrefillAddress, ReceiverConfig, ReceiveResult, StreamReceiver
+from connector.transport.loop import LoopThread
+from connector.protocol.addressing import PrefillAddress
+from connector.receiver import ReceiverConfig, ReceiveResult, StreamReceiver
 from connector.sender_state import SenderStats
 from connector.stream import SenderConfig, StreamSender
 from connector.vllm.config import ConnectorSettings

@@ -1,7 +1,7 @@
 """Asyncio TCP side channel between prefill and decode ranks.
 
-Frames and messages live in `connector.frames` (re-exported here). This module holds the connection, the server and
-the client handshake. Lifetimes: a `ControlConnection` owns its reader and heartbeat tasks and cancels them on
+What crosses the wire (messages, frames, the Hello checks) is `connector.protocol`. This module holds the sockets:
+the connection, the server and the client handshake. Lifetimes: a `ControlConnection` owns its reader and heartbeat tasks and cancels them on
 `close()`; a `ControlServer` owns its connection tasks and closes them on exit. Every wait on a peer has a timeout.
 """
 
@@ -9,19 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import inspect
 import logging
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
 
 import msgspec
 
-from connector.frames import (  # noqa: F401  (re-exported)
-    DEFAULT_MAX_FRAME_BYTES, HEADER, MESSAGE_TYPES, PROTOCOL_VERSION, Abort, Complete, ControlError, Error,
-    FrameError, Heartbeat, Hello, Message, Register, RegisterAck, RegisterError, Reject, Role, Scatter, Scattered,
-    Stopped, check_header,
-    decode_body, decode_frame, encode_body, encode_frame,
-)
+from connector.protocol.handshake import check_hello
+from connector.protocol.messages import (DEFAULT_MAX_FRAME_BYTES, HEADER, ControlError, Error, FrameError, Heartbeat,
+                                         Hello, Message, Register, RegisterError, Reject, check_header, decode_body,
+                                         encode_frame)
 
 log = logging.getLogger(__name__)
 
@@ -46,19 +43,6 @@ async def read_frame(reader: asyncio.StreamReader, max_frame_bytes: int = DEFAUL
     Raises FrameError for a bad frame, asyncio.IncompleteReadError on EOF."""
     length = check_header(await reader.readexactly(HEADER.size), max_frame_bytes)
     return decode_body(await reader.readexactly(length))
-
-
-def check_hello(peer: Hello, own: Hello, auth_token: str = "") -> None:
-    """Raise ControlError naming the first incompatibility between `peer` and this side's `own` Hello."""
-    if peer.version != PROTOCOL_VERSION:
-        raise ControlError(f"peer speaks protocol version {peer.version}, this side speaks {PROTOCOL_VERSION}")
-    if auth_token and not hmac.compare_digest(peer.auth_token.encode(), auth_token.encode()):
-        raise ControlError("bad auth token")
-    if peer.role == own.role:
-        raise ControlError(f"peer role {peer.role!r} cannot talk to a {own.role!r} side; the two roles must differ")
-    if peer.fingerprint != own.fingerprint:
-        raise ControlError(f"model/layout fingerprint mismatch: peer has {peer.fingerprint}, "
-                           f"this side has {own.fingerprint}")
 
 
 class ControlConnection:

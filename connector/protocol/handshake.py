@@ -1,11 +1,14 @@
-"""Checks on a peer's Hello before it is accepted: its parallel layout and its region table must be exactly what
-the transfer plan says that rank holds. Pure."""
+"""Checks on a peer's Hello before it is accepted: protocol version, auth, role and model fingerprint
+(`check_hello`); then its parallel layout and its region table must be exactly what the transfer plan says that rank
+holds. Pure."""
 
 from __future__ import annotations
 
-from connector.frames import Hello
+import hmac
+
 from connector.core.layout import POOLS, LayoutError, ModelLayout, ParallelLayout, RankLayout, Region
 from connector.core.plan import TransferPlan
+from connector.protocol.messages import PROTOCOL_VERSION, ControlError, Hello
 
 
 def layout_of(hello: Hello, model: ModelLayout) -> ParallelLayout:
@@ -36,3 +39,16 @@ def check_peer_regions(hello: Hello, plan: TransferPlan, side: str) -> dict[tupl
                 raise LayoutError(f"{who} holds heads {regions[(pool, layer)].heads} of {pool} layer {layer}, "
                                   f"expected {lay.heads(pool)} for tp={plan.rank_layout(side, (0, 0)).parallel.tp}")
     return regions
+
+
+def check_hello(peer: Hello, own: Hello, auth_token: str = "") -> None:
+    """Raise ControlError naming the first incompatibility between `peer` and this side's `own` Hello."""
+    if peer.version != PROTOCOL_VERSION:
+        raise ControlError(f"peer speaks protocol version {peer.version}, this side speaks {PROTOCOL_VERSION}")
+    if auth_token and not hmac.compare_digest(peer.auth_token.encode(), auth_token.encode()):
+        raise ControlError("bad auth token")
+    if peer.role == own.role:
+        raise ControlError(f"peer role {peer.role!r} cannot talk to a {own.role!r} side; the two roles must differ")
+    if peer.fingerprint != own.fingerprint:
+        raise ControlError(f"model/layout fingerprint mismatch: peer has {peer.fingerprint}, "
+                           f"this side has {own.fingerprint}")

@@ -1,4 +1,4 @@
-"""Side-channel messages and their wire format. Pure data and codec; no sockets (those are in control.py).
+"""Side-channel messages and their wire format. Pure data and codec; no sockets (connector.transport.control).
 
 Frame on the wire:
 
@@ -21,7 +21,13 @@ import msgspec
 from connector.core.layout import Region
 
 PROTOCOL_VERSION = 1
-"""Wire protocol version; a frame or Hello with any other version is rejected."""
+"""Wire protocol version; a frame or Hello with any other version is rejected.
+
+History (one line per version; bump it for any change an older peer would misread):
+  1  Hello, Reject, Register, RegisterAck, RegisterError, Complete, Abort, Stopped, Heartbeat, Error. Staged transfers
+     (Scatter, Scattered, and the staging fields of Hello, Register and Complete) came within version 1: the fields
+     default to "no staging", and a prefill rank sends Scatter only to a decode rank whose Hello offered a buffer.
+"""
 DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
 """Largest body a receiver accepts unless configured otherwise."""
 HEADER = struct.Struct(">IH")
