@@ -25,7 +25,7 @@ def _setup(cfg: dict[str, Any]) -> None:
 
 
 def _transport(cfg: dict[str, Any], lt: Any) -> Any:
-    from connector.transport import Transport, TransportConfig
+    from connector.transport.nixl import Transport, TransportConfig
 
     name = f"{cfg['run_id']}-{cfg['side']}-{cfg['rank'][0]}-{cfg['rank'][1]}-{os.getpid()}"
     transport = Transport(TransportConfig(name=name))

@@ -30,7 +30,7 @@ class InProcess:
     """One rank living in the test process: loop thread, real NIXL transport, simulated cache."""
 
     def __init__(self, side: str, sc: Scenario, rank=(0, 0)) -> None:
-        from connector.transport import Transport, TransportConfig
+        from connector.transport.nixl import Transport, TransportConfig
 
         apply_env()
         self.sc, self.rank = sc, rank

@@ -29,7 +29,7 @@ ENV = {"UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "WARN", "THP_MEM_ALLOC_ENABLE"
 for _k, _v in ENV.items():  # this process hosts agents too
     os.environ.setdefault(_k, _v)
 
-from connector.transport import Transport, TransportConfig, TransportError, descs_array  # noqa: E402
+from connector.transport.nixl import Transport, TransportConfig, TransportError, descs_array  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 _ids = itertools.count()
@@ -37,7 +37,7 @@ _ids = itertools.count()
 CHILD = r"""
 import asyncio, base64, hashlib, json, os, sys
 import numpy as np
-from connector.transport import Transport, TransportConfig
+from connector.transport.nixl import Transport, TransportConfig
 
 def out(obj):
     sys.stdout.write("@@" + json.dumps(obj) + "\n")
@@ -386,7 +386,7 @@ async def test_close_is_idempotent_and_releases_everything() -> None:
 
 
 async def test_byte_gate_is_fifo_admits_oversize_alone_and_survives_cancel() -> None:
-    from connector.transport.agent import TransportStats, _ByteGate
+    from connector.transport.nixl.agent import TransportStats, _ByteGate
 
     stats = TransportStats()
     gate = _ByteGate(100, stats)

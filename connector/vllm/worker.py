@@ -83,7 +83,7 @@ class WorkerSide:
 
     # ---- startup ----------------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from connector.transport import Transport, TransportConfig
+        from connector.transport.nixl import Transport, TransportConfig
 
         regions = build_regions(kv_caches, self.kv_cache_config, self.rank_layout)
         self._cuda = any(t.is_cuda for t in kv_caches.values())

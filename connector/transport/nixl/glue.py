@@ -1,7 +1,7 @@
 """Thin, synchronous glue over the NIXL 1.5.1 Python API: agent creation with a sane progress-thread delay,
 descriptor arrays, and memory-region extraction from tensors. No asyncio here; `agent.py` builds on it.
 
-`nixl` is imported lazily (first agent creation), so importing `connector.transport` stays cheap.
+`nixl` is imported lazily (first agent creation), so importing `connector.transport.nixl` stays cheap.
 """
 
 from __future__ import annotations

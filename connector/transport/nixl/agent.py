@@ -5,7 +5,7 @@ Threads: the event loop never calls NIXL on the data path. `post_threads` worker
 createXferReq + postXferReq (on DRAM the CMA copy runs inside postXferReq); one poller thread (`poller.py`)
 fetches notifications and drives PROC transfers to completion. Any NIXL call that touches the UCX worker can
 wait for a concurrent copy, so none of them may run on the loop. The agent is created in NIXL_THREAD_SYNC_RW
-mode, which makes this sharing safe (see `nixl_glue.make_agent`). Control calls (`register`, `add_peer`,
+mode, which makes this sharing safe (see `glue.make_agent`). Control calls (`register`, `add_peer`,
 `remove_peer`) are synchronous and may wait briefly for in-progress posts; make them off the hot path.
 """
 
@@ -22,8 +22,8 @@ from typing import Any, AsyncIterator, Sequence
 
 import numpy as np
 
-from .nixl_glue import as_descs, make_agent, memory_region, nixl_errors, pair_check, raw_write
-from .poller import Poller, Xfer
+from connector.transport.nixl.glue import as_descs, make_agent, memory_region, nixl_errors, pair_check, raw_write
+from connector.transport.nixl.poller import Poller, Xfer
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,9 @@
+"""NIXL transport: the only package that imports nixl (lazily, on the first agent). No vllm here.
+
+`Transport` wraps one NIXL agent (UCX backend) for asyncio: register memory, exchange metadata over our own side
+channel, WRITE descriptor lists with byte backpressure, send and receive notifications."""
+
+from connector.transport.nixl.agent import Transport, TransportConfig, TransportError, TransportStats
+from connector.transport.nixl.glue import descs_array, make_agent
+
+__all__ = ["Transport", "TransportConfig", "TransportError", "TransportStats", "descs_array", "make_agent"]
