@@ -8,8 +8,8 @@ import statistics
 import sys
 from typing import Any
 
-from connector.demo import Cluster, RequestResult, Scenario
 from connector.core.layout import ParallelLayout
+from connector.demo import Cluster, RequestResult, Scenario
 
 
 class _Progress:

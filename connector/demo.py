@@ -42,7 +42,7 @@ class Scenario:
     late_register: bool = False        # decode registers only after prefill finished (bulk fallback path)
     hook_layers: str = "all"           # all | even: which layers get layer_ready (the rest are swept)
     run_blocks: int = 1                # block allocation: runs of this many consecutive ids (1 = scattered)
-    staging_mb: int = 0                # per rank staging buffer (connector.staging); 0 = direct WRITEs only
+    staging_mb: int = 0                # per rank staging buffer (connector.engine.staging); 0 = direct WRITEs only
     requests: int = 1
     timeout_s: float = 120.0
     seed: int = 0

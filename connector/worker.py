@@ -82,7 +82,8 @@ def _serve(conn: Any, handlers: dict[str, Any]) -> None:
 
 def prefill_main(conn: Any, cfg: dict[str, Any]) -> None:
     from connector.sim import pick_blocks
-    from connector.stream import SenderConfig, StreamSender
+    from connector.engine.config import SenderConfig
+    from connector.engine.sender import StreamSender
 
     with _rank_process(conn, cfg) as me:
         lt, transport, bufs, rank, parallel = me.lt, me.transport, me.bufs, me.rank, me.parallel
@@ -161,7 +162,8 @@ def prefill_main(conn: Any, cfg: dict[str, Any]) -> None:
 
 def decode_main(conn: Any, cfg: dict[str, Any]) -> None:
     from connector.protocol.addressing import PrefillAddress
-    from connector.receiver import ReceiverConfig, StreamReceiver
+    from connector.engine.config import ReceiverConfig
+    from connector.engine.receiver import StreamReceiver
     from connector.sim import pick_blocks
 
     with _rank_process(conn, cfg) as me:

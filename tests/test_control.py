@@ -11,10 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from connector.core.layout import Region
-from connector.protocol.messages import (
-    HEADER, PROTOCOL_VERSION, Abort, Complete, ControlError, Error, FrameError, Heartbeat, Hello, Register,
-    RegisterAck, RegisterError, Reject, decode_frame, encode_body, encode_frame,
-)
+from connector.protocol.messages import (HEADER, PROTOCOL_VERSION, Abort, Complete, ControlError, Error, FrameError,
+                                         Heartbeat, Hello, Register, RegisterAck, RegisterError, Reject, decode_frame,
+                                         encode_body, encode_frame)
 from connector.transport.control import ControlConnection, ControlServer, connect
 
 pytestmark = pytest.mark.timeout(20)

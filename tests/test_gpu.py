@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from connector.demo import Scenario, run_scenario
-from connector.core.layout import ParallelLayout
 from connector.core.hf_config import load_model
+from connector.core.layout import ParallelLayout
+from connector.demo import Scenario, run_scenario
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 

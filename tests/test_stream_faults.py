@@ -11,16 +11,17 @@ import uuid
 import pytest
 import torch
 
-from connector.protocol.messages import ControlError, Register, RegisterError
-from connector.transport.control import connect
-from connector.demo import Cluster, Scenario, apply_env
-from connector.core.layout import ParallelLayout
-from connector.transport.loop import LoopThread
 from connector.core.hf_config import load_model
+from connector.core.layout import ParallelLayout
+from connector.demo import Cluster, Scenario, apply_env
+from connector.engine.config import ReceiverConfig, SenderConfig
+from connector.engine.receiver import StreamReceiver, TransferFailed
+from connector.engine.sender import StreamSender
 from connector.protocol.addressing import PrefillAddress
-from connector.receiver import ReceiverConfig, StreamReceiver, TransferFailed
+from connector.protocol.messages import ControlError, Register, RegisterError
 from connector.sim import RankBuffers, pick_blocks
-from connector.stream import SenderConfig, StreamSender
+from connector.transport.control import connect
+from connector.transport.loop import LoopThread
 
 pytestmark = pytest.mark.slow
 TOKENS, BLOCK = 64, 16

@@ -68,7 +68,7 @@ class Hello(msgspec.Struct, frozen=True, tag="hello", tag_field="type"):
     auth_token: str = ""
     """Shared secret the server checks; empty when the server runs without auth."""
     staging_addr: int = 0
-    """Decode: base address of its NIXL-registered staging buffer (connector.staging); 0 = it has none."""
+    """Decode: base address of its NIXL-registered staging buffer (connector.engine.staging); 0 = it has none."""
     staging_device: int = 0
     version: int = PROTOCOL_VERSION
 

@@ -34,7 +34,7 @@ class ConnectorSettings:
     """NIXL progress-thread poll delay (never 0: 0 spins a core)."""
     staging_mb: int = 0
     """Per-worker staging buffer on the KV-cache device, in MiB (0 = off). When prefill and decode both have one,
-    scattered blocks move as gathered chunks, one NIXL descriptor each, and decode scatters them (connector.staging):
+    scattered blocks move as gathered chunks, one NIXL descriptor each, and decode scatters them (connector.engine.staging):
     far fewer descriptors when vLLM's blocks are fragmented."""
     staging_slot_mb: int = 16
     """Decode: the part of its staging buffer each prefill rank connection may use (one chunk in flight each)."""

@@ -1,5 +1,5 @@
 """Worker-side half (one per GPU worker process). Thin: it turns vLLM's tensors into Regions and vLLM's hooks into
-stream-engine calls; the transfer logic lives in connector.stream / connector.receiver."""
+stream-engine calls; the transfer logic lives in connector.engine.sender / connector.engine.receiver."""
 
 from __future__ import annotations
 
@@ -14,11 +14,12 @@ from typing import Any
 import torch
 
 from connector.core.layout import ParallelLayout, RankLayout
-from connector.transport.loop import LoopThread
+from connector.engine.config import ReceiverConfig, SenderConfig
+from connector.engine.receiver import ReceiveResult, StreamReceiver
+from connector.engine.sender import StreamSender
+from connector.engine.sender_state import SenderStats
 from connector.protocol.addressing import PrefillAddress
-from connector.receiver import ReceiverConfig, ReceiveResult, StreamReceiver
-from connector.sender_state import SenderStats
-from connector.stream import SenderConfig, StreamSender
+from connector.transport.loop import LoopThread
 from connector.vllm.config import ConnectorSettings
 from connector.vllm.metadata import SparseKVHandshake, SparseKVMetadata
 from connector.vllm.regions import build_regions, classify_layers, model_layout_from_vllm

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from connector.core.descriptors import check_blocks
-from connector.protocol.messages import Hello, Register
 from connector.core.layout import Region
 from connector.core.plan import Route, TransferPlan
+from connector.protocol.messages import Hello, Register
 
 PeerKey = tuple[str, int, int]
 """(engine id, pp, tp) of a decode rank."""
@@ -19,25 +19,6 @@ PeerKey = tuple[str, int, int]
 
 class RegistrationError(ValueError):
     """A registration that is refused before anything is written; the text goes back to decode."""
-
-
-@dataclass(frozen=True)
-class SenderConfig:
-    engine_id: str
-    host: str = "127.0.0.1"
-    port: int = 0
-    auth_token: str = ""
-    lease_s: float = 120.0
-    """How long a finished request keeps its blocks for decode ranks that have not completed; heartbeats extend."""
-    write_timeout_s: float = 60.0
-    handshake_timeout_s: float = 10.0
-    heartbeat_interval_s: float = 2.0
-    dead_after_s: float = 10.0
-    max_writes_per_destination: int = 2
-    poll_interval_s: float = 0.0005
-    """While requests are active, how often the loop picks up hook calls (see `layer_ready`)."""
-    released_memory_s: float = 600.0
-    """How long a finished transfer id is remembered, so a late registration for it is refused clearly."""
 
 
 @dataclass

@@ -1,6 +1,6 @@
-"""The sender's staged path (see connector.staging): gather a destination's scattered descriptors into this rank's
-staging buffer, post ONE descriptor into the slot decode gave this connection, ask decode to scatter it, and wait
-for its answer before the slot is used again. Runs on the sender's event loop; copies run in worker threads."""
+"""The sender's staged path (why: connector.core.staging_ranges): gather a destination's scattered descriptors
+into this rank's staging buffer, post ONE descriptor into the slot decode gave this connection, ask decode to
+scatter it, and wait for its answer before the slot is used again. Runs on the sender's event loop; copies run in worker threads."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from typing import Any, Callable
 
 import numpy as np
 
+from connector.core.staging_ranges import chunks, split_long
 from connector.protocol.messages import Scatter, Scattered
 from connector.transport.control import ControlConnection
-from connector.core.staging_ranges import chunks, split_long
 from connector.transport.device_copy import copy_ranges
 
 

@@ -19,6 +19,7 @@ import numpy as np
 from connector.core.layout import LayoutError, ModelLayout, ParallelLayout, Region
 from connector.core.plan import Rank, TransferPlan, build_plan
 from connector.core.staging_ranges import Slots, StagingError, allowed_ranges, check_destinations
+from connector.engine.config import ReceiverConfig
 from connector.protocol.addressing import PrefillAddress
 from connector.protocol.handshake import check_peer_regions, layout_of
 from connector.protocol.messages import (Abort, Complete, ControlError, Error, Hello, Register, RegisterAck,
@@ -31,20 +32,6 @@ log = logging.getLogger(__name__)
 
 class TransferFailed(RuntimeError):
     """A transfer that will not complete; the message says which prefill rank and why."""
-
-
-@dataclass(frozen=True)
-class ReceiverConfig:
-    engine_id: str
-    auth_token: str = ""
-    connect_timeout_s: float = 10.0
-    transfer_timeout_s: float = 120.0
-    heartbeat_interval_s: float = 2.0
-    dead_after_s: float = 10.0
-    stop_timeout_s: float = 60.0
-    """After an abort or failure, how long to wait for every prefill rank to confirm it writes nothing more."""
-    staging_slot_bytes: int = 64 * 1024 * 1024
-    """With a staging buffer: the slot each prefill rank connection gets (a staged chunk is at most this)."""
 
 
 @dataclass(frozen=True)
@@ -93,7 +80,7 @@ class StreamReceiver:
     def __init__(self, transport: Any, model: ModelLayout, parallel: ParallelLayout, rank: Rank,
                  regions: list[Region], block_size: int, config: ReceiverConfig, staging: Any = None) -> None:
         """`staging`: an optional contiguous uint8 tensor on the KV device, already registered with `transport`.
-        Prefill ranks that have one too then send scattered blocks as staged chunks (connector.staging)."""
+        Prefill ranks that have one too then send scattered blocks as staged chunks (connector.engine.staging)."""
         self.model, self.parallel, self.rank, self.config = model, parallel, rank, config
         self._staging = staging
         nbytes = staging.numel() * staging.element_size() if staging is not None else 0

@@ -15,16 +15,17 @@ import time
 from collections import defaultdict, deque
 from typing import Any, Callable
 
+from connector.core.descriptors import Descriptors, DescriptorError, geometry, layers_descriptors
+from connector.core.layout import LayoutError, ModelLayout, ParallelLayout, Region
+from connector.core.plan import Rank, build_plan, fold_ranges
+from connector.engine.config import SenderConfig
+from connector.engine.sender_state import (Destination, FinishedInfo, PeerInfo, PeerKey, RegistrationError, SendRequest,
+                                           SenderStats, validate_registration)
+from connector.engine.staging import StagedWriter
+from connector.protocol.handshake import check_peer_regions, layout_of
 from connector.protocol.messages import (Abort, Complete, Heartbeat, Hello, Register, RegisterAck, RegisterError,
                                          Scattered, Stopped)
 from connector.transport.control import ControlConnection, ControlServer
-from connector.core.descriptors import Descriptors, DescriptorError, geometry, layers_descriptors
-from connector.protocol.handshake import check_peer_regions, layout_of
-from connector.core.layout import LayoutError, ModelLayout, ParallelLayout, Region
-from connector.core.plan import Rank, build_plan, fold_ranges
-from connector.sender_state import (Destination, FinishedInfo, PeerInfo, PeerKey, RegistrationError, SendRequest,
-                                    SenderConfig, SenderStats, validate_registration)
-from connector.staged_write import StagedWriter
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ class StreamSender:
                  loop: asyncio.AbstractEventLoop, mem_type: str = "DRAM",
                  on_finished: Callable[[str, bool], None] | None = None, staging: Any = None) -> None:
         """`staging`: an optional contiguous tensor on the KV device, registered with `transport`: decode ranks
-        that have one too get scattered blocks as staged chunks (connector.staging), others direct WRITEs."""
+        that have one too get scattered blocks as staged chunks (connector.engine.staging), others direct WRITEs."""
         self.transport, self.model, self.parallel, self.rank = transport, model, parallel, rank
         self.regions = {r.key: r for r in regions}
         self.block_size, self.config, self.loop, self.mem_type = block_size, config, loop, mem_type
