@@ -9,7 +9,7 @@ import pytest
 
 from connector.core.hf_config import load_model
 from connector.core.layout import ParallelLayout
-from connector.demo import Scenario, run_scenario
+from connector.sim.cluster import Scenario, run_scenario
 
 pytestmark = pytest.mark.slow
 

@@ -13,13 +13,14 @@ import torch
 
 from connector.core.hf_config import load_model
 from connector.core.layout import ParallelLayout
-from connector.demo import Cluster, Scenario, apply_env
 from connector.engine.config import ReceiverConfig, SenderConfig
 from connector.engine.receiver import StreamReceiver, TransferFailed
 from connector.engine.sender import StreamSender
 from connector.protocol.addressing import PrefillAddress
 from connector.protocol.messages import ControlError, Register, RegisterError
-from connector.sim import RankBuffers, pick_blocks
+from connector.sim.buffers import RankBuffers, pick_blocks
+from connector.sim.cluster import Cluster, Scenario
+from connector.sim.env import apply_env
 from connector.transport.control import connect
 from connector.transport.loop import LoopThread
 

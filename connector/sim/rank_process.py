@@ -15,7 +15,7 @@ import traceback
 from types import SimpleNamespace
 from typing import Any, Iterator
 
-from connector.demo import apply_env
+from connector.sim.env import apply_env
 
 
 def _setup(cfg: dict[str, Any]) -> None:
@@ -39,7 +39,7 @@ def _rank_process(conn: Any, cfg: dict[str, Any]) -> Iterator[SimpleNamespace]:
     with it. Closes them (the engine set on `.engine` first) on the way out; a failure is reported to the parent."""
     _setup(cfg)
     from connector.transport.loop import LoopThread
-    from connector.sim import RankBuffers
+    from connector.sim.buffers import RankBuffers
 
     lt = LoopThread().start()
     rank = SimpleNamespace(lt=lt, transport=None, bufs=None, engine=None, staging=None, rank=tuple(cfg["rank"]),
@@ -81,7 +81,7 @@ def _serve(conn: Any, handlers: dict[str, Any]) -> None:
 
 
 def prefill_main(conn: Any, cfg: dict[str, Any]) -> None:
-    from connector.sim import pick_blocks
+    from connector.sim.buffers import pick_blocks
     from connector.engine.config import SenderConfig
     from connector.engine.sender import StreamSender
 
@@ -164,7 +164,7 @@ def decode_main(conn: Any, cfg: dict[str, Any]) -> None:
     from connector.protocol.addressing import PrefillAddress
     from connector.engine.config import ReceiverConfig
     from connector.engine.receiver import StreamReceiver
-    from connector.sim import pick_blocks
+    from connector.sim.buffers import pick_blocks
 
     with _rank_process(conn, cfg) as me:
         lt, bufs, rank = me.lt, me.bufs, me.rank

@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any, Callable
+from typing import Any
+
+from connector.cli.args import CliError, add_common, parse_side
 
 
-def add_subcommands(subs: Any, add_common: Callable[[argparse.ArgumentParser], None]) -> None:
+def add_subcommands(subs: Any) -> None:
     demo = subs.add_parser("demo", help="prefill and decode ranks as OS processes; stream every pool over NIXL and "
                                         "verify every byte on decode")
     add_common(demo)
@@ -43,8 +45,7 @@ def _add_run_args(p: argparse.ArgumentParser, layer_ms: float | None = 2.0) -> N
 
 
 def _scenario(args: argparse.Namespace, **over: Any):
-    from connector.cli import CliError, parse_side
-    from connector.demo import Scenario
+    from connector.sim.cluster import Scenario
     from connector.core.hf_config import load_model
 
     model = load_model(args.model, args.kv_cache_dtype)
@@ -64,7 +65,7 @@ def _scenario(args: argparse.Namespace, **over: Any):
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from connector.demo import run_scenario
+    from connector.sim.cluster import run_scenario
 
     sc = _scenario(args, mode=args.mode, chunks=args.chunks, prefix_tokens=args.prefix_tokens,
                    late_register=args.late_register, requests=args.requests)
@@ -86,7 +87,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from connector.bench import bench
+    from connector.sim.bench import bench
 
     out = bench(_scenario(args), progress=sys.stderr.isatty() and not args.json, repeats=args.repeats)
     if args.json:

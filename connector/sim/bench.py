@@ -9,7 +9,7 @@ import sys
 from typing import Any
 
 from connector.core.layout import ParallelLayout
-from connector.demo import Cluster, RequestResult, Scenario
+from connector.sim.cluster import Cluster, RequestResult, Scenario
 
 
 class _Progress:

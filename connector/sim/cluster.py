@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-import os
-import socket
 import statistics
 import time
 import uuid
@@ -17,14 +15,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from connector.core.layout import ModelLayout, ParallelLayout
+from connector.sim.env import apply_env, free_port_range
 
 log = logging.getLogger(__name__)
-
-ENV_DEFAULTS = {
-    "UCX_NET_DEVICES": "lo",          # loopback only; otherwise UCX advertises every interface
-    "NIXL_LOG_LEVEL": "WARN",
-    "THP_MEM_ALLOC_ENABLE": "1",      # huge pages for torch CPU tensors: 2x faster cross-memory copies
-}
 
 
 @dataclass(frozen=True)
@@ -82,40 +75,12 @@ class DemoResult:
         return asdict(self)
 
 
-def free_port_range(count: int, attempts: int = 50) -> int:
-    """A base port with `count` consecutive free ports on 127.0.0.1 (prefill rank (pp,tp) gets base+pp*tp_size+tp)."""
-    for _ in range(attempts):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
-        if base + count >= 65535:
-            continue
-        socks = []
-        try:
-            for i in range(count):
-                s = socket.socket()
-                s.bind(("127.0.0.1", base + i))
-                socks.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no {count} consecutive free ports on 127.0.0.1 after {attempts} attempts")
-
-
-def apply_env() -> None:
-    for key, value in ENV_DEFAULTS.items():
-        os.environ.setdefault(key, value)
-
-
 class Cluster:
     """The worker processes of one demo/bench run; ends them by PID on exit."""
 
     def __init__(self, sc: Scenario, spawn: tuple[str, ...] = ("prefill", "decode")) -> None:
         """`spawn`: which sides run as worker processes (tests play the other side in-process)."""
-        from connector.worker import decode_main, prefill_main
+        from connector.sim.rank_process import decode_main, prefill_main
 
         apply_env()
         self.sc = sc
