@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from connector.core.errors import ControlError, FrameError
 from connector.core.layout import Region
-from connector.protocol.messages import (HEADER, PROTOCOL_VERSION, Abort, Complete, ControlError, Error, FrameError,
-                                         Heartbeat, Hello, Register, RegisterAck, RegisterError, Reject, decode_frame,
-                                         encode_body, encode_frame)
+from connector.protocol.messages import (HEADER, PROTOCOL_VERSION, Abort, Complete, Error, Heartbeat, Hello, Register,
+                                         RegisterAck, RegisterError, Reject, decode_frame, encode_body, encode_frame)
 from connector.transport.control import ControlConnection, ControlServer, connect
 
 pytestmark = pytest.mark.timeout(20)

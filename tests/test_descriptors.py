@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from connector.core.descriptors import DescriptorError, route_descriptors
+from connector.core.descriptors import route_descriptors
+from connector.core.errors import DescriptorError
 from connector.core.layout import Region
 
 

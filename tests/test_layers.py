@@ -190,3 +190,26 @@ def test_the_checks_catch_a_cycle_an_upward_arrow_and_a_misplaced_import(tmp_pat
     assert sorted(a.split(" ")[0] for a in upward_arrows(g)) == ["connector.protocol:1", "connector.vllm:1"]
     assert misplaced_imports(g) == ["connector.core.a:1 imports torch; core/ must not",
                                     "connector.engine.f:1 imports nixl, which only connector.transport.nixl may import"]
+
+
+def test_every_public_exception_is_in_the_one_tree():
+    """One root (DESIGN.md): exception classes are declared in core/errors.py only, each under InputError or
+    PeerError (PlanError, a bug, directly under the root) and keeping its stdlib parent."""
+    from connector.core import errors
+
+    elsewhere = [f"{p.relative_to(ROOT.parent)}:{node.lineno} {node.name}" for p in ROOT.rglob("*.py")
+                 if p.name != "errors.py" for node in ast.walk(ast.parse(p.read_text()))
+                 if isinstance(node, ast.ClassDef) and not node.name.startswith("_")
+                 and any(getattr(b, "id", "").endswith(("Error", "Exception", "Failed")) for b in node.bases)]
+    assert not elsewhere, f"exception classes outside connector/core/errors.py: {elsewhere}"
+    leaves = [c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, errors.ConnectorError)
+              and c not in (errors.ConnectorError, errors.InputError, errors.PeerError)]
+    assert len(leaves) >= 12
+    for cls in leaves:
+        branch = errors.InputError if issubclass(cls, errors.InputError) else errors.PeerError
+        if cls is errors.PlanError:
+            assert issubclass(cls, AssertionError) and not issubclass(cls, (errors.InputError, errors.PeerError))
+            continue
+        assert issubclass(cls, branch) and not issubclass(cls, errors.InputError if branch is errors.PeerError
+                                                           else errors.PeerError), cls
+        assert issubclass(cls, ValueError if branch is errors.InputError else RuntimeError), cls

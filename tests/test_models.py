@@ -7,8 +7,9 @@ import json
 
 import pytest
 
+from connector.core.errors import LayoutError
 from connector.core.hf_config import PRESETS, dsa_indexer_layers, load_model, model_from_config
-from connector.core.layout import POOLS, LayoutError, ModelLayout
+from connector.core.layout import POOLS, ModelLayout
 
 
 def _write(path, config) -> str:

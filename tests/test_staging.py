@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from connector.core.errors import StagingError
 from connector.core.layout import Region
-from connector.core.staging_ranges import Slots, StagingError, allowed_ranges, check_destinations, chunks, split_long
+from connector.core.staging_ranges import Slots, allowed_ranges, check_destinations, chunks, split_long
 from connector.transport.device_copy import copy_ranges, indexed_copy
 
 

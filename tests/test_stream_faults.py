@@ -11,13 +11,14 @@ import uuid
 import pytest
 import torch
 
+from connector.core.errors import ControlError, TransferFailed
 from connector.core.hf_config import load_model
 from connector.core.layout import ParallelLayout
 from connector.engine.config import ReceiverConfig, SenderConfig
-from connector.engine.receiver import StreamReceiver, TransferFailed
+from connector.engine.receiver import StreamReceiver
 from connector.engine.sender import StreamSender
 from connector.protocol.addressing import PrefillAddress
-from connector.protocol.messages import ControlError, Register, RegisterError
+from connector.protocol.messages import Register, RegisterError
 from connector.sim.buffers import RankBuffers, pick_blocks
 from connector.sim.cluster import Cluster, Scenario
 from connector.sim.env import apply_env

@@ -29,7 +29,8 @@ ENV = {"UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "WARN", "THP_MEM_ALLOC_ENABLE"
 for _k, _v in ENV.items():  # this process hosts agents too
     os.environ.setdefault(_k, _v)
 
-from connector.transport.nixl import Transport, TransportConfig, TransportError, descs_array  # noqa: E402
+from connector.core.errors import TransportError  # noqa: E402
+from connector.transport.nixl import Transport, TransportConfig, descs_array  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 _ids = itertools.count()

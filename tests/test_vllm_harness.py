@@ -389,7 +389,7 @@ def test_index_value_caches_become_the_index_v_pool(tmp_path):
 
 
 def test_config_with_index_values_but_no_index_value_cache_is_refused(tmp_path):
-    from connector.core.layout import LayoutError
+    from connector.core.errors import LayoutError
 
     with pytest.raises(LayoutError, match=r"keeps an index value on sparse layers \[3, 6\].*no index-value cache"):
         _regions_of(H.write_m3_config(tmp_path, index_value_layers=(3, 6)), drop_index_values=True)

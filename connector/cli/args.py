@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from connector.core.layout import LayoutError, ModelLayout, ParallelLayout
-
-
-class CliError(ValueError):
-    """Bad command-line input; printed as one line, exit code 2."""
+from connector.core.errors import CliError, LayoutError
+from connector.core.layout import ModelLayout, ParallelLayout
 
 
 def parse_side(text: str, model: ModelLayout, flag: str) -> ParallelLayout:

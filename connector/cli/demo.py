@@ -7,7 +7,8 @@ import json
 import sys
 from typing import Any
 
-from connector.cli.args import CliError, add_common, parse_side
+from connector.cli.args import add_common, parse_side
+from connector.core.errors import CliError
 
 
 def add_subcommands(subs: Any) -> None:

@@ -6,9 +6,9 @@ import argparse
 import json
 import sys
 
-from connector.cli.args import CliError, add_common, parse_side
+from connector.cli.args import add_common, parse_side
 from connector.cli.demo import add_subcommands
-from connector.core.layout import LayoutError
+from connector.core.errors import InputError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "plan":
             return run_plan(args)
         return args.run(args)
-    except (LayoutError, CliError) as exc:
+    except InputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except BrokenPipeError:

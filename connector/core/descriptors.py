@@ -12,11 +12,8 @@ from typing import Sequence
 
 import numpy as np
 
+from connector.core.errors import DescriptorError
 from connector.core.layout import Region
-
-
-class DescriptorError(ValueError):
-    """Block ids or heads that do not fit a region; the message names them."""
 
 
 @dataclass(frozen=True)

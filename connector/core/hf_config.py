@@ -33,7 +33,8 @@ import json
 import pathlib
 from typing import Any
 
-from connector.core.layout import LayoutError, ModelLayout, PoolSpec
+from connector.core.errors import LayoutError
+from connector.core.layout import ModelLayout, PoolSpec
 
 PRESET_DIR = pathlib.Path(__file__).with_name("presets")
 PRESETS: dict[str, pathlib.Path] = {

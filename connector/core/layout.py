@@ -20,11 +20,9 @@ from typing import Iterable
 
 import msgspec
 
+from connector.core.errors import LayoutError
+
 POOLS: tuple[str, ...] = ("kv", "index_k", "index_v")
-
-
-class LayoutError(ValueError):
-    """A model or parallel layout that cannot be used; the message names the value and the fix."""
 
 
 @dataclass(frozen=True)
@@ -48,7 +46,6 @@ class PoolSpec:
     def bytes_per_token(self) -> int:
         """Bytes per token per layer over all heads."""
         return self.num_heads * self.bytes_per_token_per_head
-
 
 
 @dataclass(frozen=True)

@@ -12,14 +12,11 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Iterable
 
-from connector.core.layout import POOLS, LayoutError, ModelLayout, ParallelLayout, RankLayout, check_tp, heads_of_rank
+from connector.core.errors import LayoutError, PlanError
+from connector.core.layout import POOLS, ModelLayout, ParallelLayout, RankLayout, check_tp, heads_of_rank
 
 Rank = tuple[int, int]
 """(pp, tp)."""
-
-
-class PlanError(AssertionError):
-    """A plan that breaks an invariant (a bug, not bad input)."""
 
 
 @dataclass(frozen=True)

@@ -13,11 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from connector.core.errors import StagingError
 from connector.core.layout import Region
-
-
-class StagingError(ValueError):
-    """A staged chunk that cannot be accepted; the text goes back to the sender."""
 
 
 def chunks(lens: np.ndarray, max_bytes: int) -> list[tuple[int, int]]:

@@ -16,22 +16,19 @@ from typing import Any
 
 import numpy as np
 
-from connector.core.layout import LayoutError, ModelLayout, ParallelLayout, Region
+from connector.core.errors import ConnectorError, ControlError, LayoutError, PeerError, StagingError, TransferFailed
+from connector.core.layout import ModelLayout, ParallelLayout, Region
 from connector.core.plan import Rank, TransferPlan, build_plan
-from connector.core.staging_ranges import Slots, StagingError, allowed_ranges, check_destinations
+from connector.core.staging_ranges import Slots, allowed_ranges, check_destinations
 from connector.engine.config import ReceiverConfig
 from connector.protocol.addressing import PrefillAddress
 from connector.protocol.handshake import check_peer_regions, layout_of
-from connector.protocol.messages import (Abort, Complete, ControlError, Error, Hello, Register, RegisterAck,
-                                         RegisterError, Scatter, Scattered, Stopped)
+from connector.protocol.messages import (Abort, Complete, Error, Hello, Register, RegisterAck, RegisterError, Scatter,
+                                         Scattered, Stopped)
 from connector.transport.control import ControlConnection, connect
 from connector.transport.device_copy import copy_ranges
 
 log = logging.getLogger(__name__)
-
-
-class TransferFailed(RuntimeError):
-    """A transfer that will not complete; the message says which prefill rank and why."""
 
 
 @dataclass(frozen=True)
@@ -246,7 +243,7 @@ class StreamReceiver:
             raise TransferFailed(f"transfer {transfer_id!r} is already being received on decode rank {self.rank}")
         try:
             engine = await self._engine(prefill)
-        except (ControlError, LayoutError, OSError) as exc:
+        except ConnectorError as exc:  # a dead peer, or one whose layout does not fit ours
             raise TransferFailed(f"cannot reach prefill {prefill} for {transfer_id!r}: {exc}") from exc
         layers: dict[Rank, set[int]] = {src: set() for src in engine.conns}
         for r in engine.plan.routes_to(self.rank):
@@ -269,7 +266,7 @@ class StreamReceiver:
             await asyncio.shield(self._stop_sources(pend, "decode timed out"))
             raise TransferFailed(f"transfer {transfer_id!r}: no completion from prefill ranks {missing} of {prefill} "
                                  f"within {timeout or self.config.transfer_timeout_s:.1f} s") from None
-        except (TransferFailed, ControlError) as exc:
+        except PeerError as exc:
             await asyncio.shield(self._stop_sources(pend, f"decode gave up: {exc}"))
             raise TransferFailed(str(exc)) from exc
         except asyncio.CancelledError:

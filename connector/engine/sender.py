@@ -15,12 +15,13 @@ import time
 from collections import defaultdict, deque
 from typing import Any, Callable
 
-from connector.core.descriptors import Descriptors, DescriptorError, geometry, layers_descriptors
-from connector.core.layout import LayoutError, ModelLayout, ParallelLayout, Region
+from connector.core.descriptors import Descriptors, geometry, layers_descriptors
+from connector.core.errors import InputError, LayoutError
+from connector.core.layout import ModelLayout, ParallelLayout, Region
 from connector.core.plan import Rank, build_plan, fold_ranges
 from connector.engine.config import SenderConfig
-from connector.engine.sender_state import (Destination, FinishedInfo, PeerInfo, PeerKey, RegistrationError, SendRequest,
-                                           SenderStats, validate_registration)
+from connector.engine.sender_state import (Destination, FinishedInfo, PeerInfo, PeerKey, SendRequest, SenderStats,
+                                           validate_registration)
 from connector.engine.staging import StagedWriter
 from connector.protocol.handshake import check_peer_regions, layout_of
 from connector.protocol.messages import (Abort, Complete, Heartbeat, Hello, Register, RegisterAck, RegisterError,
@@ -274,7 +275,7 @@ class StreamSender:
         key = (conn.peer.engine_id, conn.peer.pp_rank, conn.peer.tp_rank)
         try:
             req, dest = self._validate(key, conn, reg)
-        except (RegistrationError, DescriptorError, LayoutError) as exc:
+        except InputError as exc:
             log.warning("refusing registration of %s from decode %s: %s", reg.transfer_id, key, exc)
             await conn.send(RegisterError(reg.transfer_id, str(exc)))
             return

@@ -9,16 +9,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from connector.core.descriptors import check_blocks
+from connector.core.errors import RegistrationError
 from connector.core.layout import Region
 from connector.core.plan import Route, TransferPlan
 from connector.protocol.messages import Hello, Register
 
 PeerKey = tuple[str, int, int]
 """(engine id, pp, tp) of a decode rank."""
-
-
-class RegistrationError(ValueError):
-    """A registration that is refused before anything is written; the text goes back to decode."""
 
 
 @dataclass
@@ -93,7 +90,6 @@ class SenderStats:
     transfers_failed: int = 0
     staged_chunks: int = 0
     """WRITEs that went through staging (one NIXL descriptor each) instead of their descriptors."""
-
 
 
 def validate_registration(req: SendRequest | None, reg: Register, key: PeerKey, peer: PeerInfo | None,

@@ -10,14 +10,11 @@ from typing import Any, Callable
 
 import numpy as np
 
+from connector.core.errors import StagedWriteError
 from connector.core.staging_ranges import chunks, split_long
 from connector.protocol.messages import Scatter, Scattered
 from connector.transport.control import ControlConnection
 from connector.transport.device_copy import copy_ranges
-
-
-class StagedWriteError(RuntimeError):
-    """A staged chunk that did not land (decode refused it, the connection closed, or it timed out)."""
 
 
 class StagedWriter:

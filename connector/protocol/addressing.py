@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from connector.core.errors import ConfigError
 from connector.core.plan import Rank
 
 
@@ -23,7 +24,7 @@ class PrefillAddress:
     def parse(cls, text: str) -> "PrefillAddress":
         host, sep, port = str(text).rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"prefill side-channel address {text!r} is not host:port (e.g. 10.0.0.5:5600)")
+            raise ConfigError(f"prefill side-channel address {text!r} is not host:port (e.g. 10.0.0.5:5600)")
         return cls(host.strip("[]"), int(port))
 
     def port_of(self, rank: Rank, tp_size: int) -> int:

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import hmac
 
-from connector.core.layout import POOLS, LayoutError, ModelLayout, ParallelLayout, RankLayout, Region
+from connector.core.errors import ControlError, LayoutError
+from connector.core.layout import POOLS, ModelLayout, ParallelLayout, RankLayout, Region
 from connector.core.plan import TransferPlan
-from connector.protocol.messages import PROTOCOL_VERSION, ControlError, Hello
+from connector.protocol.messages import PROTOCOL_VERSION, Hello
 
 
 def layout_of(hello: Hello, model: ModelLayout) -> ParallelLayout:

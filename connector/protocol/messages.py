@@ -18,6 +18,7 @@ from typing import Literal, Union
 
 import msgspec
 
+from connector.core.errors import FrameError
 from connector.core.layout import Region
 
 PROTOCOL_VERSION = 1
@@ -34,14 +35,6 @@ HEADER = struct.Struct(">IH")
 """Frame header: body length in bytes, protocol version."""
 
 Role = Literal["prefill", "decode"]
-
-
-class ControlError(RuntimeError):
-    """Anything that goes wrong on the side channel: rejected handshake, closed or dead peer, bad frame, timeout."""
-
-
-class FrameError(ControlError):
-    """A frame that cannot be accepted (too large, unknown version, malformed msgpack, unknown message type)."""
 
 
 class Hello(msgspec.Struct, frozen=True, tag="hello", tag_field="type"):

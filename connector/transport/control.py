@@ -15,10 +15,10 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
 
 import msgspec
 
+from connector.core.errors import ControlError, FrameError
 from connector.protocol.handshake import check_hello
-from connector.protocol.messages import (DEFAULT_MAX_FRAME_BYTES, HEADER, ControlError, Error, FrameError, Heartbeat,
-                                         Hello, Message, Register, RegisterError, Reject, check_header, decode_body,
-                                         encode_frame)
+from connector.protocol.messages import (DEFAULT_MAX_FRAME_BYTES, HEADER, Error, Heartbeat, Hello, Message, Register,
+                                         RegisterError, Reject, check_header, decode_body, encode_frame)
 
 log = logging.getLogger(__name__)
 

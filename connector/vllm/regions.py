@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import torch
 from vllm.v1.kv_cache_interface import KVCacheConfig, SparseCacheRole, UniformTypeKVCacheSpecs
 
-from connector.core.layout import POOLS, LayoutError, ModelLayout, RankLayout, Region
+from connector.core.errors import LayoutError
+from connector.core.layout import POOLS, ModelLayout, RankLayout, Region
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 

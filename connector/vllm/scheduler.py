@@ -10,6 +10,7 @@ from typing import Any
 
 from vllm.v1.request import RequestStatus
 
+from connector.core.errors import ConfigError, LayoutError
 from connector.protocol.addressing import PrefillAddress
 from connector.vllm.metadata import RecvSpec, SendSpec, SparseKVHandshake, SparseKVMetadata
 
@@ -25,7 +26,7 @@ def check_params(params: dict[str, Any], *, decode: bool) -> str:
     if decode:
         try:
             PrefillAddress.parse(params.get("prefill_addr", ""))
-        except ValueError as exc:
+        except ConfigError as exc:
             return f"kv_transfer_params prefill_addr: {exc}"
     return ""
 
@@ -160,7 +161,7 @@ class SchedulerSide:
         """All (pp, tp) ranks, PP > 0 included. They must agree on the model fingerprint."""
         prints = {k: getattr(v, "fingerprint", None) for k, v in metadata.items()}
         if len(set(prints.values())) > 1:
-            raise ValueError(f"SparseKVConnector workers disagree on the model layout fingerprint: {prints}")
+            raise LayoutError(f"SparseKVConnector workers disagree on the model layout fingerprint: {prints}")
         self.handshakes = dict(metadata)
         for (pp, tp), hs in sorted(metadata.items()):
             if getattr(hs, "side_channel", ""):

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from connector.core.errors import LayoutError
 from connector.core.layout import ParallelLayout, RankLayout
 from connector.engine.config import ReceiverConfig, SenderConfig
 from connector.engine.receiver import ReceiveResult, StreamReceiver
@@ -109,7 +110,7 @@ class WorkerSide:
             self._staging = staging  # kept alive as long as the transport uses it
         block_size = {r.group: self.kv_cache_config.kv_cache_groups[r.group].kv_cache_spec.block_size for r in regions}
         if len(set(block_size.values())) != 1:
-            raise ValueError(f"SparseKVConnector needs one block size across KV-cache groups, got {block_size}")
+            raise LayoutError(f"SparseKVConnector needs one block size across KV-cache groups, got {block_size}")
         bs = next(iter(block_size.values()))
         s = self.settings
         if self.is_producer:

@@ -22,16 +22,13 @@ from typing import Any, AsyncIterator, Sequence
 
 import numpy as np
 
+from connector.core.errors import ConfigError, TransportError
 from connector.transport.nixl.glue import as_descs, make_agent, memory_region, nixl_errors, pair_check, raw_write
 from connector.transport.nixl.poller import Poller, Xfer
 
 log = logging.getLogger(__name__)
 
 _STOP = object()
-
-
-class TransportError(RuntimeError):
-    """A transfer, notification or peer operation failed. The message names the peer/transfer and the fix."""
 
 
 @dataclass(frozen=True)
@@ -54,15 +51,15 @@ class TransportConfig:
 
     def __post_init__(self) -> None:
         if not self.name:
-            raise ValueError("TransportConfig.name must be a non-empty agent name")
+            raise ConfigError("TransportConfig.name must be a non-empty agent name")
         if self.progress_delay_us <= 0:
-            raise ValueError("progress_delay_us must be > 0 (0 makes NIXL's progress thread spin a core)")
+            raise ConfigError("progress_delay_us must be > 0 (0 makes NIXL's progress thread spin a core)")
         if self.max_inflight_bytes <= 0 or self.post_threads <= 0:
-            raise ValueError("max_inflight_bytes and post_threads must be > 0")
+            raise ConfigError("max_inflight_bytes and post_threads must be > 0")
         if self.posts_per_second is not None and self.posts_per_second <= 0:
-            raise ValueError("posts_per_second must be > 0 or None")
+            raise ConfigError("posts_per_second must be > 0 or None")
         if self.ucx_error_handling_mode not in ("peer", "none"):
-            raise ValueError("ucx_error_handling_mode must be 'peer' or 'none'")
+            raise ConfigError("ucx_error_handling_mode must be 'peer' or 'none'")
 
 
 @dataclass
