@@ -15,6 +15,7 @@ from connector.core.errors import ControlError, TransferFailed
 from connector.core.hf_config import load_model
 from connector.core.layout import ParallelLayout
 from connector.engine.config import ReceiverConfig, SenderConfig
+from connector.engine.rank import LocalRank
 from connector.engine.receiver import StreamReceiver
 from connector.engine.sender import StreamSender
 from connector.protocol.addressing import PrefillAddress
@@ -46,6 +47,10 @@ class InProcess:
         for tensor in self.bufs.tensors:
             self.transport.register(tensor)
 
+    def me(self, engine_id: str, staging=None) -> LocalRank:
+        return LocalRank(engine_id, self.sc.model, self.parallel, self.rank, tuple(self.bufs.regions()),
+                         self.sc.block_size, staging=staging)
+
     def close(self, engine) -> None:
         if engine is not None:
             self.lt.run(engine.close(), 30)
@@ -68,8 +73,8 @@ def prefill_cluster_and_decode():
         sc = make_scenario(prefill, layer_ms)
         cluster = Cluster(sc, spawn=("prefill",)).__enter__()
         decode = InProcess("decode", sc)
-        receiver = StreamReceiver(decode.transport, sc.model, sc.decode, (0, 0), decode.bufs.regions(), BLOCK,
-                                  ReceiverConfig(engine_id="test-decode", transfer_timeout_s=20.0, dead_after_s=3.0))
+        receiver = StreamReceiver(decode.me("test-decode"), decode.transport,
+                                  ReceiverConfig(transfer_timeout_s=20.0, dead_after_s=3.0))
         made.append((cluster, decode, receiver))
         return sc, cluster, decode, receiver
 
@@ -95,14 +100,11 @@ def sender_and_receiver(tag: str, *, lease_s: float = 120.0, staging_bytes: int 
             staging = [torch.zeros(staging_bytes, dtype=torch.uint8) for _ in range(2)]
             prefill.transport.register(staging[0])
             decode.transport.register(staging[1])
-        sender = StreamSender(prefill.transport, sc.model, sc.prefill, (0, 0), prefill.bufs.regions(), BLOCK,
-                              SenderConfig(engine_id=f"test-prefill-{tag}", port=0, lease_s=lease_s),
-                              prefill.lt.loop, staging=staging[0])
+        sender = StreamSender(prefill.me(f"test-prefill-{tag}", staging[0]), prefill.transport,
+                              SenderConfig(port=0, lease_s=lease_s), prefill.lt.loop)
         made[0] = (prefill, sender)
-        config = ReceiverConfig(engine_id=f"test-decode-{tag}",
-                                **({"staging_slot_bytes": staging_bytes} if staging_bytes else {}))
-        receiver = StreamReceiver(decode.transport, sc.model, sc.decode, (0, 0), decode.bufs.regions(), BLOCK,
-                                  config, staging=staging[1])
+        config = ReceiverConfig(**({"staging_slot_bytes": staging_bytes} if staging_bytes else {}))
+        receiver = StreamReceiver(decode.me(f"test-decode-{tag}", staging[1]), decode.transport, config)
         made[1] = (decode, receiver)
         port = prefill.lt.run(sender.start(), 10)
         yield prefill, sender, port, decode, receiver
@@ -202,9 +204,8 @@ def test_decode_killed_mid_transfer_frees_the_sender_state():
     sc = make_scenario(layer_ms=0.0)
     cluster = Cluster(sc, spawn=("decode",)).__enter__()
     prefill = InProcess("prefill", sc)
-    sender = StreamSender(prefill.transport, sc.model, sc.prefill, (0, 0), prefill.bufs.regions(), BLOCK,
-                          SenderConfig(engine_id="test-prefill", port=cluster.base_port, lease_s=30),
-                          prefill.lt.loop)
+    sender = StreamSender(prefill.me("test-prefill"), prefill.transport,
+                          SenderConfig(port=cluster.base_port, lease_s=30), prefill.lt.loop)
     try:
         prefill.lt.run(sender.start(), 10)
         tid = "t-kill-d"
@@ -261,8 +262,8 @@ def test_decode_abort_waits_until_prefill_stopped_writing(prefill_cluster_and_de
 def test_lease_frees_a_finished_request_that_decode_never_registers():
     sc = make_scenario()
     prefill = InProcess("prefill", sc)
-    sender = StreamSender(prefill.transport, sc.model, sc.prefill, (0, 0), prefill.bufs.regions(), BLOCK,
-                          SenderConfig(engine_id="test-prefill", port=0, lease_s=1.0), prefill.lt.loop)
+    sender = StreamSender(prefill.me("test-prefill"), prefill.transport, SenderConfig(port=0, lease_s=1.0),
+                          prefill.lt.loop)
     finished = []
     sender.on_finished = lambda tid, ok: finished.append((tid, ok))
     try:
@@ -296,8 +297,8 @@ def test_prefill_restart_after_preemption_resends_from_the_new_blocks(prefill_cl
     not count, and decode must end up with the bytes of the recomputation."""
     sc, cluster, decode, receiver = prefill_cluster_and_decode()
     prefill = InProcess("prefill", sc)
-    sender = StreamSender(prefill.transport, sc.model, sc.prefill, (0, 0), prefill.bufs.regions(), BLOCK,
-                          SenderConfig(engine_id="test-prefill-2", port=cluster.base_port + 1), prefill.lt.loop)
+    sender = StreamSender(prefill.me("test-prefill-2"), prefill.transport, SenderConfig(port=cluster.base_port + 1),
+                          prefill.lt.loop)
     try:
         prefill.lt.run(sender.start(), 10)
         addr = PrefillAddress("127.0.0.1", cluster.base_port + 1)

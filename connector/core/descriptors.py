@@ -8,12 +8,13 @@ descriptors are returned pairwise equal in length, ready for one NIXL WRITE.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
 from connector.core.errors import DescriptorError
 from connector.core.layout import Region
+from connector.core.plan import Route
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,28 @@ def layers_descriptors(srcs: Sequence[Region], dsts: Sequence[Region], src_block
     s_base = np.array([r.base_addr for r in srcs], dtype=np.uint64)[:, None]
     d_base = np.array([r.base_addr for r in dsts], dtype=np.uint64)[:, None]
     return coalesce((s_base + s_rel).reshape(-1), (d_base + d_rel).reshape(-1), length)
+
+
+def batch_descriptors(src_regions: Mapping[tuple[str, int], Region], dst_regions: Mapping[tuple[str, int], Region],
+                      layer_routes: Mapping[int, Sequence[Route]], spans: Iterable[tuple[int, int, int]],
+                      src_blocks: Sequence[Sequence[int]], dst_blocks: Sequence[Sequence[int]]) -> Descriptors:
+    """Descriptors of one WRITE from one prefill rank to one decode rank: for each `(global layer, first block,
+    end block)` in `spans`, every route of that layer, blocks [first, end) of each side's block-id group.
+
+    The one function that turns a batch into descriptors (the sender's WRITEs and the bench's raw-NIXL baseline
+    both use it, so they move the same descriptors). Layers that move the same block range with the same geometry
+    are computed in one vectorised pass (`layers_descriptors`)."""
+    groups: dict[tuple, tuple[list[Region], list[Region], tuple[int, int], int, int]] = {}
+    for layer, b0, b1 in spans:
+        for r in layer_routes[layer]:
+            src, dst = src_regions[(r.pool, layer)], dst_regions[(r.pool, layer)]
+            key = (geometry(src), geometry(dst), r.heads, b0, b1)
+            groups.setdefault(key, ([], [], r.heads, b0, b1))
+            groups[key][0].append(src)
+            groups[key][1].append(dst)
+    return Descriptors.concat([
+        layers_descriptors(srcs, dsts, src_blocks[srcs[0].group][b0:b1], dst_blocks[dsts[0].group][b0:b1], heads)
+        for srcs, dsts, heads, b0, b1 in groups.values()])
 
 
 def coalesce(src_addrs: np.ndarray, dst_addrs: np.ndarray, length: int) -> Descriptors:

@@ -140,6 +140,11 @@ class ParallelLayout:
         return [(p, t) for p in range(self.pp) for t in range(self.tp)]
 
 
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """KV-cache blocks that hold tokens [0, num_tokens): ceil(num_tokens / block_size)."""
+    return -(-num_tokens // block_size)
+
+
 def check_tp(pool: PoolSpec, tp: int) -> None:
     """vLLM's TP rule for KV heads: tp divides the head count, or is a multiple of it."""
     if pool.sharded and not (pool.num_heads % tp == 0 or tp % pool.num_heads == 0):

@@ -75,6 +75,15 @@ class TransferPlan:
     def routes_to(self, dst: Rank) -> tuple[Route, ...]:
         return self._by_dst.get(dst, ())
 
+    def layer_routes(self, src: Rank, dst: Rank) -> dict[int, list[Route]]:
+        """The routes prefill rank `src` sends decode rank `dst`, by global layer (empty when the plan routes
+        nothing between them)."""
+        out: dict[int, list[Route]] = defaultdict(list)
+        for route in self.routes_from(src):
+            if route.dst.rank == dst:
+                out[route.layer].append(route)
+        return dict(out)
+
     def sources_of(self, dst: Rank) -> list[Rank]:
         return sorted({r.src.rank for r in self.routes_to(dst)})
 

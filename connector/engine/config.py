@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class SenderConfig:
-    engine_id: str
     host: str = "127.0.0.1"
     port: int = 0
     auth_token: str = ""
@@ -26,7 +25,6 @@ class SenderConfig:
 
 @dataclass(frozen=True)
 class ReceiverConfig:
-    engine_id: str
     auth_token: str = ""
     connect_timeout_s: float = 10.0
     transfer_timeout_s: float = 120.0

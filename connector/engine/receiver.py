@@ -17,13 +17,13 @@ from typing import Any
 import numpy as np
 
 from connector.core.errors import ConnectorError, ControlError, LayoutError, PeerError, StagingError, TransferFailed
-from connector.core.layout import ModelLayout, ParallelLayout, Region
-from connector.core.plan import Rank, TransferPlan, build_plan
+from connector.core.plan import Rank, TransferPlan
 from connector.core.staging_ranges import Slots, allowed_ranges, check_destinations
 from connector.engine.config import ReceiverConfig
+from connector.engine.rank import LocalRank
 from connector.protocol.addressing import PrefillAddress
-from connector.protocol.handshake import check_peer_regions, layout_of
-from connector.protocol.messages import (Abort, Complete, Error, Hello, Register, RegisterAck, RegisterError, Scatter,
+from connector.protocol.handshake import accept_peer
+from connector.protocol.messages import (Abort, Complete, Error, Register, RegisterAck, RegisterError, Scatter,
                                          Scattered, Stopped)
 from connector.transport.control import ControlConnection, connect
 from connector.transport.device_copy import copy_ranges
@@ -74,21 +74,14 @@ class _Pending:
 
 
 class StreamReceiver:
-    def __init__(self, transport: Any, model: ModelLayout, parallel: ParallelLayout, rank: Rank,
-                 regions: list[Region], block_size: int, config: ReceiverConfig, staging: Any = None) -> None:
-        """`staging`: an optional contiguous uint8 tensor on the KV device, already registered with `transport`.
-        Prefill ranks that have one too then send scattered blocks as staged chunks (connector.engine.staging)."""
-        self.model, self.parallel, self.rank, self.config = model, parallel, rank, config
-        self._staging = staging
-        nbytes = staging.numel() * staging.element_size() if staging is not None else 0
+    def __init__(self, me: LocalRank, transport: Any, config: ReceiverConfig) -> None:
+        """`transport`: this rank's connector.transport.nixl.Transport, with `me.regions` (and `me.staging`, if
+        any) registered; prefill ranks WRITE into them (decode posts nothing itself). With a staging buffer, prefill
+        ranks that have one too send scattered blocks as staged chunks (connector.engine.staging)."""
+        self.me, self.config = me, config
+        nbytes = me.staging_bytes
         self._slots = Slots(nbytes, min(config.staging_slot_bytes, nbytes) if nbytes else 0)
-        self.hello = Hello(role="decode", engine_id=config.engine_id, pp_rank=rank[0], tp_rank=rank[1],
-                           pp_size=parallel.pp, tp_size=parallel.tp, fingerprint=model.fingerprint(),
-                           block_size=block_size, agent_name=transport.name, agent_metadata=transport.metadata,
-                           regions=list(regions), stages=[tuple(s) for s in parallel.stages],
-                           auth_token=config.auth_token,
-                           staging_addr=staging.data_ptr() if staging is not None else 0,
-                           staging_device=(staging.device.index or 0) if staging is not None else 0)
+        self.hello = me.hello("decode", transport, config.auth_token)
         self._engines: dict[PrefillAddress, _Engine] = {}
         self._connecting: dict[PrefillAddress, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._pending: dict[str, _Pending] = {}
@@ -117,11 +110,7 @@ class StreamReceiver:
             first = await self._connect(address, address.port)
             engine = None
             try:
-                prefill = layout_of(first.peer, self.model)
-                if first.peer.block_size != self.hello.block_size:
-                    raise LayoutError(f"prefill {address} uses block size {first.peer.block_size}, decode "
-                                      f"{self.hello.block_size}: start both with the same block size")
-                engine = _Engine(address, build_plan(self.model, prefill, self.parallel))
+                engine = _Engine(address, accept_peer(first.peer, self.hello, self.me.model).plan)
                 # Every prefill rank, also those the plan routes nothing from to this rank: each must hear of
                 # every transfer to release its blocks at once (see StreamSender._validate).
                 for src in engine.plan.prefill.ranks():
@@ -131,7 +120,7 @@ class StreamReceiver:
                         raise LayoutError(f"{address.host}:{port} is prefill rank ({conn.peer.pp_rank},"
                                           f"{conn.peer.tp_rank}), expected {src}: ranks must listen on "
                                           f"port + pp * tp_size + tp")
-                    check_peer_regions(conn.peer, engine.plan, "prefill")
+                    accept_peer(conn.peer, self.hello, self.me.model, engine.plan)
                     engine.conns[src] = conn
                     slot = self._slots.take()  # none left: this rank writes directly, which is always correct
                     if slot is not None:
@@ -220,7 +209,7 @@ class StreamReceiver:
                 pend.allowed = allowed_ranges(self.hello.regions, pend.block_ids)
             check_destinations(dst, lens, pend.allowed)
             src_addrs = self.hello.staging_addr + slot + np.cumsum(lens) - lens
-            await asyncio.to_thread(copy_ranges, src_addrs, dst, lens, self._staging.device)
+            await asyncio.to_thread(copy_ranges, src_addrs, dst, lens, self.me.staging.device)
             reply = Scattered(msg.transfer_id, msg.seq, True)
         except StagingError as exc:
             log.warning("refusing staged chunk %d of %s from prefill rank %s: %s", msg.seq, msg.transfer_id, src,
@@ -240,13 +229,13 @@ class StreamReceiver:
                       first_token: int, num_tokens: int, timeout: float | None = None) -> ReceiveResult:
         """Register `block_ids` (per group, from token 0) with every source and wait until all completed."""
         if transfer_id in self._pending:
-            raise TransferFailed(f"transfer {transfer_id!r} is already being received on decode rank {self.rank}")
+            raise TransferFailed(f"transfer {transfer_id!r} is already being received on decode rank {self.me.rank}")
         try:
             engine = await self._engine(prefill)
         except ConnectorError as exc:  # a dead peer, or one whose layout does not fit ours
             raise TransferFailed(f"cannot reach prefill {prefill} for {transfer_id!r}: {exc}") from exc
         layers: dict[Rank, set[int]] = {src: set() for src in engine.conns}
-        for r in engine.plan.routes_to(self.rank):
+        for r in engine.plan.routes_to(self.me.rank):
             layers[r.src.rank].add(r.layer)
         loop = asyncio.get_running_loop()
         pend = _Pending(transfer_id, engine, {src: loop.create_future() for src in layers},
@@ -256,7 +245,7 @@ class StreamReceiver:
             async with asyncio.timeout(timeout or self.config.transfer_timeout_s):
                 for src, conn in engine.conns.items():
                     slot = engine.slots.get(src)
-                    await conn.send(Register(transfer_id, self.rank[0], self.rank[1], block_ids, first_token,
+                    await conn.send(Register(transfer_id, *self.me.rank, block_ids, first_token,
                                              num_tokens, layers=sorted(layers[src]),
                                              staging_offset=slot or 0,
                                              staging_bytes=self._slots.slot_bytes if slot is not None else 0))

@@ -10,43 +10,40 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections import defaultdict, deque
 from typing import Any, Callable
 
-from connector.core.descriptors import Descriptors, geometry, layers_descriptors
-from connector.core.errors import InputError, LayoutError
-from connector.core.layout import ModelLayout, ParallelLayout, Region
-from connector.core.plan import Rank, build_plan, fold_ranges
+from connector.core.descriptors import Descriptors, batch_descriptors
+from connector.core.errors import InputError
+from connector.core.layout import blocks_for
+from connector.core.plan import fold_ranges
 from connector.engine.config import SenderConfig
-from connector.engine.sender_state import (Destination, FinishedInfo, PeerInfo, PeerKey, SendRequest, SenderStats,
+from connector.engine.rank import LocalRank
+from connector.engine.sender_state import (Destination, FinishedInfo, PeerInfo, SendRequest, SenderStats,
                                            validate_registration)
 from connector.engine.staging import StagedWriter
-from connector.protocol.handshake import check_peer_regions, layout_of
+from connector.protocol.handshake import PeerKey, accept_peer, peer_key
 from connector.protocol.messages import (Abort, Complete, Heartbeat, Hello, Register, RegisterAck, RegisterError,
                                          Scattered, Stopped)
 from connector.transport.control import ControlConnection, ControlServer
 
 log = logging.getLogger(__name__)
 
+
 class StreamSender:
     """One prefill rank. Thread-safe entry points (`start_request`, `begin_chunk`, `layer_ready`, `end_chunk`,
     `abort`) return at once and hand the work to the event loop; everything else runs on the loop."""
 
-    def __init__(self, transport: Any, model: ModelLayout, parallel: ParallelLayout, rank: Rank,
-                 regions: list[Region], block_size: int, config: SenderConfig,
-                 loop: asyncio.AbstractEventLoop, mem_type: str = "DRAM",
-                 on_finished: Callable[[str, bool], None] | None = None, staging: Any = None) -> None:
-        """`staging`: an optional contiguous tensor on the KV device, registered with `transport`: decode ranks
-        that have one too get scattered blocks as staged chunks (connector.engine.staging), others direct WRITEs."""
-        self.transport, self.model, self.parallel, self.rank = transport, model, parallel, rank
-        self.regions = {r.key: r for r in regions}
-        self.block_size, self.config, self.loop, self.mem_type = block_size, config, loop, mem_type
+    def __init__(self, me: LocalRank, transport: Any, config: SenderConfig, loop: asyncio.AbstractEventLoop,
+                 on_finished: Callable[[str, bool], None] | None = None) -> None:
+        """`transport`: this rank's connector.transport.nixl.Transport, with `me.regions` (and `me.staging`, if
+        any) registered. With a staging buffer, decode ranks that have one too get scattered blocks as staged
+        chunks (connector.engine.staging), others direct WRITEs."""
+        self.me, self.transport, self.config, self.loop = me, transport, config, loop
         self.on_finished = on_finished
         self.stats = SenderStats()
-        self.staged = (StagedWriter(transport, staging, mem_type, config.write_timeout_s)
-                       if staging is not None else None)
+        self.staged = StagedWriter(transport, me, config.write_timeout_s) if me.staging is not None else None
         self.requests: dict[str, SendRequest] = {}
         self._parked: dict[str, list[tuple[ControlConnection, Register, float]]] = defaultdict(list)
         self._released: dict[str, float] = {}
@@ -57,10 +54,7 @@ class StreamSender:
         self._server: ControlServer | None = None
         self._inbox: deque = deque()
         self._wake = asyncio.Event()
-        self.hello = Hello(role="prefill", engine_id=config.engine_id, pp_rank=rank[0], tp_rank=rank[1],
-                           pp_size=parallel.pp, tp_size=parallel.tp, fingerprint=model.fingerprint(),
-                           block_size=block_size, agent_name=transport.name, agent_metadata=transport.metadata,
-                           regions=list(regions), stages=[tuple(s) for s in parallel.stages])
+        self.hello = me.hello("prefill", transport)
 
     @property
     def peers(self) -> dict[PeerKey, PeerInfo]:
@@ -143,7 +137,7 @@ class StreamSender:
                 try:
                     fn(*args)
                 except Exception:  # noqa: BLE001 - one bad call must not stop the engine
-                    log.exception("prefill rank %s: %s%r failed", self.rank, fn.__name__, tuple(args))
+                    log.exception("prefill rank %s: %s%r failed", self.me.rank, fn.__name__, tuple(args))
 
     # ---- loop side -------------------------------------------------------------------------------------------
     def _start_request(self, transfer_id: str, num_tokens: int) -> None:
@@ -188,7 +182,7 @@ class StreamSender:
         self._mark_ready(req, global_layer, tokens)
 
     def _mark_ready(self, req: SendRequest, global_layer: int | None, tokens: int) -> None:
-        start, end = self.parallel.stages[self.rank[0]]
+        start, end = self.me.stage
         layers = range(start, end) if global_layer is None else (global_layer,)
         for layer in layers:
             req.ready_tokens[layer] = max(req.ready_tokens.get(layer, 0), tokens)
@@ -213,19 +207,14 @@ class StreamSender:
     # ---- registration ----------------------------------------------------------------------------------------
     async def _on_hello(self, hello: Hello) -> None:
         """Check a decode rank before it is accepted: its layout must be one our plan can serve."""
-        decode = layout_of(hello, self.model)
-        plan = build_plan(self.model, self.parallel, decode)
-        regions = check_peer_regions(hello, plan, "decode")
-        if hello.block_size != self.block_size:
-            raise LayoutError(f"decode block size {hello.block_size} != prefill block size {self.block_size}: "
-                              f"start both with the same --block-size")
-        key = (hello.engine_id, hello.pp_rank, hello.tp_rank)
+        accepted = accept_peer(hello, self.hello, self.me.model)
+        key = accepted.key
         # NIXL peer calls can wait behind a DRAM copy in progress: keep them off the loop.
         old = self._peers.get(key)
-        if old is not None and old.hello.agent_metadata != hello.agent_metadata:
+        if old is not None and old.accepted.hello.agent_metadata != hello.agent_metadata:
             await asyncio.to_thread(self.transport.remove_peer, old.agent)  # that rank restarted
         agent = await asyncio.to_thread(self.transport.add_peer, hello.agent_metadata)
-        self._peers[key] = PeerInfo(hello, plan, regions, agent)
+        self._peers[key] = PeerInfo(accepted, agent)
 
     async def _on_message(self, conn: ControlConnection, msg: Any) -> None:
         if isinstance(msg, Register):
@@ -238,7 +227,7 @@ class StreamSender:
             await self._accept(conn, msg)
         elif isinstance(msg, Scattered):
             if self.staged is not None:
-                self.staged.on_scattered((conn.peer.engine_id, conn.peer.pp_rank, conn.peer.tp_rank), msg)
+                self.staged.on_scattered(peer_key(conn.peer), msg)
         elif isinstance(msg, Heartbeat):
             deadline = time.monotonic() + self.config.lease_s
             for tid in msg.transfer_ids:
@@ -248,10 +237,10 @@ class StreamSender:
         elif isinstance(msg, Abort):
             req = self.requests.get(msg.transfer_id)
             self._drop_parked(msg.transfer_id, conn)
-            key = (conn.peer.engine_id, conn.peer.pp_rank, conn.peer.tp_rank)
+            key = peer_key(conn.peer)
             log.info("transfer %s: decode %s aborted: %s", msg.transfer_id, key, msg.reason)
             dest = req.dests.get(key) if req is not None else None
-            stopped = Stopped(msg.transfer_id, self.rank[0], self.rank[1])
+            stopped = Stopped(msg.transfer_id, *self.me.rank)
             if dest is None:
                 await self._send_quiet(conn, stopped)  # nothing was ever written there
             else:
@@ -262,7 +251,7 @@ class StreamSender:
                 req.expected.discard(key)
                 self._check_finished(req, ok=False)
         else:
-            log.warning("prefill %s: unexpected %s from %s", self.rank, type(msg).__name__, conn.address)
+            log.warning("prefill %s: unexpected %s from %s", self.me.rank, type(msg).__name__, conn.address)
 
     def _drop_parked(self, transfer_id: str, conn: ControlConnection) -> None:
         left = [p for p in self._parked.get(transfer_id, []) if p[0] is not conn]
@@ -272,7 +261,7 @@ class StreamSender:
             self._parked.pop(transfer_id, None)
 
     async def _accept(self, conn: ControlConnection, reg: Register) -> None:
-        key = (conn.peer.engine_id, conn.peer.pp_rank, conn.peer.tp_rank)
+        key = peer_key(conn.peer)
         try:
             req, dest = self._validate(key, conn, reg)
         except InputError as exc:
@@ -281,17 +270,16 @@ class StreamSender:
             return
         req.dests[key] = dest
         if req.expected is None:
-            peer = self._peers[key]
-            req.expected = {(key[0], *r) for r in peer.plan.decode.ranks()}
+            req.expected = {(key[0], *r) for r in self._peers[key].accepted.plan.decode.ranks()}
         conn.closed.add_done_callback(lambda f, r=req, k=key: self._dest_gone(r, k, f))
         await conn.send(RegisterAck(reg.transfer_id))
         self._pump(req)
 
     def _validate(self, key: PeerKey, conn: ControlConnection, reg: Register) -> tuple[SendRequest, Destination]:
         req, peer = self.requests.get(reg.transfer_id), self._peers.get(key)
-        layer_routes = validate_registration(req, reg, key, peer, self.rank, self.parallel.stages[self.rank[0]],
-                                             self.block_size)
-        return req, Destination(key, conn, peer.agent, peer.regions, layer_routes, reg)
+        layer_routes = validate_registration(req, reg, key, peer.accepted if peer else None, self.me.rank,
+                                             self.me.stage, self.me.block_size)
+        return req, Destination(key, conn, peer, layer_routes, reg)
 
     def _dest_gone(self, req: SendRequest, key: PeerKey, closed: asyncio.Future) -> None:
         dest = req.dests.get(key)
@@ -327,22 +315,13 @@ class StreamSender:
         self._check_finished(req)  # e.g. final now, and every destination already done or dropped
 
     def _batch_descriptors(self, req: SendRequest, dest: Destination, batch: list[tuple[int, int]]) -> Descriptors:
-        # Layers that move the same block range with the same geometry are computed in one vectorised pass.
-        groups: dict[tuple, tuple[list[Region], list[Region], tuple[int, int], int, int]] = {}
-        for layer, ready in batch:
-            first = max(dest.sent_tokens.get(layer, 0), dest.register.first_token)
-            # A block sent partly filled is sent again from its start once more tokens are in it.
-            b0, b1 = first // self.block_size, math.ceil(ready / self.block_size)
-            for r in dest.layer_routes[layer]:
-                src, dst = self.regions[(r.pool, layer)], dest.regions[(r.pool, layer)]
-                key = (geometry(src), geometry(dst), r.heads, b0, b1)
-                groups.setdefault(key, ([], [], r.heads, b0, b1))
-                groups[key][0].append(src)
-                groups[key][1].append(dst)
-        return Descriptors.concat([
-            layers_descriptors(srcs, dsts, req.block_ids[srcs[0].group][b0:b1],
-                               dest.register.block_ids[dsts[0].group][b0:b1], heads)
-            for srcs, dsts, heads, b0, b1 in groups.values()])
+        """Each layer from its first unsent token's block (a block sent partly filled is sent again from its start
+        once more tokens are in it) to the block of its last ready token."""
+        bs = self.me.block_size
+        spans = [(layer, max(dest.sent_tokens.get(layer, 0), dest.register.first_token) // bs, blocks_for(ready, bs))
+                 for layer, ready in batch]
+        return batch_descriptors(self.me.by_key, dest.peer.accepted.regions, dest.layer_routes, spans,
+                                 req.block_ids, dest.register.block_ids)
 
     async def _write_batch(self, req: SendRequest, dest: Destination, batch: list[tuple[int, int]]) -> None:
         req.first_write_at = req.first_write_at or time.time()
@@ -353,20 +332,19 @@ class StreamSender:
             descs = self._batch_descriptors(req, dest, batch)
             if len(descs):
                 local, remote = descs.arrays()
-                some = next(iter(dest.regions.values()))
-                peer_hello = self._peers[dest.key].hello
-                reg = dest.register
+                peer_hello, reg = dest.peer.accepted.hello, dest.register
                 if self.staged is not None and self.staged.usable(reg.staging_bytes, peer_hello.staging_addr):
                     staged = await self.staged.write(
-                        dest.key, dest.conn, dest.peer_agent, req.transfer_id, local, remote,
+                        dest.key, dest.conn, dest.peer.agent, req.transfer_id, local, remote,
                         peer_hello.staging_addr + reg.staging_offset, peer_hello.staging_device, reg.staging_bytes,
                         stop=lambda: dest.done)
                     dest.staged_chunks += staged
                     self.stats.staged_chunks += staged
                 else:
-                    await self.transport.write(dest.peer_agent, local, remote, mem_type=self.mem_type,
-                                               local_device=next(iter(self.regions.values())).device_id,
-                                               remote_device=some.device_id, timeout=self.config.write_timeout_s)
+                    await self.transport.write(dest.peer.agent, local, remote, mem_type=self.me.mem_type,
+                                               local_device=self.me.device_id,
+                                               remote_device=dest.peer.accepted.device_id,
+                                               timeout=self.config.write_timeout_s)
         except Exception as exc:  # noqa: BLE001 - one destination fails, the rest go on
             log.error("transfer %s: WRITE of layers %s to decode %s failed: %s", req.transfer_id,
                       fold_ranges(layers), dest.key, exc)
@@ -412,7 +390,7 @@ class StreamSender:
         if end > dest.register.first_token and any(dest.sent_tokens.get(layer, 0) < end for layer in dest.layer_routes):
             return
         dest.done = True
-        msg = Complete(req.transfer_id, self.rank[0], self.rank[1], dest.bytes_written, dest.descriptors,
+        msg = Complete(req.transfer_id, *self.me.rank, dest.bytes_written, dest.descriptors,
                        dest.staged_chunks)
         self._spawn(self._complete(req, dest, msg))
 
@@ -468,7 +446,7 @@ class StreamSender:
                     del self._parked[tid]
                     for conn, _reg, _at in parked:
                         self._spawn(self._send_quiet(conn, RegisterError(
-                            tid, f"prefill rank {self.rank} never started {tid!r} within {self.config.lease_s:.0f} s")))
+                            tid, f"prefill rank {self.me.rank} never started {tid!r} within {self.config.lease_s:.0f} s")))
             for tid, at in list(self._released.items()):
                 if now - at > self.config.released_memory_s:
                     del self._released[tid]

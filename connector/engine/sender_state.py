@@ -4,18 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
 from connector.core.descriptors import check_blocks
 from connector.core.errors import RegistrationError
-from connector.core.layout import Region
-from connector.core.plan import Route, TransferPlan
-from connector.protocol.messages import Hello, Register
+from connector.core.layout import blocks_for
+from connector.core.plan import Route
+from connector.protocol.handshake import AcceptedPeer, PeerKey
+from connector.protocol.messages import Register
 
-PeerKey = tuple[str, int, int]
-"""(engine id, pp, tp) of a decode rank."""
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """An accepted decode rank (its Hello, the plan with this prefill layout, its regions) and the name its NIXL
+    agent was loaded as."""
+
+    accepted: AcceptedPeer
+    agent: str
 
 
 @dataclass
@@ -25,8 +31,7 @@ class Destination:
     key: PeerKey
     conn: Any
     """The ControlConnection to that decode rank."""
-    peer_agent: str
-    regions: dict[tuple[str, int], Region]
+    peer: PeerInfo
     layer_routes: dict[int, list[Route]]
     register: Register
     sent_tokens: dict[int, int] = field(default_factory=dict)
@@ -60,16 +65,6 @@ class SendRequest:
     finished: asyncio.Future | None = None
 
 
-@dataclass
-class PeerInfo:
-    """An accepted decode rank: its plan with this prefill layout, its regions, its NIXL agent name."""
-
-    hello: Hello
-    plan: TransferPlan
-    regions: dict[tuple[str, int], Region]
-    agent: str
-
-
 @dataclass(frozen=True)
 class FinishedInfo:
     ok: bool
@@ -92,7 +87,7 @@ class SenderStats:
     """WRITEs that went through staging (one NIXL descriptor each) instead of their descriptors."""
 
 
-def validate_registration(req: SendRequest | None, reg: Register, key: PeerKey, peer: PeerInfo | None,
+def validate_registration(req: SendRequest | None, reg: Register, key: PeerKey, peer: AcceptedPeer | None,
                           rank: tuple[int, int], stage: tuple[int, int], block_size: int) -> dict[int, list[Route]]:
     """Check a decode registration before anything is written; returns the routes per global layer this prefill
     rank sends that decode rank (possibly none). Raises RegistrationError / DescriptorError naming the problem."""
@@ -116,16 +111,14 @@ def validate_registration(req: SendRequest | None, reg: Register, key: PeerKey, 
     # Every decode rank registers with every prefill rank, also where the plan routes nothing between them
     # (e.g. replicated MLA pools come from one prefill TP rank): such a rank completes at once, so it never
     # holds its blocks waiting for a registration that would not come.
-    routes = [r for r in peer.plan.routes_from(rank) if r.dst.rank == key[1:]]
-    layer_routes: dict[int, list[Route]] = defaultdict(list)
-    for r in routes:
-        layer_routes[r.layer].append(r)
+    layer_routes = peer.plan.layer_routes(rank, key[1:])
+    routes = [r for rs in layer_routes.values() for r in rs]
     foreign = sorted(set(reg.layers) - set(layer_routes))
     if foreign:
         raise RegistrationError(f"registration of {tid!r} asks prefill rank {rank} (layers {stage[0]}-{stage[1] - 1}) "
                                 f"for layers {foreign} it does not send to decode rank {key[1:]}: "
                                 f"the two sides disagree on the layer split")
-    blocks_needed = math.ceil(reg.num_tokens / block_size)
+    blocks_needed = blocks_for(reg.num_tokens, block_size)
     for g in sorted({peer.regions[(r.pool, r.layer)].group for r in routes}):
         if g >= len(reg.block_ids):
             raise RegistrationError(f"registration of {tid!r} has {len(reg.block_ids)} block-id group(s) but "
@@ -139,4 +132,4 @@ def validate_registration(req: SendRequest | None, reg: Register, key: PeerKey, 
     for r in routes:  # every destination block inside its region (raises DescriptorError naming them)
         region = peer.regions[(r.pool, r.layer)]
         check_blocks(region, reg.block_ids[region.group][:blocks_needed], f"decode {r.pool} layer {r.layer} ")
-    return dict(layer_routes)
+    return layer_routes

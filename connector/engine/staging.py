@@ -1,6 +1,7 @@
 """The sender's staged path (why: connector.core.staging_ranges): gather a destination's scattered descriptors
 into this rank's staging buffer, post ONE descriptor into the slot decode gave this connection, ask decode to
-scatter it, and wait for its answer before the slot is used again. Runs on the sender's event loop; copies run in worker threads."""
+scatter it, and wait for its answer before the slot is used again. Runs on the sender's event loop; copies run in
+worker threads."""
 
 from __future__ import annotations
 
@@ -12,18 +13,16 @@ import numpy as np
 
 from connector.core.errors import StagedWriteError
 from connector.core.staging_ranges import chunks, split_long
+from connector.engine.rank import LocalRank
 from connector.protocol.messages import Scatter, Scattered
 from connector.transport.control import ControlConnection
 from connector.transport.device_copy import copy_ranges
 
 
 class StagedWriter:
-    def __init__(self, transport: Any, staging: Any, mem_type: str, timeout_s: float) -> None:
-        """`staging`: a contiguous tensor on the KV device, registered with `transport`."""
-        self.transport, self.staging, self.mem_type, self.timeout_s = transport, staging, mem_type, timeout_s
-        self.nbytes = staging.numel() * staging.element_size()
-        self.addr = staging.data_ptr()
-        self.device_id = staging.device.index or 0
+    def __init__(self, transport: Any, me: LocalRank, timeout_s: float) -> None:
+        """`me.staging`: a contiguous tensor on the KV device, registered with `transport`."""
+        self.transport, self.me, self.timeout_s = transport, me, timeout_s
         self._local = asyncio.Lock()
         """One chunk at a time in this rank's staging buffer (held from the gather until its WRITE completed)."""
         self._slot_locks: dict[Any, asyncio.Lock] = {}
@@ -44,7 +43,7 @@ class StagedWriter:
                     slot_bytes: int, stop: Callable[[], bool] = lambda: False) -> int:
         """Move descriptor arrays `local` -> `remote` ([n, 3]) through staging, chunk by chunk, in order, until
         `stop()` says the destination is gone (aborted). Returns the number of chunks sent."""
-        limit = min(slot_bytes, self.nbytes)
+        limit = min(slot_bytes, self.me.staging_bytes)
         local, remote = split_long(local, remote, limit)
         lock = self._slot_locks.setdefault(key, asyncio.Lock())
         sent = 0
@@ -55,10 +54,10 @@ class StagedWriter:
             n = int(lens.sum())
             async with lock:
                 async with self._local:
-                    await asyncio.to_thread(copy_ranges, local[a:b, 0], self.addr + np.cumsum(lens) - lens, lens,
-                                            self.staging.device)
-                    await self.transport.write(peer_agent, [(self.addr, n)], [(remote_base, n)],
-                                               mem_type=self.mem_type, local_device=self.device_id,
+                    packed = self.me.staging_addr + np.cumsum(lens) - lens  # the chunk's ranges, back to back
+                    await asyncio.to_thread(copy_ranges, local[a:b, 0], packed, lens, self.me.staging.device)
+                    await self.transport.write(peer_agent, [(self.me.staging_addr, n)], [(remote_base, n)],
+                                               mem_type=self.me.mem_type, local_device=self.me.staging_device,
                                                remote_device=remote_device, timeout=self.timeout_s)
                 await self._scatter(key, conn, transfer_id, n, remote[a:b, :2])
             sent += 1

@@ -1,15 +1,58 @@
 """Checks on a peer's Hello before it is accepted: protocol version, auth, role and model fingerprint
-(`check_hello`); then its parallel layout and its region table must be exactly what the transfer plan says that rank
-holds. Pure."""
+(`check_hello`, when the connection opens); then `accept_peer`: its parallel layout, its block size, the transfer plan
+between the two sides, and a region table that is exactly what the plan says that rank holds. Pure."""
 
 from __future__ import annotations
 
 import hmac
+from dataclasses import dataclass
 
 from connector.core.errors import ControlError, LayoutError
 from connector.core.layout import POOLS, ModelLayout, ParallelLayout, RankLayout, Region
-from connector.core.plan import TransferPlan
+from connector.core.plan import TransferPlan, build_plan
 from connector.protocol.messages import PROTOCOL_VERSION, Hello
+
+PeerKey = tuple[str, int, int]
+"""(engine id, pp, tp): a peer rank, told apart from the same rank of another engine."""
+
+
+def peer_key(hello: Hello) -> PeerKey:
+    return (hello.engine_id, hello.pp_rank, hello.tp_rank)
+
+
+@dataclass(frozen=True)
+class AcceptedPeer:
+    """A peer rank whose Hello passed `accept_peer`."""
+
+    hello: Hello
+    plan: TransferPlan
+    """The plan between the peer's engine and ours."""
+    regions: dict[tuple[str, int], Region]
+    """The peer's regions by (pool, global layer)."""
+
+    @property
+    def key(self) -> PeerKey:
+        return peer_key(self.hello)
+
+    @property
+    def device_id(self) -> int:
+        """Device index of the peer's KV caches (0 on CPU)."""
+        return self.hello.regions[0].device_id if self.hello.regions else 0
+
+
+def accept_peer(peer: Hello, own: Hello, model: ModelLayout, plan: TransferPlan | None = None) -> AcceptedPeer:
+    """Check a peer rank's Hello against this rank's `own` before a byte moves: the same block size, the plan
+    between the two layouts (built here from both Hellos unless `plan`, already built for another rank of the same
+    engine, is given), and a region table holding exactly the layers and heads the plan gives that rank. Raises
+    LayoutError naming the first mismatch."""
+    who = f"{peer.role} rank ({peer.pp_rank},{peer.tp_rank}) of engine {peer.engine_id}"
+    if peer.block_size != own.block_size:
+        raise LayoutError(f"{who} uses block size {peer.block_size}, this {own.role} rank {own.block_size}: start "
+                          f"both sides with the same block size")
+    if plan is None:
+        theirs, mine = layout_of(peer, model), layout_of(own, model)
+        plan = build_plan(model, theirs, mine) if peer.role == "prefill" else build_plan(model, mine, theirs)
+    return AcceptedPeer(peer, plan, check_peer_regions(peer, plan, peer.role))
 
 
 def layout_of(hello: Hello, model: ModelLayout) -> ParallelLayout:

@@ -61,8 +61,10 @@ class Hello(msgspec.Struct, frozen=True, tag="hello", tag_field="type"):
     auth_token: str = ""
     """Shared secret the server checks; empty when the server runs without auth."""
     staging_addr: int = 0
-    """Decode: base address of its NIXL-registered staging buffer (connector.engine.staging); 0 = it has none."""
+    """Base address of this rank's NIXL-registered staging buffer (connector.engine.staging); 0 = it has none.
+    Prefill reads decode's to aim its staged chunks; decode never reads prefill's."""
     staging_device: int = 0
+    """Device index of that buffer."""
     version: int = PROTOCOL_VERSION
 
 

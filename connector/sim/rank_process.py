@@ -66,6 +66,13 @@ def _rank_process(conn: Any, cfg: dict[str, Any]) -> Iterator[SimpleNamespace]:
         lt.stop()
 
 
+def _local_rank(me: SimpleNamespace, cfg: dict[str, Any], engine_id: str) -> Any:
+    from connector.engine.rank import LocalRank
+
+    return LocalRank(engine_id, cfg["model"], me.parallel, me.rank, tuple(me.bufs.regions()), cfg["block_size"],
+                     mem_type="VRAM" if cfg["device"].startswith("cuda") else "DRAM", staging=me.staging)
+
+
 def _serve(conn: Any, handlers: dict[str, Any]) -> None:
     """Answer parent commands until "quit"; any failure is reported, never a silent hang."""
     while True:
@@ -83,15 +90,15 @@ def _serve(conn: Any, handlers: dict[str, Any]) -> None:
 def prefill_main(conn: Any, cfg: dict[str, Any]) -> None:
     from connector.sim.buffers import pick_blocks
     from connector.engine.config import SenderConfig
+    from connector.protocol.addressing import side_channel_port
     from connector.engine.sender import StreamSender
 
     with _rank_process(conn, cfg) as me:
         lt, transport, bufs, rank, parallel = me.lt, me.transport, me.bufs, me.rank, me.parallel
-        port = cfg["base_port"] + rank[0] * parallel.tp + rank[1]
+        port = side_channel_port(cfg["base_port"], rank, parallel.tp)
         sender = me.engine = StreamSender(
-            transport, cfg["model"], parallel, rank, bufs.regions(), cfg["block_size"],
-            SenderConfig(engine_id=f"prefill-{cfg['run_id']}", port=port, write_timeout_s=cfg["timeout_s"]),
-            lt.loop, mem_type="VRAM" if cfg["device"].startswith("cuda") else "DRAM", staging=me.staging)
+            _local_rank(me, cfg, f"prefill-{cfg['run_id']}"), transport,
+            SenderConfig(port=port, write_timeout_s=cfg["timeout_s"]), lt.loop)
         lt.run(sender.start(), 30)
         blocks: dict[str, list[list[int]]] = {}
         stage = parallel.stages[rank[0]]
@@ -135,22 +142,21 @@ def prefill_main(conn: Any, cfg: dict[str, Any]) -> None:
             return ("finished", ok, info.first_write_at if info else 0.0)
 
         def raw(seed: int, tokens: int, dst_blocks: dict[tuple[int, int], list[list[int]]]) -> tuple:
-            """Bench baseline: the same descriptors the connector posts, as one raw NIXL WRITE per decode rank."""
-            from connector.core.descriptors import Descriptors, route_descriptors
+            """Bench baseline: the descriptors the connector posts (built by the sender's own function), as one
+            raw NIXL WRITE per decode rank."""
+            from connector.core.descriptors import batch_descriptors
+            from connector.core.layout import blocks_for
 
             src_blocks = pick_blocks(tokens, cfg["block_size"], cfg["num_blocks"], seed=1000 + seed,
                                      run_blocks=cfg["run_blocks"])
-            n = -(-tokens // cfg["block_size"])
+            n = blocks_for(tokens, cfg["block_size"])
             seconds = nbytes = count = 0
-            for (engine, dpp, dtp), peer in sender.peers.items():
-                routes = [r for r in peer.plan.routes_from(rank) if r.dst.rank == (dpp, dtp)]
-                mine = {r.key: r for r in bufs.regions()}
-                descs = Descriptors.concat([route_descriptors(
-                    mine[(r.pool, r.layer)], peer.regions[(r.pool, r.layer)],
-                    src_blocks[mine[(r.pool, r.layer)].group][:n],
-                    dst_blocks[(dpp, dtp)][peer.regions[(r.pool, r.layer)].group][:n], r.heads) for r in routes])
+            for (_engine, dpp, dtp), peer in sender.peers.items():
+                layer_routes = peer.accepted.plan.layer_routes(rank, (dpp, dtp))
+                descs = batch_descriptors(sender.me.by_key, peer.accepted.regions, layer_routes,
+                                          [(layer, 0, n) for layer in layer_routes], src_blocks, dst_blocks[(dpp, dtp)])
                 local, remote = descs.arrays()
-                seconds += transport.raw_write(peer.agent, local, remote, mem_type=sender.mem_type,
+                seconds += transport.raw_write(peer.agent, local, remote, mem_type=sender.me.mem_type,
                                                timeout=cfg["timeout_s"])
                 nbytes += descs.nbytes
                 count += len(descs)
@@ -169,12 +175,11 @@ def decode_main(conn: Any, cfg: dict[str, Any]) -> None:
     with _rank_process(conn, cfg) as me:
         lt, bufs, rank = me.lt, me.bufs, me.rank
         receiver = me.engine = StreamReceiver(
-            me.transport, cfg["model"], me.parallel, rank, bufs.regions(), cfg["block_size"],
-            ReceiverConfig(engine_id=f"decode-{cfg['run_id']}", transfer_timeout_s=cfg["timeout_s"],
+            _local_rank(me, cfg, f"decode-{cfg['run_id']}"), me.transport,
+            ReceiverConfig(transfer_timeout_s=cfg["timeout_s"],
                            # every prefill rank connection gets its own slot
                            staging_slot_bytes=max(1, cfg.get("staging_mb", 0) << 20)
-                           // (cfg["prefill"].pp * cfg["prefill"].tp)),
-            staging=me.staging)
+                           // (cfg["prefill"].pp * cfg["prefill"].tp)))
         pending: dict[str, Any] = {}
         requests: dict[str, tuple] = {}
         used: list[list[int]] = [[], []]

@@ -16,10 +16,11 @@ import torch
 from connector.core.errors import LayoutError
 from connector.core.layout import ParallelLayout, RankLayout
 from connector.engine.config import ReceiverConfig, SenderConfig
+from connector.engine.rank import LocalRank
 from connector.engine.receiver import ReceiveResult, StreamReceiver
 from connector.engine.sender import StreamSender
 from connector.engine.sender_state import SenderStats
-from connector.protocol.addressing import PrefillAddress
+from connector.protocol.addressing import PrefillAddress, side_channel_port
 from connector.transport.loop import LoopThread
 from connector.vllm.config import ConnectorSettings
 from connector.vllm.metadata import SparseKVHandshake, SparseKVMetadata
@@ -111,30 +112,29 @@ class WorkerSide:
         block_size = {r.group: self.kv_cache_config.kv_cache_groups[r.group].kv_cache_spec.block_size for r in regions}
         if len(set(block_size.values())) != 1:
             raise LayoutError(f"SparseKVConnector needs one block size across KV-cache groups, got {block_size}")
-        bs = next(iter(block_size.values()))
+        me = LocalRank(self.engine_id, self.model, self.parallel, self.rank, tuple(regions),
+                       next(iter(block_size.values())), mem_type="VRAM" if self._cuda else "DRAM", staging=staging)
         s = self.settings
         if self.is_producer:
             host = s.side_channel_host or default_host()
-            self.port = s.side_channel_port + self.rank[0] * self.parallel.tp + self.rank[1]
+            self.port = side_channel_port(s.side_channel_port, self.rank, self.parallel.tp)
             self.sender = StreamSender(
-                self.transport, self.model, self.parallel, self.rank, regions, bs,
-                SenderConfig(engine_id=self.engine_id, host=host, port=self.port, auth_token=s.auth_token,
+                me, self.transport,
+                SenderConfig(host=host, port=self.port, auth_token=s.auth_token,
                              lease_s=s.lease_s, write_timeout_s=s.write_timeout_s,
                              handshake_timeout_s=s.handshake_timeout_s, heartbeat_interval_s=s.heartbeat_interval_s,
                              dead_after_s=s.dead_after_s),
-                self.loop.loop, mem_type="VRAM" if self._cuda else "DRAM", on_finished=self._on_sent,
-                staging=staging)
+                self.loop.loop, on_finished=self._on_sent)
             self.loop.run(self.sender.start(), 30)
             log.info("SparseKVConnector prefill rank %s: side channel %s:%d, %d regions", self.rank, host, self.port,
                      len(regions))
         else:
             self.receiver = StreamReceiver(
-                self.transport, self.model, self.parallel, self.rank, regions, bs,
-                ReceiverConfig(engine_id=self.engine_id, auth_token=s.auth_token,
+                me, self.transport,
+                ReceiverConfig(auth_token=s.auth_token,
                                connect_timeout_s=s.handshake_timeout_s, transfer_timeout_s=s.transfer_timeout_s,
                                heartbeat_interval_s=s.heartbeat_interval_s, dead_after_s=s.dead_after_s,
-                               staging_slot_bytes=s.staging_slot_mb << 20),
-                staging=staging)
+                               staging_slot_bytes=s.staging_slot_mb << 20))
 
     def handshake_metadata(self) -> SparseKVHandshake:
         host = (self.settings.side_channel_host or default_host()) if self.is_producer else ""
