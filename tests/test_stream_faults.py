@@ -14,7 +14,7 @@ import torch
 from connector.core.errors import ControlError, TransferFailed
 from connector.core.hf_config import load_model
 from connector.core.layout import ParallelLayout
-from connector.engine.config import ReceiverConfig, SenderConfig
+from connector.engine.config import ReceiverConfig, SenderConfig, SideChannelConfig
 from connector.engine.rank import LocalRank
 from connector.engine.receiver import StreamReceiver
 from connector.engine.sender import StreamSender
@@ -74,7 +74,7 @@ def prefill_cluster_and_decode():
         cluster = Cluster(sc, spawn=("prefill",)).__enter__()
         decode = InProcess("decode", sc)
         receiver = StreamReceiver(decode.me("test-decode"), decode.transport,
-                                  ReceiverConfig(transfer_timeout_s=20.0, dead_after_s=3.0))
+                                  ReceiverConfig(SideChannelConfig(dead_after_s=3.0), transfer_timeout_s=20.0))
         made.append((cluster, decode, receiver))
         return sc, cluster, decode, receiver
 

@@ -81,7 +81,7 @@ class StreamReceiver:
         self.me, self.config = me, config
         nbytes = me.staging_bytes
         self._slots = Slots(nbytes, min(config.staging_slot_bytes, nbytes) if nbytes else 0)
-        self.hello = me.hello("decode", transport, config.auth_token)
+        self.hello = me.hello("decode", transport, config.side_channel.auth_token)
         self._engines: dict[PrefillAddress, _Engine] = {}
         self._connecting: dict[PrefillAddress, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._pending: dict[str, _Pending] = {}
@@ -92,9 +92,9 @@ class StreamReceiver:
 
     # ---- connections -----------------------------------------------------------------------------------------
     async def _connect(self, address: PrefillAddress, port: int) -> ControlConnection:
-        return await connect(address.host, port, self.hello, timeout=self.config.connect_timeout_s,
-                             heartbeat_interval_s=self.config.heartbeat_interval_s,
-                             dead_after_s=self.config.dead_after_s,
+        side = self.config.side_channel
+        return await connect(address.host, port, self.hello, timeout=side.handshake_timeout_s,
+                             heartbeat_interval_s=side.heartbeat_interval_s, dead_after_s=side.dead_after_s,
                              heartbeat_ids=lambda p=port: self._wanted_from(address, p))
 
     def _wanted_from(self, address: PrefillAddress, port: int) -> list[str]:

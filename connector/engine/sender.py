@@ -64,11 +64,11 @@ class StreamSender:
     # ---- lifetime -------------------------------------------------------------------------------------------
     async def start(self) -> int:
         """Start the side-channel server; returns the bound port."""
+        side = self.config.side_channel
         self._server = ControlServer(
             self.hello, self._on_message, host=self.config.host, port=self.config.port,
-            auth_token=self.config.auth_token, on_hello=self._on_hello,
-            handshake_timeout_s=self.config.handshake_timeout_s,
-            heartbeat_interval_s=self.config.heartbeat_interval_s, dead_after_s=self.config.dead_after_s)
+            auth_token=side.auth_token, on_hello=self._on_hello, handshake_timeout_s=side.handshake_timeout_s,
+            heartbeat_interval_s=side.heartbeat_interval_s, dead_after_s=side.dead_after_s)
         await self._server.start()
         self._spawn(self._lease_loop())
         self._spawn(self._drain_loop())

@@ -15,7 +15,6 @@ import torch
 
 from connector.core.errors import LayoutError
 from connector.core.layout import ParallelLayout, RankLayout
-from connector.engine.config import ReceiverConfig, SenderConfig
 from connector.engine.rank import LocalRank
 from connector.engine.receiver import ReceiveResult, StreamReceiver
 from connector.engine.sender import StreamSender
@@ -86,7 +85,7 @@ class WorkerSide:
 
     # ---- startup ----------------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from connector.transport.nixl import Transport, TransportConfig
+        from connector.transport.nixl import Transport
 
         regions = build_regions(kv_caches, self.kv_cache_config, self.rank_layout)
         self._cuda = any(t.is_cuda for t in kv_caches.values())
@@ -94,9 +93,7 @@ class WorkerSide:
         # Unique per process start: a restarted rank must not look like the old one to its peers' NIXL agents.
         side = "p" if self.is_producer else "d"
         name = f"{self.engine_id}-{side}-{self.rank[0]}-{self.rank[1]}-{uuid.uuid4().hex[:8]}"
-        self.transport = Transport(TransportConfig(name=name, max_inflight_bytes=self.settings.max_inflight_bytes,
-                                                   posts_per_second=self.settings.posts_per_second,
-                                                   progress_delay_us=self.settings.progress_delay_us))
+        self.transport = Transport(self.settings.transport_config(name))
         self.loop.run(self.transport.__aenter__(), 60)
         # Register each distinct storage once, whole (several layers may share one, and a permuted view's bytes
         # are not its data_ptr() .. + numel()).
@@ -118,23 +115,13 @@ class WorkerSide:
         if self.is_producer:
             host = s.side_channel_host or default_host()
             self.port = side_channel_port(s.side_channel_port, self.rank, self.parallel.tp)
-            self.sender = StreamSender(
-                me, self.transport,
-                SenderConfig(host=host, port=self.port, auth_token=s.auth_token,
-                             lease_s=s.lease_s, write_timeout_s=s.write_timeout_s,
-                             handshake_timeout_s=s.handshake_timeout_s, heartbeat_interval_s=s.heartbeat_interval_s,
-                             dead_after_s=s.dead_after_s),
-                self.loop.loop, on_finished=self._on_sent)
+            self.sender = StreamSender(me, self.transport, s.sender_config(host, self.port), self.loop.loop,
+                                       on_finished=self._on_sent)
             self.loop.run(self.sender.start(), 30)
             log.info("SparseKVConnector prefill rank %s: side channel %s:%d, %d regions", self.rank, host, self.port,
                      len(regions))
         else:
-            self.receiver = StreamReceiver(
-                me, self.transport,
-                ReceiverConfig(auth_token=s.auth_token,
-                               connect_timeout_s=s.handshake_timeout_s, transfer_timeout_s=s.transfer_timeout_s,
-                               heartbeat_interval_s=s.heartbeat_interval_s, dead_after_s=s.dead_after_s,
-                               staging_slot_bytes=s.staging_slot_mb << 20))
+            self.receiver = StreamReceiver(me, self.transport, s.receiver_config())
 
     def handshake_metadata(self) -> SparseKVHandshake:
         host = (self.settings.side_channel_host or default_host()) if self.is_producer else ""
