@@ -17,16 +17,17 @@ from typing import Any
 import numpy as np
 
 from connector.core.errors import ConnectorError, ControlError, LayoutError, PeerError, StagingError, TransferFailed
+from connector.core.layout import Region
 from connector.core.plan import Rank, TransferPlan
-from connector.core.staging_ranges import Slots, allowed_ranges, check_destinations
+from connector.core.staging_ranges import allowed_ranges
 from connector.engine.config import ReceiverConfig
 from connector.engine.rank import LocalRank
+from connector.engine.staging import StagedReader
 from connector.protocol.addressing import PrefillAddress
 from connector.protocol.handshake import accept_peer
 from connector.protocol.messages import (Abort, Complete, Error, Register, RegisterAck, RegisterError, Scatter,
                                          Scattered, Stopped)
 from connector.transport.control import ControlConnection, connect
-from connector.transport.device_copy import copy_ranges
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,11 @@ class _Pending:
     allowed: tuple[np.ndarray, np.ndarray] | None = None
     """Byte ranges a staged chunk of this transfer may be scattered to (computed on the first chunk)."""
 
+    def allowed_ranges(self, regions: list[Region]) -> tuple[np.ndarray, np.ndarray]:
+        if self.allowed is None:
+            self.allowed = allowed_ranges(regions, self.block_ids)
+        return self.allowed
+
     def source_failed(self, src: Rank, exc: Exception, stopped: bool) -> None:
         if not self.completes[src].done():
             self.completes[src].set_exception(exc)
@@ -79,8 +85,7 @@ class StreamReceiver:
         any) registered; prefill ranks WRITE into them (decode posts nothing itself). With a staging buffer, prefill
         ranks that have one too send scattered blocks as staged chunks (connector.engine.staging)."""
         self.me, self.config = me, config
-        nbytes = me.staging_bytes
-        self._slots = Slots(nbytes, min(config.staging_slot_bytes, nbytes) if nbytes else 0)
+        self._staged = StagedReader(me, config.staging_slot_bytes)
         self.hello = me.hello("decode", transport, config.side_channel.auth_token)
         self._engines: dict[PrefillAddress, _Engine] = {}
         self._connecting: dict[PrefillAddress, asyncio.Lock] = defaultdict(asyncio.Lock)
@@ -122,7 +127,7 @@ class StreamReceiver:
                                           f"port + pp * tp_size + tp")
                     accept_peer(conn.peer, self.hello, self.me.model, engine.plan)
                     engine.conns[src] = conn
-                    slot = self._slots.take()  # none left: this rank writes directly, which is always correct
+                    slot = self._staged.slots.take()  # none left: this rank writes directly, which is always correct
                     if slot is not None:
                         engine.slots[src] = slot
                     engine.readers.append(asyncio.create_task(self._read(engine, src, conn)))
@@ -131,7 +136,7 @@ class StreamReceiver:
                 for conn in engine.conns.values() if engine else ():
                     await conn.close("handshake checks failed")
                 for slot in engine.slots.values() if engine else ():
-                    self._slots.give_back(slot)
+                    self._staged.slots.give_back(slot)
                 raise
             self._engines[address] = engine
             return engine
@@ -147,15 +152,29 @@ class StreamReceiver:
         # The connections are closed, so no more staged chunk can arrive for these slots.
         slots, engine.slots = engine.slots, {}
         for slot in slots.values():
-            self._slots.give_back(slot)
+            self._staged.slots.give_back(slot)
 
     async def _read(self, engine: _Engine, src: Rank, conn: ControlConnection) -> None:
+        """Prefill rank `src` -> this rank, in order, one method per message, until the connection closes."""
         async for msg in conn:
-            if isinstance(msg, Scatter):
-                # Handled in line: a Complete that follows it on this connection is dispatched only afterwards.
-                await self._scatter(engine, src, conn, msg)
-                continue
-            self._dispatch(src, msg)
+            match msg:
+                case Scatter():
+                    # Handled in line: a Complete that follows it on this connection is dispatched only afterwards.
+                    await self._on_scatter(engine, src, conn, msg)
+                case Complete():
+                    self._on_complete(src, msg)
+                case RegisterError():
+                    self._source_stopped(src, msg, f"refused {msg.transfer_id!r}: {msg.reason}")
+                case Abort():
+                    self._source_stopped(src, msg, f"aborted {msg.transfer_id!r}: {msg.reason}")
+                case Stopped():
+                    self._source_stopped(src, msg, f"stopped {msg.transfer_id!r}")
+                case RegisterAck():
+                    pass  # registered; its Complete (or a refusal) follows
+                case Error():
+                    log.warning("prefill rank %s reports: %s", src, msg.reason)
+                case _:
+                    log.warning("decode %s: unexpected %s from prefill rank %s", self.me.rank, type(msg).__name__, src)
         reason = conn.close_reason or "connection closed"
         for pend in list(self._pending.values()):
             if pend.engine is engine and src in pend.completes:
@@ -164,52 +183,41 @@ class StreamReceiver:
                                                        f"completing {pend.transfer_id!r}: {reason}"), stopped=True)
         await self._drop_engine(engine, f"prefill rank {src} went away")
 
-    def _dispatch(self, src: Rank, msg: Any) -> None:
-        tid = getattr(msg, "transfer_id", None)
-        pend = self._pending.get(tid) if tid is not None else None
-        if isinstance(msg, RegisterAck):
-            return
-        if isinstance(msg, Error):
-            log.warning("prefill rank %s reports: %s", src, msg.reason)
-            return
+    def _waiting(self, src: Rank, msg: Complete | RegisterError | Abort | Stopped) -> _Pending | None:
+        """The transfer `msg` is about, if it still waits on `src`."""
+        pend = self._pending.get(msg.transfer_id)
         if pend is None or src not in pend.completes:
-            log.debug("ignoring %s for %s from prefill rank %s (not waiting)", type(msg).__name__, tid, src)
-            return
-        if isinstance(msg, Complete):
+            log.debug("ignoring %s for %s from prefill rank %s (not waiting)", type(msg).__name__, msg.transfer_id,
+                      src)
+            return None
+        return pend
+
+    def _on_complete(self, src: Rank, msg: Complete) -> None:
+        pend = self._waiting(src, msg)
+        if pend is not None:
             if not pend.completes[src].done():
                 pend.completes[src].set_result(msg)
             if not pend.stopped[src].done():
                 pend.stopped[src].set_result(None)
-        elif isinstance(msg, RegisterError):
-            pend.source_failed(src, TransferFailed(f"prefill rank {src} refused {tid!r}: {msg.reason}"), stopped=True)
-        elif isinstance(msg, Abort):
-            pend.source_failed(src, TransferFailed(f"prefill rank {src} aborted {tid!r}: {msg.reason}"), stopped=True)
-        elif isinstance(msg, Stopped):
-            pend.source_failed(src, TransferFailed(f"prefill rank {src} stopped {tid!r}"), stopped=True)
 
-    async def _scatter(self, engine: _Engine, src: Rank, conn: ControlConnection, msg: Scatter) -> None:
-        """Copy a staged chunk from this source's slot into the transfer's blocks, after checking every
-        destination lies inside them; answer Scattered either way (the slot is free again then)."""
+    def _source_stopped(self, src: Rank, msg: RegisterError | Abort | Stopped, why: str) -> None:
+        """`src` writes nothing more for the transfer and will not complete it."""
+        pend = self._waiting(src, msg)
+        if pend is not None:
+            pend.source_failed(src, TransferFailed(f"prefill rank {src} {why}"), stopped=True)
+
+    async def _on_scatter(self, engine: _Engine, src: Rank, conn: ControlConnection, msg: Scatter) -> None:
+        """Scatter a staged chunk from this source's slot (connector.engine.staging) and answer Scattered either
+        way: the slot is free again then."""
         pend = self._pending.get(msg.transfer_id)
-        slot = engine.slots.get(src)
         try:
             if pend is None or src not in pend.completes or pend.completes[src].done():
                 raise StagingError(f"transfer {msg.transfer_id!r} is not being received from {src} here (aborted, "
                                    f"failed or finished)")
+            slot = engine.slots.get(src)
             if slot is None:
                 raise StagingError(f"prefill rank {src} was given no staging slot")
-            pairs = np.frombuffer(msg.destinations, dtype="<i8")
-            if pairs.size % 2:
-                raise StagingError("staged destinations are not (address, length) pairs")
-            dst, lens = pairs.reshape(-1, 2).T
-            if (lens <= 0).any() or int(lens.sum()) != msg.nbytes or msg.nbytes > self._slots.slot_bytes:
-                raise StagingError(f"staged chunk of {msg.nbytes} B does not match its destinations "
-                                   f"({int(lens.sum())} B) or exceeds the {self._slots.slot_bytes}-B slot")
-            if pend.allowed is None:
-                pend.allowed = allowed_ranges(self.hello.regions, pend.block_ids)
-            check_destinations(dst, lens, pend.allowed)
-            src_addrs = self.hello.staging_addr + slot + np.cumsum(lens) - lens
-            await asyncio.to_thread(copy_ranges, src_addrs, dst, lens, self.me.staging.device)
+            await self._staged.scatter(msg, slot, pend.allowed_ranges(self.hello.regions))
             reply = Scattered(msg.transfer_id, msg.seq, True)
         except StagingError as exc:
             log.warning("refusing staged chunk %d of %s from prefill rank %s: %s", msg.seq, msg.transfer_id, src,
@@ -248,7 +256,7 @@ class StreamReceiver:
                     await conn.send(Register(transfer_id, *self.me.rank, block_ids, first_token,
                                              num_tokens, layers=sorted(layers[src]),
                                              staging_offset=slot or 0,
-                                             staging_bytes=self._slots.slot_bytes if slot is not None else 0))
+                                             staging_bytes=self._staged.slots.slot_bytes if slot is not None else 0))
                 done = await asyncio.gather(*pend.completes.values())
         except TimeoutError:
             missing = sorted(src for src, f in pend.completes.items() if not f.done())

@@ -24,8 +24,8 @@ from connector.engine.sender_state import (Destination, FinishedInfo, PeerInfo, 
                                            validate_registration)
 from connector.engine.staging import StagedWriter
 from connector.protocol.handshake import PeerKey, accept_peer, peer_key
-from connector.protocol.messages import (Abort, Complete, Heartbeat, Hello, Register, RegisterAck, RegisterError,
-                                         Scattered, Stopped)
+from connector.protocol.messages import (Abort, Complete, Heartbeat, Hello, Message, Register, RegisterAck,
+                                         RegisterError, Scattered, Stopped)
 from connector.transport.control import ControlConnection, ControlServer
 
 log = logging.getLogger(__name__)
@@ -216,42 +216,55 @@ class StreamSender:
         agent = await asyncio.to_thread(self.transport.add_peer, hello.agent_metadata)
         self._peers[key] = PeerInfo(accepted, agent)
 
-    async def _on_message(self, conn: ControlConnection, msg: Any) -> None:
-        if isinstance(msg, Register):
-            if msg.transfer_id not in self.requests and msg.transfer_id not in self._released:
-                # Decode registers first (DESIGN.md step 2): keep it until prefill starts the request.
-                self._parked[msg.transfer_id].append((conn, msg, time.monotonic()))
-                conn.closed.add_done_callback(lambda _f, c=conn, t=msg.transfer_id: self._drop_parked(t, c))
-                await conn.send(RegisterAck(msg.transfer_id))
-                return
-            await self._accept(conn, msg)
-        elif isinstance(msg, Scattered):
-            if self.staged is not None:
-                self.staged.on_scattered(peer_key(conn.peer), msg)
-        elif isinstance(msg, Heartbeat):
-            deadline = time.monotonic() + self.config.lease_s
-            for tid in msg.transfer_ids:
-                req = self.requests.get(tid)
-                if req is not None and req.final:
-                    req.lease_deadline = max(req.lease_deadline, deadline)
-        elif isinstance(msg, Abort):
-            req = self.requests.get(msg.transfer_id)
-            self._drop_parked(msg.transfer_id, conn)
-            key = peer_key(conn.peer)
-            log.info("transfer %s: decode %s aborted: %s", msg.transfer_id, key, msg.reason)
-            dest = req.dests.get(key) if req is not None else None
-            stopped = Stopped(msg.transfer_id, *self.me.rank)
-            if dest is None:
-                await self._send_quiet(conn, stopped)  # nothing was ever written there
-            else:
-                self._stop_dest(req, dest, stopped)
-            if req is not None:
-                if req.expected is None:
-                    req.expected = set()
-                req.expected.discard(key)
-                self._check_finished(req, ok=False)
+    async def _on_message(self, conn: ControlConnection, msg: Message) -> None:
+        """Decode rank -> this rank, in order, one method per message."""
+        match msg:
+            case Register():
+                await self._on_register(conn, msg)
+            case Scattered():
+                if self.staged is not None:
+                    self.staged.on_scattered(peer_key(conn.peer), msg)
+            case Heartbeat():
+                self._on_heartbeat(msg)
+            case Abort():
+                await self._on_abort(conn, msg)
+            case _:
+                log.warning("prefill %s: unexpected %s from %s", self.me.rank, type(msg).__name__, conn.address)
+
+    async def _on_register(self, conn: ControlConnection, msg: Register) -> None:
+        if msg.transfer_id not in self.requests and msg.transfer_id not in self._released:
+            # Decode registers first (DESIGN.md step 2): keep it until prefill starts the request.
+            self._parked[msg.transfer_id].append((conn, msg, time.monotonic()))
+            conn.closed.add_done_callback(lambda _f, c=conn, t=msg.transfer_id: self._drop_parked(t, c))
+            await conn.send(RegisterAck(msg.transfer_id))
+            return
+        await self._accept(conn, msg)
+
+    def _on_heartbeat(self, msg: Heartbeat) -> None:
+        """Decode still waits for these transfers: their leases run on from now."""
+        deadline = time.monotonic() + self.config.lease_s
+        for tid in msg.transfer_ids:
+            req = self.requests.get(tid)
+            if req is not None and req.final:
+                req.lease_deadline = max(req.lease_deadline, deadline)
+
+    async def _on_abort(self, conn: ControlConnection, msg: Abort) -> None:
+        """Decode gave up: write nothing more there, and answer Stopped once no WRITE to it is in flight."""
+        req = self.requests.get(msg.transfer_id)
+        self._drop_parked(msg.transfer_id, conn)
+        key = peer_key(conn.peer)
+        log.info("transfer %s: decode %s aborted: %s", msg.transfer_id, key, msg.reason)
+        dest = req.dests.get(key) if req is not None else None
+        stopped = Stopped(msg.transfer_id, *self.me.rank)
+        if dest is None:
+            await self._send_quiet(conn, stopped)  # nothing was ever written there
         else:
-            log.warning("prefill %s: unexpected %s from %s", self.me.rank, type(msg).__name__, conn.address)
+            self._stop_dest(req, dest, stopped)
+        if req is not None:
+            if req.expected is None:
+                req.expected = set()
+            req.expected.discard(key)
+            self._check_finished(req, ok=False)
 
     def _drop_parked(self, transfer_id: str, conn: ControlConnection) -> None:
         left = [p for p in self._parked.get(transfer_id, []) if p[0] is not conn]
@@ -444,9 +457,9 @@ class StreamSender:
             for tid, parked in list(self._parked.items()):
                 if now - parked[0][2] > self.config.lease_s:
                     del self._parked[tid]
+                    why = f"prefill rank {self.me.rank} never started {tid!r} within {self.config.lease_s:.0f} s"
                     for conn, _reg, _at in parked:
-                        self._spawn(self._send_quiet(conn, RegisterError(
-                            tid, f"prefill rank {self.me.rank} never started {tid!r} within {self.config.lease_s:.0f} s")))
+                        self._spawn(self._send_quiet(conn, RegisterError(tid, why)))
             for tid, at in list(self._released.items()):
                 if now - at > self.config.released_memory_s:
                     del self._released[tid]

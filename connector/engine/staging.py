@@ -1,7 +1,11 @@
-"""The sender's staged path (why: connector.core.staging_ranges): gather a destination's scattered descriptors
-into this rank's staging buffer, post ONE descriptor into the slot decode gave this connection, ask decode to
-scatter it, and wait for its answer before the slot is used again. Runs on the sender's event loop; copies run in
-worker threads."""
+"""Both halves of a staged chunk (why: connector.core.staging_ranges), on the engines' event loop; copies run in
+worker threads.
+
+Sender (`StagedWriter`): gather a destination's scattered descriptors into this rank's staging buffer, post ONE
+descriptor into the slot decode gave this connection, ask decode to scatter it (`Scatter`), and wait for its answer
+(`Scattered`) before the slot is used again.
+Receiver (`StagedReader`): a slot of this rank's staging buffer per prefill rank connection; check that every
+destination of a chunk lies inside the blocks registered for its transfer, then scatter it from the slot."""
 
 from __future__ import annotations
 
@@ -11,8 +15,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from connector.core.errors import StagedWriteError
-from connector.core.staging_ranges import chunks, split_long
+from connector.core.errors import StagedWriteError, StagingError
+from connector.core.staging_ranges import Slots, check_destinations, chunks, split_long
 from connector.engine.rank import LocalRank
 from connector.protocol.messages import Scatter, Scattered
 from connector.transport.control import ControlConnection
@@ -80,3 +84,27 @@ class StagedWriter:
         reply = fut.result()
         if not reply.ok:
             raise StagedWriteError(f"decode refused staged chunk {seq}: {reply.reason}")
+
+
+class StagedReader:
+    def __init__(self, me: LocalRank, slot_bytes: int) -> None:
+        """`me.staging` (if any): a contiguous tensor on the KV device, registered with this rank's transport, cut
+        into slots of `slot_bytes` (fewer than one: no slots, every prefill rank writes directly)."""
+        self.me = me
+        nbytes = me.staging_bytes
+        self.slots = Slots(nbytes, min(slot_bytes, nbytes) if nbytes else 0)
+
+    async def scatter(self, msg: Scatter, slot: int, allowed: tuple[np.ndarray, np.ndarray]) -> None:
+        """Copy chunk `msg` from `slot` to its destinations. Raises StagingError, with nothing written, unless the
+        destinations add up to the chunk, fit the slot and each lies inside one of the `allowed` byte ranges."""
+        pairs = np.frombuffer(msg.destinations, dtype="<i8")
+        if pairs.size % 2:
+            raise StagingError("staged destinations are not (address, length) pairs")
+        dst, lens = pairs.reshape(-1, 2).T
+        slot_bytes = self.slots.slot_bytes
+        if (lens <= 0).any() or int(lens.sum()) != msg.nbytes or msg.nbytes > slot_bytes:
+            raise StagingError(f"staged chunk of {msg.nbytes} B does not match its destinations "
+                               f"({int(lens.sum())} B) or exceeds the {slot_bytes}-B slot")
+        check_destinations(dst, lens, allowed)
+        packed = self.me.staging_addr + slot + np.cumsum(lens) - lens
+        await asyncio.to_thread(copy_ranges, packed, dst, lens, self.me.staging.device)

@@ -1,8 +1,9 @@
 """Asyncio TCP side channel between prefill and decode ranks.
 
 What crosses the wire (messages, frames, the Hello checks) is `connector.protocol`. This module holds the sockets:
-the connection, the server and the client handshake. Lifetimes: a `ControlConnection` owns its reader and heartbeat tasks and cancels them on
-`close()`; a `ControlServer` owns its connection tasks and closes them on exit. Every wait on a peer has a timeout.
+the connection, the server and the client handshake. Lifetimes: a `ControlConnection` owns its reader and heartbeat
+tasks and cancels them on `close()`; a `ControlServer` owns its connection tasks and closes them on exit. Every wait
+on a peer has a timeout.
 """
 
 from __future__ import annotations
@@ -166,13 +167,16 @@ class ControlConnection:
                 except TimeoutError:
                     self._shutdown(f"peer silent for more than {self._dead_after_s} s (dead_after)", logging.WARNING)
                     return
-                if isinstance(msg, Heartbeat) and not msg.transfer_ids:
-                    continue
-                if isinstance(msg, (Hello, Reject)):
-                    await self._send_best_effort(Error(f"unexpected {type(msg).__name__} after the handshake"))
-                    self._shutdown(f"protocol violation: {type(msg).__name__} after the handshake", logging.WARNING)
-                    return
-                self._queue.put_nowait(msg)
+                match msg:
+                    case Heartbeat(transfer_ids=[]):
+                        continue  # liveness only: reading it was the point
+                    case Hello() | Reject():
+                        await self._send_best_effort(Error(f"unexpected {type(msg).__name__} after the handshake"))
+                        self._shutdown(f"protocol violation: {type(msg).__name__} after the handshake",
+                                       logging.WARNING)
+                        return
+                    case _:
+                        self._queue.put_nowait(msg)
         except asyncio.IncompleteReadError:
             self._shutdown("peer closed the connection", logging.INFO)
         except FrameError as exc:
