@@ -370,8 +370,8 @@ def test_sender_counts_bytes_streamed_during_compute_apart_from_the_sweep():
         prefill.bufs.fill(0, blocks, 0, TOKENS)
         sender.layer_ready("t-st", 0)  # layer 0 computed; 59 to go
         wait_for(lambda: sender.stats.writes >= 1, "layer 0 was not streamed")
-        streamed = sender.stats.bytes_during_compute
-        assert streamed == sender.stats.bytes_written > 0
+        streamed = sender.stats.bytes_sent_during_compute
+        assert streamed == sender.stats.bytes_sent > 0
         for layer in range(1, 60):
             prefill.bufs.fill(layer, blocks, 0, TOKENS)
         sender.end_chunk("t-st")  # the sweep: layers 1-59
@@ -379,8 +379,11 @@ def test_sender_counts_bytes_streamed_during_compute_apart_from_the_sweep():
         assert prefill.lt.run(sender.wait_finished("t-st", 10), 15) is True
         assert decode.bufs.verify(dst, 0, TOKENS) == []
         stats = sender.stats
-        assert stats.bytes_during_compute == streamed < stats.bytes_written
-        assert (stats.transfers_ok, stats.transfers_failed) == (1, 0)
+        assert stats.bytes_sent_during_compute == streamed < stats.bytes_sent
+        assert (stats.sends_ok, stats.sends_failed) == (1, 0)
+        # every NIXL WRITE was timed: posting it, and from the post to its completion
+        assert len(stats.transfer_seconds) == len(stats.post_seconds) == stats.writes
+        assert all(0 < p <= t for p, t in zip(stats.post_seconds, stats.transfer_seconds))
 
 
 def test_decode_refuses_a_staged_chunk_aimed_outside_its_blocks():

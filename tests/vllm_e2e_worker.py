@@ -158,7 +158,7 @@ class Rank:
         sender = getattr(worker, "sender", None)
         if sender is None:
             return {}
-        return {"bytes_written": sender.stats.bytes_written, "descriptors": sender.stats.descriptors,
+        return {"bytes_written": sender.stats.bytes_sent, "descriptors": sender.stats.descriptors,
                 "writes": sender.stats.writes, "staged_chunks": sender.stats.staged_chunks}
 
     # ---- one engine step --------------------------------------------------------------------------------------

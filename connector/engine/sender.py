@@ -20,9 +20,9 @@ from connector.core.layout import blocks_for
 from connector.core.plan import fold_ranges
 from connector.engine.config import SenderConfig
 from connector.engine.rank import LocalRank
-from connector.engine.sender_state import (Destination, FinishedInfo, PeerInfo, SendRequest, SenderStats,
-                                           validate_registration)
+from connector.engine.sender_state import Destination, FinishedInfo, PeerInfo, SendRequest, validate_registration
 from connector.engine.staging import StagedWriter
+from connector.engine.stats import SenderStats
 from connector.protocol.handshake import PeerKey, accept_peer, peer_key
 from connector.protocol.messages import (Abort, Complete, Heartbeat, Hello, Message, Register, RegisterAck,
                                          RegisterError, Scattered, Stopped)
@@ -43,7 +43,8 @@ class StreamSender:
         self.me, self.transport, self.config, self.loop = me, transport, config, loop
         self.on_finished = on_finished
         self.stats = SenderStats()
-        self.staged = StagedWriter(transport, me, config.write_timeout_s) if me.staging is not None else None
+        self.staged = (StagedWriter(transport, me, config.write_timeout_s, self.stats.record_write)
+                       if me.staging is not None else None)
         self.requests: dict[str, SendRequest] = {}
         self._parked: dict[str, list[tuple[ControlConnection, Register, float]]] = defaultdict(list)
         self._released: dict[str, float] = {}
@@ -354,10 +355,9 @@ class StreamSender:
                     dest.staged_chunks += staged
                     self.stats.staged_chunks += staged
                 else:
-                    await self.transport.write(dest.peer.agent, local, remote, mem_type=self.me.mem_type,
-                                               local_device=self.me.device_id,
-                                               remote_device=dest.peer.accepted.device_id,
-                                               timeout=self.config.write_timeout_s)
+                    self.stats.record_write(await self.transport.write(
+                        dest.peer.agent, local, remote, mem_type=self.me.mem_type, local_device=self.me.device_id,
+                        remote_device=dest.peer.accepted.device_id, timeout=self.config.write_timeout_s))
         except Exception as exc:  # noqa: BLE001 - one destination fails, the rest go on
             log.error("transfer %s: WRITE of layers %s to decode %s failed: %s", req.transfer_id,
                       fold_ranges(layers), dest.key, exc)
@@ -377,9 +377,9 @@ class StreamSender:
                 dest.sent_tokens[layer] = ready
         dest.bytes_written += descs.nbytes
         dest.descriptors += len(descs)
-        self.stats.bytes_written += descs.nbytes
+        self.stats.bytes_sent += descs.nbytes
         if during_compute:
-            self.stats.bytes_during_compute += descs.nbytes
+            self.stats.bytes_sent_during_compute += descs.nbytes
         self.stats.descriptors += len(descs)
         self.stats.writes += 1
         if self.requests.get(req.transfer_id) is req:
@@ -424,9 +424,9 @@ class StreamSender:
             return
         self._released[req.transfer_id] = time.monotonic()
         if ok:
-            self.stats.transfers_ok += 1
+            self.stats.sends_ok += 1
         else:
-            self.stats.transfers_failed += 1
+            self.stats.sends_failed += 1
         self.finished_info[req.transfer_id] = FinishedInfo(ok, req.first_write_at)
         log.debug("transfer %s released: %s", req.transfer_id, why)
         if not req.finished.done():

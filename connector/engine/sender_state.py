@@ -73,20 +73,6 @@ class FinishedInfo:
     """Wall-clock time (time.time()) of the first WRITE; 0 = none was posted."""
 
 
-@dataclass
-class SenderStats:
-    """Cumulative counters (read from other threads as plain ints)."""
-    bytes_written: int = 0
-    bytes_during_compute: int = 0
-    """Bytes of WRITEs posted while their request was still computing (streamed, not swept afterwards)."""
-    descriptors: int = 0
-    writes: int = 0
-    transfers_ok: int = 0
-    transfers_failed: int = 0
-    staged_chunks: int = 0
-    """WRITEs that went through staging (one NIXL descriptor each) instead of their descriptors."""
-
-
 def validate_registration(req: SendRequest | None, reg: Register, key: PeerKey, peer: AcceptedPeer | None,
                           rank: tuple[int, int], stage: tuple[int, int], block_size: int) -> dict[int, list[Route]]:
     """Check a decode registration before anything is written; returns the routes per global layer this prefill

@@ -21,12 +21,15 @@ from connector.engine.rank import LocalRank
 from connector.protocol.messages import Scatter, Scattered
 from connector.transport.control import ControlConnection
 from connector.transport.device_copy import copy_ranges
+from connector.transport.nixl import WriteTiming
 
 
 class StagedWriter:
-    def __init__(self, transport: Any, me: LocalRank, timeout_s: float) -> None:
-        """`me.staging`: a contiguous tensor on the KV device, registered with `transport`."""
-        self.transport, self.me, self.timeout_s = transport, me, timeout_s
+    def __init__(self, transport: Any, me: LocalRank, timeout_s: float,
+                 on_write: Callable[[WriteTiming], None] = lambda timing: None) -> None:
+        """`me.staging`: a contiguous tensor on the KV device, registered with `transport`. `on_write` hears the
+        timing of every chunk's NIXL WRITE."""
+        self.transport, self.me, self.timeout_s, self.on_write = transport, me, timeout_s, on_write
         self._local = asyncio.Lock()
         """One chunk at a time in this rank's staging buffer (held from the gather until its WRITE completed)."""
         self._slot_locks: dict[Any, asyncio.Lock] = {}
@@ -60,9 +63,9 @@ class StagedWriter:
                 async with self._local:
                     packed = self.me.staging_addr + np.cumsum(lens) - lens  # the chunk's ranges, back to back
                     await asyncio.to_thread(copy_ranges, local[a:b, 0], packed, lens, self.me.staging.device)
-                    await self.transport.write(peer_agent, [(self.me.staging_addr, n)], [(remote_base, n)],
-                                               mem_type=self.me.mem_type, local_device=self.me.staging_device,
-                                               remote_device=remote_device, timeout=self.timeout_s)
+                    self.on_write(await self.transport.write(
+                        peer_agent, [(self.me.staging_addr, n)], [(remote_base, n)], mem_type=self.me.mem_type,
+                        local_device=self.me.staging_device, remote_device=remote_device, timeout=self.timeout_s))
                 await self._scatter(key, conn, transfer_id, n, remote[a:b, :2])
             sent += 1
         return sent

@@ -4,7 +4,6 @@ stream-engine calls; the transfer logic lives in connector.engine.sender / conne
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import logging
 import threading
 import time
@@ -18,7 +17,7 @@ from connector.core.layout import ParallelLayout, RankLayout
 from connector.engine.rank import LocalRank
 from connector.engine.receiver import ReceiveResult, StreamReceiver
 from connector.engine.sender import StreamSender
-from connector.engine.sender_state import SenderStats
+from connector.engine.stats import StatsDelta
 from connector.protocol.addressing import PrefillAddress, side_channel_port
 from connector.transport.loop import LoopThread
 from connector.vllm.config import ConnectorSettings
@@ -77,8 +76,8 @@ class WorkerSide:
         """Request id -> time.monotonic() its receive was started (for recv_seconds)."""
         self._stats = SparseKVConnectorStats()
         """Decode-side observations since the last get_kv_connector_stats (model-runner thread only)."""
-        self._sender_seen = SenderStats()
-        """The sender's cumulative counters at the last get_kv_connector_stats: the next report is the delta."""
+        self._sender_delta: StatsDelta | None = None
+        """Reads the sender's counters and samples at each get_kv_connector_stats (the report is what is new)."""
         self._cuda = False
         self._staging: torch.Tensor | None = None
         self.port = 0
@@ -117,6 +116,7 @@ class WorkerSide:
             self.port = side_channel_port(s.side_channel_port, self.rank, self.parallel.tp)
             self.sender = StreamSender(me, self.transport, s.sender_config(host, self.port), self.loop.loop,
                                        on_finished=self._on_sent)
+            self._sender_delta = StatsDelta(self.sender.stats)
             self.loop.run(self.sender.start(), 30)
             log.info("SparseKVConnector prefill rank %s: side channel %s:%d, %d regions", self.rank, host, self.port,
                      len(regions))
@@ -246,14 +246,10 @@ class WorkerSide:
         """What happened since the last call (model-runner thread): the sender's counters as a delta, and the
         receives that ended. None when nothing did, so vLLM ships nothing."""
         out, self._stats = self._stats, SparseKVConnectorStats()
-        if self.sender is not None:
-            now = dataclasses.replace(self.sender.stats)  # a snapshot: the loop thread keeps counting
-            seen, self._sender_seen = self._sender_seen, now
-            out.add(bytes_sent=now.bytes_written - seen.bytes_written,
-                    bytes_sent_during_compute=now.bytes_during_compute - seen.bytes_during_compute,
-                    writes=now.writes - seen.writes, descriptors=now.descriptors - seen.descriptors,
-                    sends_ok=now.transfers_ok - seen.transfers_ok,
-                    sends_failed=now.transfers_failed - seen.transfers_failed)
+        if self._sender_delta is not None:
+            counts, samples = self._sender_delta.take()
+            out.add(**counts)
+            out.extend(**samples)
         return None if out.is_empty() else out
 
     def shutdown(self) -> None:

@@ -3,7 +3,7 @@
 `Transport` wraps one NIXL agent (UCX backend) for asyncio: register memory, exchange metadata over our own side
 channel, WRITE descriptor lists with byte backpressure, send and receive notifications."""
 
-from connector.transport.nixl.agent import Transport, TransportConfig, TransportStats
+from connector.transport.nixl.agent import Transport, TransportConfig, TransportStats, WriteTiming
 from connector.transport.nixl.glue import descs_array, make_agent
 
-__all__ = ["Transport", "TransportConfig", "TransportStats", "descs_array", "make_agent"]
+__all__ = ["Transport", "TransportConfig", "TransportStats", "WriteTiming", "descs_array", "make_agent"]

@@ -17,6 +17,7 @@ import concurrent.futures
 import contextlib
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Sequence
 
@@ -60,6 +61,16 @@ class TransportConfig:
             raise ConfigError("posts_per_second must be > 0 or None")
         if self.ucx_error_handling_mode not in ("peer", "none"):
             raise ConfigError("ucx_error_handling_mode must be 'peer' or 'none'")
+
+
+@dataclass(frozen=True)
+class WriteTiming:
+    """How long one NIXL WRITE took (what vLLM's NIXL connector records as post and transfer durations)."""
+
+    post_s: float
+    """Creating and posting it in the post thread (on DRAM the copy runs inside the post)."""
+    transfer_s: float
+    """From the start of the post until the WRITE completed."""
 
 
 @dataclass
@@ -301,9 +312,10 @@ class Transport:
     async def write(self, peer: str, local: Sequence[tuple[int, int]] | np.ndarray,
                     remote: Sequence[tuple[int, int]] | np.ndarray, *, mem_type: str = "DRAM",
                     local_device: int = 0, remote_device: int = 0, notif: bytes = b"",
-                    timeout: float = 30.0) -> None:
+                    timeout: float = 30.0) -> WriteTiming:
         """WRITE local[i] -> remote[i] on `peer` (pairs of (addr, nbytes), or Nx2/Nx3 integer arrays), then deliver
-        `notif` (if any) to the peer after the data is visible. Returns when the transfer is complete.
+        `notif` (if any) to the peer after the data is visible. Returns, with its timing, when the transfer is
+        complete.
         ValueError (nothing posted) on mismatched descriptors; TransportError on failure, timeout, unknown peer.
         `timeout` covers admission, throttling, posting and completion."""
         if mem_type not in ("DRAM", "VRAM"):
@@ -315,14 +327,14 @@ class Transport:
         if ld.shape[0] == 0:
             if notif:
                 await self.send_notif(peer, notif)
-            return
+            return WriteTiming(0.0, 0.0)
         what = (f"WRITE of {ld.shape[0]} descriptor(s) / {nbytes} B ({mem_type}) from {self.config.name!r} "
                 f"to peer {peer!r}")
         try:
             async with asyncio.timeout(timeout):
                 await self._gate.acquire(nbytes)
                 try:
-                    state = await self._post_and_wait(agent, peer, ld, rd, mem_type, bytes(notif), what)
+                    state, timing = await self._post_and_wait(agent, peer, ld, rd, mem_type, bytes(notif), what)
                 finally:
                     self._gate.release(nbytes)
         except TimeoutError:
@@ -334,6 +346,7 @@ class Transport:
             raise TransportError(f"{what} failed with state {state}; the peer may have died or disconnected "
                                  "-- re-handshake (remove_peer + add_peer with fresh metadata) before retrying")
         self.stats.bytes_written += nbytes
+        return timing
 
     def raw_write(self, peer: str, local: Sequence[tuple[int, int]] | np.ndarray,
                   remote: Sequence[tuple[int, int]] | np.ndarray, *, mem_type: str = "DRAM", local_device: int = 0,
@@ -352,7 +365,7 @@ class Transport:
                                  f"{peer!r} failed: {exc!r}") from exc
 
     async def _post_and_wait(self, agent: Any, peer: str, ld: np.ndarray, rd: np.ndarray, mem_type: str,
-                             notif: bytes, what: str) -> str:
+                             notif: bytes, what: str) -> tuple[str, WriteTiming]:
         if self._throttle is not None:
             await self._throttle.acquire()
         assert self._executor is not None
@@ -367,7 +380,7 @@ class Transport:
             self.stats.descriptors += int(ld.shape[0])
             if state == "PROC":
                 state = await xfer.future
-            return state
+            return state, WriteTiming(xfer.post_s, time.perf_counter() - xfer.started)
         except asyncio.CancelledError:
             xfer.abandoned = True  # not started: never posted; posted: the poller cancels/releases it
             cf.cancel()
@@ -385,6 +398,7 @@ class Transport:
         returned. PROC: handed to the poller, which resolves `xfer.future` and releases the handle."""
         if self._closing or xfer.abandoned:
             raise _Closed()
+        xfer.started = time.perf_counter()
         local = agent.get_xfer_descs(ld, mem_type)
         remote = agent.get_xfer_descs(rd, mem_type)
         handle = agent.initialize_xfer("WRITE", local, remote, peer)
@@ -396,6 +410,7 @@ class Transport:
         except BaseException:
             self._release(handle)
             raise
+        xfer.post_s = time.perf_counter() - xfer.started
         if state == "PROC" and self._poller is not None and not self._closing:
             self._poller.add(xfer)
             return state

@@ -21,13 +21,17 @@ log = logging.getLogger(__name__)
 class Xfer:
     """One posted WRITE, shared by the loop (future, abandoned) and the NIXL threads (handle)."""
 
-    __slots__ = ("loop", "future", "abandoned", "handle")
+    __slots__ = ("loop", "future", "abandoned", "handle", "started", "post_s")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.future: asyncio.Future[str] = loop.create_future()
         self.abandoned = False  # set by the loop when the writer gave up (timeout/cancel); a plain bool is atomic
         self.handle: Any = None
+        self.started = 0.0
+        """time.perf_counter() when the post thread began building it."""
+        self.post_s = 0.0
+        """Seconds createXferReq + postXferReq took."""
 
     def resolve(self, state: str) -> None:
         def _set() -> None:
