@@ -41,7 +41,7 @@ class InProcess:
         self.parallel = sc.prefill if side == "prefill" else sc.decode
         self.lt = LoopThread().start()
         self.transport = Transport(TransportConfig(name=f"test-{side}-{uuid.uuid4().hex[:6]}"))
-        self.lt.run(self.transport.__aenter__(), 30)
+        self.lt.run(self.transport.open(), 30)
         self.num_blocks = 2 * -(-sc.tokens // sc.block_size) + 8
         self.bufs = RankBuffers(sc.model, self.parallel, rank, sc.block_size, self.num_blocks)
         for tensor in self.bufs.tensors:
@@ -54,7 +54,7 @@ class InProcess:
     def close(self, engine) -> None:
         if engine is not None:
             self.lt.run(engine.close(), 30)
-        self.lt.run(self.transport.close(), 30)
+        self.lt.run(self.transport.aclose(), 30)
         self.lt.stop()
 
 

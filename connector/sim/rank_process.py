@@ -29,7 +29,7 @@ def _transport(cfg: dict[str, Any], lt: Any) -> Any:
 
     name = f"{cfg['run_id']}-{cfg['side']}-{cfg['rank'][0]}-{cfg['rank'][1]}-{os.getpid()}"
     transport = Transport(TransportConfig(name=name))
-    lt.run(transport.__aenter__(), 60)
+    lt.run(transport.open(), 60)
     return transport
 
 
@@ -62,7 +62,7 @@ def _rank_process(conn: Any, cfg: dict[str, Any]) -> Iterator[SimpleNamespace]:
         if rank.engine is not None:
             lt.run(rank.engine.close(), 30)
         if rank.transport is not None:
-            lt.run(rank.transport.close(), 30)
+            lt.run(rank.transport.aclose(), 30)
         lt.stop()
 
 
@@ -146,6 +146,7 @@ def prefill_main(conn: Any, cfg: dict[str, Any]) -> None:
             raw NIXL WRITE per decode rank."""
             from connector.core.descriptors import batch_descriptors
             from connector.core.layout import blocks_for
+            from connector.sim.raw_nixl import raw_write
 
             src_blocks = pick_blocks(tokens, cfg["block_size"], cfg["num_blocks"], seed=1000 + seed,
                                      run_blocks=cfg["run_blocks"])
@@ -156,7 +157,7 @@ def prefill_main(conn: Any, cfg: dict[str, Any]) -> None:
                 descs = batch_descriptors(sender.me.by_key, peer.accepted.regions, layer_routes,
                                           [(layer, 0, n) for layer in layer_routes], src_blocks, dst_blocks[(dpp, dtp)])
                 local, remote = descs.arrays()
-                seconds += transport.raw_write(peer.agent, local, remote, mem_type=sender.me.mem_type,
+                seconds += raw_write(transport, peer.agent, local, remote, mem_type=sender.me.mem_type,
                                                timeout=cfg["timeout_s"])
                 nbytes += descs.nbytes
                 count += len(descs)

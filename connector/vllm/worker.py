@@ -93,7 +93,7 @@ class WorkerSide:
         side = "p" if self.is_producer else "d"
         name = f"{self.engine_id}-{side}-{self.rank[0]}-{self.rank[1]}-{uuid.uuid4().hex[:8]}"
         self.transport = Transport(self.settings.transport_config(name))
-        self.loop.run(self.transport.__aenter__(), 60)
+        self.loop.run(self.transport.open(), 60)
         # Register each distinct storage once, whole (several layers may share one, and a permuted view's bytes
         # are not its data_ptr() .. + numel()).
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in kv_caches.values()}
@@ -261,6 +261,6 @@ class WorkerSide:
             if self.receiver is not None:
                 self.loop.run(self.receiver.close(), 30)
             if self.transport is not None:
-                self.loop.run(self.transport.close(), 30)
+                self.loop.run(self.transport.aclose(), 30)
         finally:
             self.loop.stop()

@@ -1,9 +1,10 @@
-"""asyncio-facing wrapper over one NIXL agent with the UCX backend: memory registration, WRITE posting with
-byte backpressure and an optional post-rate cap, standalone notifications, and a notification stream.
+"""asyncio-facing wrapper over one NIXL agent with the UCX backend: memory registration, and WRITE posting with
+byte backpressure and an optional post-rate cap. No NIXL notifications: completions travel over the side channel
+(connector.transport.control), so nothing here polls for them.
 
 Threads: the event loop never calls NIXL on the data path. `post_threads` workers build descriptor lists and run
 createXferReq + postXferReq (on DRAM the CMA copy runs inside postXferReq); one poller thread (`poller.py`)
-fetches notifications and drives PROC transfers to completion. Any NIXL call that touches the UCX worker can
+drives PROC transfers to completion. Any NIXL call that touches the UCX worker can
 wait for a concurrent copy, so none of them may run on the loop. The agent is created in NIXL_THREAD_SYNC_RW
 mode, which makes this sharing safe (see `glue.make_agent`). Control calls (`register`, `add_peer`,
 `remove_peer`) are synchronous and may wait briefly for in-progress posts; make them off the hot path.
@@ -19,17 +20,15 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from connector.core.errors import ConfigError, TransportError
-from connector.transport.nixl.glue import as_descs, make_agent, memory_region, nixl_errors, pair_check, raw_write
+from connector.transport.nixl.glue import as_descs, make_agent, memory_region, nixl_errors, pair_check
 from connector.transport.nixl.poller import Poller, Xfer
 
 log = logging.getLogger(__name__)
-
-_STOP = object()
 
 
 @dataclass(frozen=True)
@@ -47,8 +46,6 @@ class TransportConfig:
     """Worker threads that post transfers (on DRAM the copy itself runs in the posting thread)."""
     ucx_error_handling_mode: str = "peer"
     """UCX error handling; "peer" keeps peer-failure detection."""
-    notif_poll_max_s: float = 0.005
-    """Longest sleep of the notification pump when idle (it polls again at once after a hit)."""
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -80,8 +77,6 @@ class TransportStats:
     posts: int = 0
     descriptors: int = 0
     bytes_written: int = 0
-    notifs_sent: int = 0
-    notifs_received: int = 0
     errors: int = 0
     timeouts: int = 0
     peak_inflight_bytes: int = 0
@@ -154,14 +149,14 @@ class Transport:
         self._peers: set[str] = set()
         self._regs: list[tuple[Any, Any]] = []  # (nixlRegDList, the object kept alive while registered)
         self._hlock = threading.Lock()
-        self._handles: set[Any] = set()  # live xfer handles (any thread)
-        self._leaked: list[Any] = []  # handles NIXL refused to release (still active); retried at close
-        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._handles: set[Any] = set()
+        """Xfer handles not yet released (any thread); `_release` is the only way out of this set."""
         self._closing = False
         self._close_fut: asyncio.Future[None] | None = None
 
     # ---------------------------------------------------------------- lifetime
-    async def __aenter__(self) -> "Transport":
+    async def open(self) -> "Transport":
+        """Create the NIXL agent and start the poller; pair with `aclose()` (or use `async with`)."""
         if self._agent is not None or self._closing:
             raise TransportError(f"transport {self.config.name!r} was already entered; create a new Transport")
         cfg = self.config
@@ -177,15 +172,17 @@ class Transport:
             self._executor.shutdown(wait=False)
             self._closing = True
             raise TransportError(f"could not create NIXL agent {cfg.name!r} with the UCX backend: {exc}") from exc
-        self._poller = Poller(self._agent, self._errors, self._release, self._deliver, loop,
-                              cfg.notif_poll_max_s, cfg.name)
+        self._poller = Poller(self._agent, self._errors, self._release, cfg.name)
         self._poller.start()
         return self
 
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.close()
+    async def __aenter__(self) -> "Transport":
+        return await self.open()
 
-    async def close(self) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
         """Refuse new work, wait for posting threads, stop the poller (releasing the handles it holds), remove
         peers, deregister memory, drop the agent. Idempotent; concurrent callers wait for the first."""
         if self._close_fut is not None:
@@ -196,7 +193,6 @@ class Transport:
         try:
             await asyncio.to_thread(self._teardown)
         finally:
-            self._queue.put_nowait(_STOP)
             self._close_fut.set_result(None)
 
     def _teardown(self) -> None:  # runs off the loop: joining threads and NIXL teardown may take a moment
@@ -207,19 +203,21 @@ class Transport:
             self._poller.join(timeout=30)
         with self._hlock:
             left = list(self._handles)
-        for h in left:
+        for h in left:  # the poller has stopped: whatever is still here gets its last try
             self._release(h)
+        with self._hlock:
+            stuck, self._handles = self._handles, set()
+        if stuck:  # the agent's destructor, which runs next, releases what NIXL still holds
+            log.warning("transport %s: %d xfer handle(s) could not be released before close", self.config.name,
+                        len(stuck))
         agent = self._agent
         if agent is not None:
             for peer in list(self._peers):
                 self._quiet(agent.remove_remote_agent, peer)
             for reg, _obj in self._regs:
                 self._quiet(agent.deregister_memory, reg)
-            for h in self._leaked:
-                self._quiet(h.release)
         self._peers.clear()
         self._regs.clear()
-        self._leaked.clear()
         # Drop every reference to the agent now, not when this object is collected: the nixl_agent's destructor
         # is what stops its progress thread and UCX worker threads (each costs ~3 % of a core while idle).
         if self._poller is not None and not self._poller.is_alive():
@@ -235,7 +233,8 @@ class Transport:
     def _live_agent(self) -> Any:
         if self._agent is None or self._closing:
             raise TransportError(
-                f"transport {self.config.name!r} is closed or was never entered; use `async with Transport(cfg)`")
+                f"transport {self.config.name!r} is closed or was never opened; use `async with Transport(cfg)` "
+                f"or `await Transport(cfg).open()`")
         return self._agent
 
     # ---------------------------------------------------------------- memory and peers
@@ -262,7 +261,8 @@ class Transport:
 
     @property
     def agent(self) -> Any:
-        """The raw `nixl_agent` (for a raw-NIXL benchmark baseline). Do not add/remove peers through it."""
+        """The raw `nixl_agent` (the bench's raw-NIXL baseline, connector.sim.raw_nixl). Do not add or remove peers
+        or register memory through it."""
         return self._live_agent()
 
     @property
@@ -307,15 +307,13 @@ class Transport:
     @property
     def open_handles(self) -> int:
         """Xfer handles created and not yet released (for tests)."""
-        return len(self._handles) + len(self._leaked)
+        return len(self._handles)
 
     async def write(self, peer: str, local: Sequence[tuple[int, int]] | np.ndarray,
                     remote: Sequence[tuple[int, int]] | np.ndarray, *, mem_type: str = "DRAM",
-                    local_device: int = 0, remote_device: int = 0, notif: bytes = b"",
-                    timeout: float = 30.0) -> WriteTiming:
-        """WRITE local[i] -> remote[i] on `peer` (pairs of (addr, nbytes), or Nx2/Nx3 integer arrays), then deliver
-        `notif` (if any) to the peer after the data is visible. Returns, with its timing, when the transfer is
-        complete.
+                    local_device: int = 0, remote_device: int = 0, timeout: float = 30.0) -> WriteTiming:
+        """WRITE local[i] -> remote[i] on `peer` (pairs of (addr, nbytes), or Nx2/Nx3 integer arrays). Returns, with
+        its timing, when the transfer is complete.
         ValueError (nothing posted) on mismatched descriptors; TransportError on failure, timeout, unknown peer.
         `timeout` covers admission, throttling, posting and completion."""
         if mem_type not in ("DRAM", "VRAM"):
@@ -325,8 +323,6 @@ class Transport:
         nbytes = pair_check(ld, rd)
         agent = self._check_peer(peer)
         if ld.shape[0] == 0:
-            if notif:
-                await self.send_notif(peer, notif)
             return WriteTiming(0.0, 0.0)
         what = (f"WRITE of {ld.shape[0]} descriptor(s) / {nbytes} B ({mem_type}) from {self.config.name!r} "
                 f"to peer {peer!r}")
@@ -334,7 +330,7 @@ class Transport:
             async with asyncio.timeout(timeout):
                 await self._gate.acquire(nbytes)
                 try:
-                    state, timing = await self._post_and_wait(agent, peer, ld, rd, mem_type, bytes(notif), what)
+                    state, timing = await self._post_and_wait(agent, peer, ld, rd, mem_type, what)
                 finally:
                     self._gate.release(nbytes)
         except TimeoutError:
@@ -348,31 +344,15 @@ class Transport:
         self.stats.bytes_written += nbytes
         return timing
 
-    def raw_write(self, peer: str, local: Sequence[tuple[int, int]] | np.ndarray,
-                  remote: Sequence[tuple[int, int]] | np.ndarray, *, mem_type: str = "DRAM", local_device: int = 0,
-                  remote_device: int = 0, notif: bytes = b"", timeout: float = 30.0) -> float:
-        """Benchmark baseline: the same WRITE as plain blocking NIXL on the calling thread (never the event loop),
-        with no backpressure, throttle or stats. Returns the seconds it took; TransportError on failure."""
-        ld, rd = as_descs(local, local_device), as_descs(remote, remote_device)
-        pair_check(ld, rd)
-        agent = self._check_peer(peer)
-        if ld.shape[0] == 0:
-            return 0.0
-        try:
-            return raw_write(agent, peer, ld, rd, mem_type, bytes(notif), timeout)
-        except (RuntimeError, *self._errors) as exc:
-            raise TransportError(f"raw WRITE of {ld.shape[0]} descriptor(s) from {self.config.name!r} to peer "
-                                 f"{peer!r} failed: {exc!r}") from exc
-
     async def _post_and_wait(self, agent: Any, peer: str, ld: np.ndarray, rd: np.ndarray, mem_type: str,
-                             notif: bytes, what: str) -> tuple[str, WriteTiming]:
+                             what: str) -> tuple[str, WriteTiming]:
         if self._throttle is not None:
             await self._throttle.acquire()
         assert self._executor is not None
         xfer = Xfer(asyncio.get_running_loop())
         try:
-            cf = self._executor.submit(self._post, agent, peer, ld, rd, mem_type, notif, xfer)
-        except RuntimeError:  # executor shut down: close() is running
+            cf = self._executor.submit(self._post, agent, peer, ld, rd, mem_type, xfer)
+        except RuntimeError:  # executor shut down: aclose() is running
             raise TransportError(f"{what}: transport is closing") from None
         try:
             state = await asyncio.wrap_future(cf)
@@ -392,8 +372,7 @@ class Transport:
             raise TransportError(f"{what} could not be posted: {exc!r}; the peer may have died or its metadata is "
                                  "stale -- re-handshake (remove_peer + add_peer with fresh metadata)") from exc
 
-    def _post(self, agent: Any, peer: str, ld: np.ndarray, rd: np.ndarray, mem_type: str, notif: bytes,
-              xfer: Xfer) -> str:
+    def _post(self, agent: Any, peer: str, ld: np.ndarray, rd: np.ndarray, mem_type: str, xfer: Xfer) -> str:
         """Post worker thread: build descriptor lists, create and post the request. DONE/ERR: released here and
         returned. PROC: handed to the poller, which resolves `xfer.future` and releases the handle."""
         if self._closing or xfer.abandoned:
@@ -406,7 +385,7 @@ class Transport:
             self._handles.add(handle)
         xfer.handle = handle
         try:
-            state = agent.transfer(handle, notif)
+            state = agent.transfer(handle)
         except BaseException:
             self._release(handle)
             raise
@@ -417,45 +396,26 @@ class Transport:
         self._release(handle)
         return "ERR (transport closing)" if state == "PROC" else state
 
-    def _release(self, handle: Any) -> None:
-        """Release an xfer handle exactly once (any thread); NIXL refuses for still-active ones: retried at close."""
+    def _release(self, handle: Any, *, keep_if_active: bool = False) -> bool:
+        """The one place an xfer handle is released (any thread), so it is released once: taken out of the live
+        set first, so a second call finds nothing to do. NIXL refuses to release a transfer it cannot cancel; the
+        handle then stays live (`keep_if_active`: the poller tries again later, else it is retried at close) and
+        False is returned."""
         with self._hlock:
             if handle not in self._handles:
-                return
+                return True
             self._handles.discard(handle)
         try:
             handle.release()
-        except Exception as exc:  # noqa: BLE001
-            log.warning("transport %s: xfer handle release failed (%s); will retry at close", self.config.name, exc)
-            self._leaked.append(handle)
-
-    # ---------------------------------------------------------------- notifications
-    async def send_notif(self, peer: str, msg: bytes) -> None:
-        """Send a standalone notification to `peer` (off the event loop)."""
-        agent = self._check_peer(peer)
-        assert self._executor is not None
-        try:
-            await asyncio.get_running_loop().run_in_executor(self._executor, agent.send_notif, peer, bytes(msg))
-        except self._errors as exc:
-            self.stats.errors += 1
-            raise TransportError(f"notification from {self.config.name!r} to peer {peer!r} failed: {exc!r}; "
-                                 "the peer may have died -- re-handshake") from exc
-        self.stats.notifs_sent += 1
-
-    def _deliver(self, items: list[tuple[str, bytes]]) -> None:  # loop thread, from the poller
-        self.stats.notifs_received += len(items)
-        for item in items:
-            self._queue.put_nowait(item)
-
-    async def notifications(self) -> AsyncIterator[tuple[str, bytes]]:
-        """Yield (peer name, message) as notifications arrive, until the transport closes. One consumer."""
-        while True:
-            item = await self._queue.get()
-            if item is _STOP:
-                self._queue.put_nowait(_STOP)  # later iterators stop too
-                return
-            yield item
+            return True
+        except Exception as exc:  # noqa: BLE001 - still active: stays live
+            if not keep_if_active:
+                log.warning("transport %s: xfer handle release failed (%s); will retry at close", self.config.name,
+                            exc)
+            with self._hlock:
+                self._handles.add(handle)
+            return False
 
 
 class _Closed(Exception):
-    pass
+    """Internal: the transport closed before a queued post ran."""

@@ -166,28 +166,3 @@ def as_descs(pairs: Sequence[tuple[int, int]] | np.ndarray, device: int) -> np.n
             arr = arr.copy()
         arr[:, 2] = device
     return arr
-
-
-def raw_write(agent: Any, peer: str, local: np.ndarray, remote: np.ndarray, mem_type: str = "DRAM",
-              notif: bytes = b"", timeout: float = 30.0) -> float:
-    """One plain NIXL WRITE on the calling thread (benchmark baseline): build lists, initialize_xfer, transfer,
-    poll to DONE (yielding, then 20 us sleeps), release. Returns the seconds taken; RuntimeError on ERR/timeout."""
-    import time  # noqa: PLC0415
-
-    t0 = time.perf_counter()
-    handle = agent.initialize_xfer("WRITE", agent.get_xfer_descs(local, mem_type),
-                                   agent.get_xfer_descs(remote, mem_type), peer)
-    try:
-        state = agent.transfer(handle, notif)
-        spins = 0
-        while state == "PROC":
-            if time.perf_counter() - t0 > timeout:
-                raise RuntimeError(f"raw WRITE to {peer!r} timed out after {timeout:g} s")
-            time.sleep(0 if spins < 1000 else 2e-5)
-            spins += 1
-            state = agent.check_xfer_state(handle)
-        if state != "DONE":
-            raise RuntimeError(f"raw WRITE to {peer!r} ended in state {state}")
-        return time.perf_counter() - t0
-    finally:
-        handle.release()

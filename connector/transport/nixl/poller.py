@@ -1,7 +1,7 @@
-"""The Transport's NIXL polling thread: fetches notifications and drives posted transfers to completion.
+"""The Transport's NIXL polling thread: drives posted transfers to completion.
 
-Why a thread and not an event-loop task: every NIXL call that touches the UCX worker (getNotifs, getXferStatus,
-releaseXferReq) waits on the worker lock while another thread's DRAM post runs its CMA copy inside
+Why a thread and not an event-loop task: every NIXL call that touches the UCX worker (getXferStatus,
+releaseXferReq, getNotifs) waits on the worker lock while another thread's DRAM post runs its CMA copy inside
 postXferReq. Measured here: `get_new_notifs()` blocked 38-48 ms during a 256 MiB WRITE (1.1 s on first touch).
 On the loop thread that freezes asyncio; on this thread it costs nothing. The event loop never calls NIXL on
 the data path; results come back through `loop.call_soon_threadsafe`.
@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from typing import Any, Callable
 
 log = logging.getLogger(__name__)
@@ -45,19 +44,16 @@ class Xfer:
 
 
 class Poller(threading.Thread):
-    """Polls `get_new_notifs()` (adaptive sleep up to `idle_max_s`) and the state of pending transfers (50 us
-    backoff to 1 ms while any is pending). Releases every handle it was given, exactly once."""
+    """Drives posted transfers to completion: polls the state of each pending one (50 us backoff to 1 ms while any
+    is pending) and sleeps until the next `add` when none is. Every handle it was given goes to `release` (the
+    Transport's, the one owner of handle release) once it is finished or abandoned."""
 
-    def __init__(self, agent: Any, errors: tuple[type[BaseException], ...], release: Callable[[Any], None],
-                 deliver: Callable[[list[tuple[str, bytes]]], None], loop: asyncio.AbstractEventLoop,
-                 idle_max_s: float, name: str) -> None:
+    def __init__(self, agent: Any, errors: tuple[type[BaseException], ...], release: Callable[..., bool],
+                 name: str) -> None:
         super().__init__(name=f"nixl-poll-{name}", daemon=True)
         self._agent = agent
         self._errors = errors
         self._release = release
-        self._deliver = deliver
-        self._loop = loop
-        self._idle_max = idle_max_s
         self._lock = threading.Lock()
         self._pending: list[Xfer] = []
         self._wake = threading.Event()
@@ -81,40 +77,19 @@ class Poller(threading.Thread):
         delay = 0.0
         try:
             while not self._stopping:
-                got = self._poll_notifs()
-                busy = self._poll_xfers()
-                if got:
-                    delay = 0.0
-                elif busy:
+                if self._poll_xfers():
                     delay = min(0.001, max(0.00005, delay * 2))
-                else:
-                    delay = min(self._idle_max, max(0.0005, delay * 2))
-                if delay:
                     self._wake.wait(delay)
-                    self._wake.clear()
+                else:
+                    delay = 0.0
+                    self._wake.wait()  # nothing in flight: nothing to poll until add() or stop()
+                self._wake.clear()
         finally:
             with self._lock:
                 left, self._pending = self._pending, []
             for x in left:  # shutting down: release (cancels in NIXL) and fail the waiters
                 self._release(x.handle)
                 x.resolve("ERR (transport closed)")
-
-    def _poll_notifs(self) -> bool:
-        try:
-            new = self._agent.get_new_notifs()
-        except self._errors as exc:
-            log.warning("%s: get_new_notifs failed: %s", self.name, exc)
-            time.sleep(0.01)
-            return False
-        if not new:
-            return False
-        items = [(p.decode() if isinstance(p, (bytes, bytearray)) else str(p), bytes(m))
-                 for p, msgs in new.items() for m in msgs]
-        try:
-            self._loop.call_soon_threadsafe(self._deliver, items)
-        except RuntimeError:
-            pass
-        return True
 
     def _poll_xfers(self) -> bool:
         with self._lock:
@@ -127,13 +102,9 @@ class Poller(threading.Thread):
                 state = self._agent.check_xfer_state(x.handle)
             except self._errors as exc:
                 state = f"ERR ({exc!r})"
-            if state == "PROC" and x.abandoned:
-                # the writer gave up (timeout): try to cancel; if NIXL refuses, keep polling until terminal
-                try:
-                    x.handle.release()
-                    state = "ERR (abandoned)"
-                except Exception:  # noqa: BLE001 - still active; retried on the next pass
-                    pass
+            if state == "PROC" and x.abandoned and self._release(x.handle, keep_if_active=True):
+                # the writer gave up (timeout) and NIXL cancelled it; if NIXL refuses, poll on until terminal
+                state = "ERR (abandoned)"
             if state != "PROC":
                 done.append(x)
                 self._release(x.handle)
