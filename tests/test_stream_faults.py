@@ -53,7 +53,7 @@ class InProcess:
 
     def close(self, engine) -> None:
         if engine is not None:
-            self.lt.run(engine.close(), 30)
+            self.lt.run(engine.aclose(), 30)
         self.lt.run(self.transport.aclose(), 30)
         self.lt.stop()
 
@@ -149,7 +149,7 @@ def test_unknown_transfer_id_and_foreign_layer_are_refused(prefill_cluster_and_d
             await conn.send(Register(**reg))
             return await conn.recv(timeout=10)
         finally:
-            await conn.close()
+            await conn.aclose()
 
     # stage 0 holds layers 0-29: asking it for layer 59 is refused, naming the layer
     reply = decode.lt.run(register(cluster.base_port, layers=[3, 59]), 30)
@@ -347,7 +347,7 @@ def test_decode_heartbeats_extend_the_lease():
         decode.lt.run(receiver.receive("t-hb", PrefillAddress("127.0.0.1", port), dst, 0, TOKENS), 30)
         assert prefill.lt.run(sender.wait_finished("t-hb", 10), 15) is True
         assert decode.bufs.verify(dst, 0, TOKENS) == []
-        decode.lt.run(beating.close(), 10)
+        decode.lt.run(beating.aclose(), 10)
 
 
 def test_sender_counts_bytes_streamed_during_compute_apart_from_the_sweep():

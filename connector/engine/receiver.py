@@ -28,6 +28,7 @@ from connector.protocol.handshake import accept_peer
 from connector.protocol.messages import (Abort, Complete, Error, Register, RegisterAck, RegisterError, Scatter,
                                          Scattered, Stopped)
 from connector.transport.control import ControlConnection, connect
+from connector.transport.loop import OwnedTasks
 
 log = logging.getLogger(__name__)
 
@@ -90,10 +91,13 @@ class StreamReceiver:
         self._engines: dict[PrefillAddress, _Engine] = {}
         self._connecting: dict[PrefillAddress, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._pending: dict[str, _Pending] = {}
+        self._tasks = OwnedTasks(f"decode rank {me.rank}")
 
-    async def close(self) -> None:
+    async def aclose(self) -> None:
+        """Close every side-channel connection; every reader task is cancelled and awaited."""
         for engine in list(self._engines.values()):
             await self._drop_engine(engine, "receiver closed")
+        await self._tasks.aclose()
 
     # ---- connections -----------------------------------------------------------------------------------------
     async def _connect(self, address: PrefillAddress, port: int) -> ControlConnection:
@@ -130,25 +134,24 @@ class StreamReceiver:
                     slot = self._staged.slots.take()  # none left: this rank writes directly, which is always correct
                     if slot is not None:
                         engine.slots[src] = slot
-                    engine.readers.append(asyncio.create_task(self._read(engine, src, conn)))
+                    engine.readers.append(self._tasks.spawn(self._read(engine, src, conn), name=f"read {src}"))
             except BaseException:
-                await first.close("handshake checks failed")
-                for conn in engine.conns.values() if engine else ():
-                    await conn.close("handshake checks failed")
-                for slot in engine.slots.values() if engine else ():
-                    self._staged.slots.give_back(slot)
+                await first.aclose("handshake checks failed")
+                if engine is not None:
+                    await self._drop_engine(engine, "handshake checks failed")
                 raise
             self._engines[address] = engine
             return engine
 
     async def _drop_engine(self, engine: _Engine, reason: str) -> None:
+        """Stop talking to that prefill engine: its readers are cancelled and awaited (all but the caller, when a
+        reader drops it on its way out), its connections closed, its staging slots given back."""
         if self._engines.get(engine.address) is engine:
             del self._engines[engine.address]
-        for task in engine.readers:
-            if task is not asyncio.current_task():
-                task.cancel()
+        readers, engine.readers = engine.readers, []
+        await self._tasks.cancel(readers, timeout_s=10.0)
         for conn in engine.conns.values():
-            await conn.close(reason)
+            await conn.aclose(reason)
         # The connections are closed, so no more staged chunk can arrive for these slots.
         slots, engine.slots = engine.slots, {}
         for slot in slots.values():

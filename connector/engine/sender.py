@@ -27,6 +27,7 @@ from connector.protocol.handshake import PeerKey, accept_peer, peer_key
 from connector.protocol.messages import (Abort, Complete, Heartbeat, Hello, Message, Register, RegisterAck,
                                          RegisterError, Scattered, Stopped)
 from connector.transport.control import ControlConnection, ControlServer
+from connector.transport.loop import OwnedTasks
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ class StreamSender:
         self.finished_info: dict[str, FinishedInfo] = {}
         """Finished transfers, kept as long as `_released` (stats, late waiters)."""
         self._peers: dict[PeerKey, PeerInfo] = {}
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks = OwnedTasks(f"prefill rank {me.rank}")
         self._server: ControlServer | None = None
         self._inbox: deque = deque()
         self._wake = asyncio.Event()
@@ -71,30 +72,18 @@ class StreamSender:
             auth_token=side.auth_token, on_hello=self._on_hello, handshake_timeout_s=side.handshake_timeout_s,
             heartbeat_interval_s=side.heartbeat_interval_s, dead_after_s=side.dead_after_s)
         await self._server.start()
-        self._spawn(self._lease_loop())
-        self._spawn(self._drain_loop())
+        self._tasks.spawn(self._lease_loop())
+        self._tasks.spawn(self._drain_loop())
         return self._server.port
 
-    async def close(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+    async def aclose(self) -> None:
+        """Stop every task this sender runs (awaited), close the side channel, forget the decode ranks' agents."""
+        await self._tasks.aclose()
         if self._server is not None:
-            await self._server.close()
+            await self._server.aclose()
         for peer in self._peers.values():
-            self.transport.remove_peer(peer.agent)
+            await asyncio.to_thread(self.transport.remove_peer, peer.agent)  # NIXL calls stay off the loop
         self._peers.clear()
-
-    def _spawn(self, coro) -> asyncio.Task:
-        task = self.loop.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._task_done)
-        return task
-
-    def _task_done(self, task: asyncio.Task) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("sender task failed", exc_info=task.exception())
 
     # ---- framework-thread entry points (return at once) -------------------------------------------------------
     # They only append to a deque (atomic under the GIL). Waking the loop costs a syscall and a GIL hand-off of
@@ -148,7 +137,7 @@ class StreamSender:
         req = SendRequest(transfer_id, num_tokens, [], finished=self.loop.create_future())
         self.requests[transfer_id] = req
         for conn, reg, _at in self._parked.pop(transfer_id, []):
-            self._spawn(self._accept(conn, reg))
+            self._tasks.spawn(self._accept(conn, reg))
 
     def _begin_chunk(self, transfer_id: str, block_ids: list[list[int]], computed_tokens: int) -> None:
         req = self.requests.get(transfer_id)
@@ -174,7 +163,7 @@ class StreamSender:
             return  # aborted or finished: nothing to send
         tokens = req.computed_tokens
         if event is not None:
-            self._spawn(self._after_event(req, global_layer, tokens, event))
+            self._tasks.spawn(self._after_event(req, global_layer, tokens, event))
         else:
             self._mark_ready(req, global_layer, tokens)
 
@@ -324,7 +313,7 @@ class StreamSender:
             if batch:
                 dest.writing.update(layer for layer, _ in batch)
                 dest.batches_in_flight += 1
-                self._spawn(self._write_batch(req, dest, batch))
+                self._tasks.spawn(self._write_batch(req, dest, batch))
             self._maybe_complete(req, dest)
         self._check_finished(req)  # e.g. final now, and every destination already done or dropped
 
@@ -394,7 +383,7 @@ class StreamSender:
     def _flush_notice(self, dest: Destination) -> None:
         if dest.notice is not None and not dest.batches_in_flight:
             notice, dest.notice = dest.notice, None
-            self._spawn(self._send_quiet(dest.conn, notice))
+            self._tasks.spawn(self._send_quiet(dest.conn, notice))
 
     def _maybe_complete(self, req: SendRequest, dest: Destination) -> None:
         if dest.done or not req.final or dest.writing:
@@ -405,7 +394,7 @@ class StreamSender:
         dest.done = True
         msg = Complete(req.transfer_id, *self.me.rank, dest.bytes_written, dest.descriptors,
                        dest.staged_chunks)
-        self._spawn(self._complete(req, dest, msg))
+        self._tasks.spawn(self._complete(req, dest, msg))
 
     async def _complete(self, req: SendRequest, dest: Destination, msg: Complete) -> None:
         await self._send_quiet(dest.conn, msg)
@@ -459,7 +448,7 @@ class StreamSender:
                     del self._parked[tid]
                     why = f"prefill rank {self.me.rank} never started {tid!r} within {self.config.lease_s:.0f} s"
                     for conn, _reg, _at in parked:
-                        self._spawn(self._send_quiet(conn, RegisterError(tid, why)))
+                        self._tasks.spawn(self._send_quiet(conn, RegisterError(tid, why)))
             for tid, at in list(self._released.items()):
                 if now - at > self.config.released_memory_s:
                     del self._released[tid]

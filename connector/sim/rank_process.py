@@ -60,7 +60,7 @@ def _rank_process(conn: Any, cfg: dict[str, Any]) -> Iterator[SimpleNamespace]:
         conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}"))
     finally:
         if rank.engine is not None:
-            lt.run(rank.engine.close(), 30)
+            lt.run(rank.engine.aclose(), 30)
         if rank.transport is not None:
             lt.run(rank.transport.aclose(), 30)
         lt.stop()

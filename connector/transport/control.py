@@ -2,7 +2,7 @@
 
 What crosses the wire (messages, frames, the Hello checks) is `connector.protocol`. This module holds the sockets:
 the connection, the server and the client handshake. Lifetimes: a `ControlConnection` owns its reader and heartbeat
-tasks and cancels them on `close()`; a `ControlServer` owns its connection tasks and closes them on exit. Every wait
+tasks and cancels them on `aclose()`; a `ControlServer` owns its connection tasks and closes them on exit. Every wait
 on a peer has a timeout.
 """
 
@@ -122,7 +122,7 @@ class ControlConnection:
                 return
             yield item
 
-    async def close(self, reason: str = "closed locally") -> None:
+    async def aclose(self, reason: str = "closed locally") -> None:
         """Close the socket and cancel owned tasks; idempotent. The first reason wins."""
         self._shutdown(reason, logging.DEBUG)
         current = asyncio.current_task()
@@ -137,7 +137,7 @@ class ControlConnection:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await self.close()
+        await self.aclose()
 
     def _shutdown(self, reason: str, level: int) -> None:
         """Synchronous part of closing: usable from inside the owned tasks."""
@@ -289,12 +289,12 @@ class ControlServer:
         self.port = self._server.sockets[0].getsockname()[1]
         log.info("control server listening on %s:%d", self.host, self.port)
 
-    async def close(self) -> None:
+    async def aclose(self) -> None:
         """Stop accepting, close every connection, cancel and await the connection tasks."""
         if self._server is not None:
             self._server.close()
         for conn in list(self.connections):
-            await conn.close("server shutting down")
+            await conn.aclose("server shutting down")
         for task in list(self._handlers):
             task.cancel()
         if self._handlers:
@@ -310,7 +310,7 @@ class ControlServer:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await self.close()
+        await self.aclose()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
@@ -325,7 +325,7 @@ class ControlServer:
                 await self._serve(conn)
             finally:
                 self.connections.discard(conn)
-                await conn.close()
+                await conn.aclose()
         except asyncio.CancelledError:
             writer.close()
         except Exception:  # must never escape into asyncio's handler machinery

@@ -1,5 +1,8 @@
 """One asyncio event loop per process, in its own thread. Framework threads (vLLM's model runner, the demo's
-compute loop) hand work to it without blocking: a save hook must return in microseconds."""
+compute loop) hand work to it without blocking: a save hook must return in microseconds.
+
+Every task has an owner: `OwnedTasks` for the tasks an object starts on the loop, `LoopThread.spawn` for work a
+framework thread starts and does not wait for. Neither drops an error: a failure is logged when the task ends."""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, Awaitable, Callable, Coroutine, TypeVar
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -50,6 +53,12 @@ class LoopThread:
     def submit(self, coro: Awaitable[T]) -> "concurrent.futures.Future[T]":
         return asyncio.run_coroutine_threadsafe(coro, self.loop)  # type: ignore[arg-type]
 
+    def spawn(self, coro: Awaitable[T], what: str) -> "concurrent.futures.Future[T]":
+        """`submit` for work nobody waits for: its failure is logged (naming `what`), never dropped."""
+        fut = self.submit(coro)
+        fut.add_done_callback(lambda f: _log_failure(f, what))
+        return fut
+
     def run(self, coro: Awaitable[T], timeout: float) -> T:
         """Run `coro` on the loop and wait for it from this (non-loop) thread, at most `timeout` s."""
         fut = self.submit(coro)
@@ -77,3 +86,45 @@ class LoopThread:
         loop.call_soon_threadsafe(loop.stop)
         self._thread.join(timeout)
         self._thread = None
+
+
+def _log_failure(fut: Any, what: str) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        log.error("%s failed", what, exc_info=fut.exception())
+
+
+class OwnedTasks:
+    """The tasks one object runs on its loop. Each task's failure is logged when it ends (none is dropped), and
+    `aclose()` cancels and awaits every task still running. Not a TaskGroup on purpose: one failed task (one
+    decode rank's WRITE, one connection's reader) must not cancel its siblings."""
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str | None = None) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+        return task
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        _log_failure(task, f"{self.owner}: task {task.get_name()}")
+
+    async def cancel(self, tasks: "set[asyncio.Task[Any]] | list[asyncio.Task[Any]]", timeout_s: float) -> None:
+        """Cancel `tasks` (never the caller's own) and wait, at most `timeout_s`, until they have ended."""
+        others = [t for t in tasks if t is not asyncio.current_task() and not t.done()]
+        for task in others:
+            task.cancel()
+        if others:
+            _, late = await asyncio.wait(others, timeout=timeout_s)
+            if late:
+                log.warning("%s: %d task(s) still running %.0f s after cancel", self.owner, len(late), timeout_s)
+
+    async def aclose(self, timeout_s: float = 10.0) -> None:
+        """Cancel and await every task, also those that cancelled ones start on their way out (a few rounds)."""
+        for _ in range(5):
+            if not self._tasks - {asyncio.current_task()}:
+                return
+            await self.cancel(set(self._tasks), timeout_s)

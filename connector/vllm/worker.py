@@ -172,7 +172,7 @@ class WorkerSide:
         self._aborted.add(req_id)
         # The receive ends once every prefill rank confirmed it writes nothing more into our blocks; only then is
         # the request reported finished, so vLLM does not hand the blocks to another request early.
-        self.loop.submit(self.receiver.abort(tid, "request aborted on decode"))
+        self.loop.spawn(self.receiver.abort(tid, "request aborted on decode"), f"abort of transfer {tid}")
 
     def layer_saved(self, layer_name: str) -> None:
         """save_kv_layer: must return at once. Records a CUDA event; the engine waits for it off this thread."""
@@ -257,9 +257,9 @@ class WorkerSide:
             return
         try:
             if self.sender is not None:
-                self.loop.run(self.sender.close(), 30)
+                self.loop.run(self.sender.aclose(), 30)
             if self.receiver is not None:
-                self.loop.run(self.receiver.close(), 30)
+                self.loop.run(self.receiver.aclose(), 30)
             if self.transport is not None:
                 self.loop.run(self.transport.aclose(), 30)
         finally:
