@@ -59,6 +59,11 @@ class StreamSender:
         self.hello = me.hello("prefill", transport)
 
     @property
+    def port(self) -> int:
+        """The side channel's bound port (after `start()`)."""
+        return self._server.port if self._server is not None else self.config.port
+
+    @property
     def peers(self) -> dict[PeerKey, PeerInfo]:
         """Accepted decode ranks: their plan, regions and NIXL agent name."""
         return self._peers

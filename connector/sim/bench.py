@@ -8,7 +8,7 @@ import statistics
 import sys
 from typing import Any
 
-from connector.core.layout import ParallelLayout
+from connector.core.layout import ParallelLayout, blocks_for
 from connector.sim.cluster import Cluster, RequestResult, Scenario
 
 
@@ -66,7 +66,7 @@ def bench(sc: Scenario, progress: bool = False, repeats: int = 5) -> dict[str, A
     return {
         "model": sc.model.name, "tokens": sc.tokens, "block_size": sc.block_size, "device": sc.device,
         "repeats": repeats, "bytes": raw_bytes, "descriptors": raw_descs,
-        "blocks_per_layer": -(-sc.tokens // sc.block_size),
+        "blocks_per_layer": blocks_for(sc.tokens, sc.block_size),
         "raw_gbps": round(raw_bytes / raw_median / 1e9, 3),
         "connector_gbps": round(bulk_bytes / bulk_s / 1e9, 3),
         "connector_vs_raw": round((bulk_bytes / bulk_s) / (raw_bytes / raw_median), 3),

@@ -7,12 +7,11 @@ i.e. one tensor per layer (like vLLM), K/V halves as parts, head-major blocks (H
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-from connector.core.layout import POOLS, ModelLayout, ParallelLayout, RankLayout, Region
+from connector.core.layout import POOLS, ModelLayout, ParallelLayout, RankLayout, Region, blocks_for
 
 POOL_GROUP = {"kv": 0, "index_k": 1, "index_v": 1}
 """KV-cache group per pool: like vLLM, the main cache and the index caches get separate block tables."""
@@ -148,13 +147,9 @@ class RankBuffers:
         return problems
 
 
-def blocks_needed(num_tokens: int, block_size: int) -> int:
-    return math.ceil(num_tokens / block_size)
-
-
 def pick_blocks(num_tokens: int, block_size: int, num_blocks: int, seed: int, run_blocks: int = 1) -> list[list[int]]:
     """Random distinct block ids per group, in runs of about `run_blocks` consecutive ids (1 = fully scattered)."""
-    need = blocks_needed(num_tokens, block_size)
+    need = blocks_for(num_tokens, block_size)
     gen = torch.Generator().manual_seed(seed)
     groups = []
     for _ in range(NUM_GROUPS):

@@ -12,10 +12,13 @@ import statistics
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
 
-from connector.core.layout import ModelLayout, ParallelLayout
+from connector.core.layout import ModelLayout, ParallelLayout, blocks_for
+from connector.core.plan import Rank
+from connector.sim import rank_process
 from connector.sim.env import apply_env, free_port_range
+from connector.sim.spec import RankSpec
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +42,18 @@ class Scenario:
     requests: int = 1
     timeout_s: float = 120.0
     seed: int = 0
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks per pool of each simulated cache: room for every request twice over, so blocks can be random."""
+        return blocks_for(self.tokens, self.block_size) * self.requests * 2 + 8
+
+    def rank_spec(self, side: Literal["prefill", "decode"], rank: Rank, base_port: int = 0,
+                  run_id: str = "sim") -> RankSpec:
+        return RankSpec(side=side, rank=rank, model=self.model, prefill=self.prefill, decode=self.decode,
+                        block_size=self.block_size, num_blocks=self.num_blocks, device=self.device,
+                        run_blocks=self.run_blocks, staging_mb=self.staging_mb, base_port=base_port, run_id=run_id,
+                        timeout_s=self.timeout_s, log_level=logging.getLogger().level or logging.WARNING)
 
 
 @dataclass
@@ -80,8 +95,6 @@ class Cluster:
 
     def __init__(self, sc: Scenario, spawn: tuple[str, ...] = ("prefill", "decode")) -> None:
         """`spawn`: which sides run as worker processes (tests play the other side in-process)."""
-        from connector.sim.rank_process import decode_main, prefill_main
-
         apply_env()
         self.sc = sc
         self.ctx = mp.get_context("spawn")
@@ -91,24 +104,15 @@ class Cluster:
         self.registered: dict[tuple[int, int], list[list[int]]] = {}
         self.prefill: dict[tuple[int, int], tuple[Any, Any]] = {}
         self.decode: dict[tuple[int, int], tuple[Any, Any]] = {}
-        for side, parallel, target, table in (("prefill", sc.prefill, prefill_main, self.prefill),
-                                              ("decode", sc.decode, decode_main, self.decode)):
+        for side, parallel, table in (("prefill", sc.prefill, self.prefill), ("decode", sc.decode, self.decode)):
             for rank in parallel.ranks() if side in spawn else ():
                 parent, child = self.ctx.Pipe()
-                proc = self.ctx.Process(target=target, args=(child, self._worker_config(side, rank)),
+                spec = sc.rank_spec(side, rank, self.base_port, self.run_id)
+                proc = self.ctx.Process(target=rank_process.run, args=(child, spec),
                                         name=f"{side}-{rank[0]}-{rank[1]}", daemon=True)
                 proc.start()
                 child.close()
                 table[rank] = (proc, parent)
-
-    def _worker_config(self, side: str, rank: tuple[int, int]) -> dict[str, Any]:
-        sc = self.sc
-        needed = -(-sc.tokens // sc.block_size) * sc.requests
-        return {"side": side, "rank": rank, "model": sc.model, "prefill": sc.prefill, "decode": sc.decode,
-                "block_size": sc.block_size, "num_blocks": needed * 2 + 8, "device": sc.device,
-                "run_blocks": sc.run_blocks, "staging_mb": sc.staging_mb,
-                "base_port": self.base_port, "run_id": self.run_id, "timeout_s": sc.timeout_s,
-                "log_level": logging.getLogger().level or logging.WARNING}
 
     def all(self) -> list[tuple[tuple[str, tuple[int, int]], Any, Any]]:
         return [(("prefill", r), p, c) for r, (p, c) in self.prefill.items()] + \
