@@ -222,4 +222,5 @@ def run_scenario(sc: Scenario) -> DemoResult:
         exposed_ms=round(sum(max(0.0, r.last_complete - r.compute_end) for r in results) * 1e3, 2),
         ranks={"prefill": sc.prefill.pp * sc.prefill.tp, "decode": sc.decode.pp * sc.decode.tp},
         hook_us=round(statistics.median(hook_ns) / 1e3, 2) if hook_ns else 0.0,
-        staged_chunks=sum(r.staged_chunks for r in results), requests=[asdict(r) for r in results], problems=[p for r in results for p in r.problems])
+        staged_chunks=sum(r.staged_chunks for r in results), requests=[asdict(r) for r in results],
+        problems=[p for r in results for p in r.problems])

@@ -75,7 +75,8 @@ class ControlConnection:
         self.closed: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         """Resolves to the close reason once the connection is closed (never raises)."""
         self.close_reason: str | None = None
-        self._tasks: list[asyncio.Task[None]] = [asyncio.create_task(self._read_loop(), name=f"control-read {self.address}")]
+        self._tasks: list[asyncio.Task[None]] = [
+            asyncio.create_task(self._read_loop(), name=f"control-read {self.address}")]
         if heartbeat_interval_s:
             self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name=f"control-heartbeat {self.address}"))
 
