@@ -1,8 +1,11 @@
-"""Model layouts built directly (no config files) for pure tests."""
+"""Builders for tests: model layouts made directly (no config files) for pure tests, and demo scenarios."""
 
 from __future__ import annotations
 
-from connector.layout import ModelLayout, PoolSpec
+from typing import Any
+
+from connector.core.layout import ModelLayout, ParallelLayout, PoolSpec
+from connector.sim.cluster import Scenario
 
 
 def make_model(kinds: str, kv_heads: int = 4, mla: bool = False, head_dim: int = 128,
@@ -20,3 +23,19 @@ def make_model(kinds: str, kv_heads: int = 4, mla: bool = False, head_dim: int =
 
 def m3_like() -> ModelLayout:
     return make_model("ddd" + "k" * 57, kv_heads=4, name="minimax-m3-like")
+
+
+def side(model: ModelLayout, spec: str) -> ParallelLayout:
+    """`tp=T,pp=P[,layers=a:b:c]` -> ParallelLayout (the CLI's format)."""
+    fields = dict(item.split("=") for item in spec.split(","))
+    counts = [int(c) for c in fields["layers"].split(":")] if "layers" in fields else None
+    return ParallelLayout.build(model.num_layers, int(fields.get("tp", 1)), int(fields.get("pp", 1)), counts)
+
+
+def scenario(model: ModelLayout, prefill: str = "tp=1,pp=1", decode: str = "tp=1,pp=1", **kw: Any) -> Scenario:
+    """A demo Scenario; small and quick unless told otherwise (100 tokens, no simulated compute, 60 s timeouts)."""
+    kw.setdefault("tokens", 100)
+    kw.setdefault("layer_ms", 0.0)
+    kw.setdefault("timeout_s", 60.0)
+    return Scenario(model=model, prefill=side(model, prefill), decode=side(model, decode), **kw)
+

@@ -7,6 +7,8 @@ import json
 import pathlib
 from collections.abc import Iterable
 
+from connector.core.hf_config import PRESETS
+
 M3_ARCH_VL = "MiniMaxM3SparseForConditionalGeneration"
 M3_ARCH_LM = "MiniMaxM3SparseForCausalLM"
 
@@ -14,7 +16,7 @@ M3_ARCH_LM = "MiniMaxM3SparseForCausalLM"
 def write_m3_config(path, num_layers: int = 8, dense_layers: int = 2, index_value_layers: Iterable[int] = (),
                     kv_heads: int = 4, head_dim: int = 64, index_dim: int = 64, *,
                     num_heads: int = 8) -> pathlib.Path:
-    """A tiny MiniMax-M3 config.json shaped like connector/presets/minimax-m3.json (VL top level + text_config;
+    """A tiny MiniMax-M3 config.json shaped like connector/core/presets/minimax-m3.json (VL top level + text_config;
     a bare text config does not load: vLLM maps only minimax_m3_vl/_mtp, transformers_utils/config.py:155).
     Layers < dense_layers are dense, the rest sparse. index_value_layers clears sparse_disable_index_value there
     (vLLM 0.33 never reads it and builds no index-value cache; `layer_specs` adds one, see there). Returns the
@@ -56,12 +58,11 @@ def write_dense_config(path, num_layers: int = 4, kv_heads: int = 4, head_dim: i
 
 def write_dsv32_config(path, num_layers: int = 6, first_dense: int = 1, kv_lora_rank: int = 128,
                        rope_dim: int = 64, index_head_dim: int = 128) -> pathlib.Path:
-    """A tiny DeepSeek-V3.2 config.json (connector/presets/deepseek-v3.2.json, shrunk): MLA latent of
+    """A tiny DeepSeek-V3.2 config.json (connector/core/presets/deepseek-v3.2.json, shrunk): MLA latent of
     kv_lora_rank + rope_dim bf16 per token, and an indexer on every layer (no index_topk_freq). Returns the folder."""
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    preset = pathlib.Path(__file__).resolve().parents[1] / "connector" / "presets" / "deepseek-v3.2.json"
-    config = json.loads(preset.read_text())
+    config = json.loads(PRESETS["deepseek-v3.2"].read_text())
     config.pop("quantization_config", None)
     config.update(num_hidden_layers=num_layers, first_k_dense_replace=first_dense, hidden_size=256,
                   intermediate_size=256, moe_intermediate_size=64, n_routed_experts=4, num_experts_per_tok=2,

@@ -10,16 +10,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from connector.control import (
-    HEADER, PROTOCOL_VERSION, Abort, Complete, ControlConnection, ControlError, ControlServer, Error, FrameError,
-    Heartbeat, Hello, Register, RegisterAck, RegisterError, Reject, connect, decode_frame, encode_body, encode_frame,
-)
-from connector.layout import Region
+from connector.core.errors import ControlError, FrameError
+from connector.core.layout import Region
+from connector.protocol.messages import (HEADER, PROTOCOL_VERSION, Abort, Complete, Error, Heartbeat, Hello, Register,
+                                         RegisterAck, RegisterError, Reject, decode_frame, encode_body, encode_frame)
+from connector.transport.control import ControlConnection, ControlServer, connect
 
 pytestmark = pytest.mark.timeout(20)
 
 FP = "0123456789abcdef"
-LOG = "connector.control"
+LOG = "connector.transport.control"
 
 
 def regions() -> list[Region]:
@@ -271,8 +271,8 @@ async def test_silent_peer_detected_by_dead_after(caplog):
         assert 0.25 < elapsed < 3  # far below the 5 s the recv would otherwise wait
         assert reasons == [conn.close_reason] and "dead_after" in reasons[0]
         assert await asyncio.wait_for(conn.closed, 1) == reasons[0]
-        await conn.close()
-        await conn.close()  # idempotent
+        await conn.aclose()
+        await conn.aclose()  # idempotent
         assert len(reasons) == 1
         assert any("peer silent" in r.message and r.message.startswith("closing 127.0.0.1:") for r in caplog.records)
 
@@ -286,7 +286,7 @@ async def test_heartbeats_keep_connection_alive_and_server_drops_silent_client()
             assert [c.peer for c in srv.connections] == [hello()]  # the silent one was dropped by the server
             with pytest.raises(ControlError, match="peer closed"):
                 await silent.recv(1)
-            await silent.close()
+            await silent.aclose()
             await alive.send(Register("hb", 0, 1, [[1]], 0, 10))
             assert await alive.recv(2) == RegisterAck("hb")
 
@@ -296,10 +296,10 @@ async def test_server_close_closes_connections():
     srv = server(app)
     await srv.start()
     conn = await connect("127.0.0.1", srv.port, hello(), timeout=2)
-    await srv.close()
+    await srv.aclose()
     with pytest.raises(ControlError):
         await conn.recv(2)
-    await conn.close()
+    await conn.aclose()
     with pytest.raises(ControlError, match="closed"):
         await conn.send(Heartbeat())
     with pytest.raises(ControlError, match="cannot connect"):

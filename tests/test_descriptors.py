@@ -9,8 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from connector.descriptors import DescriptorError, route_descriptors
-from connector.layout import Region
+from connector.core.descriptors import route_descriptors
+from connector.core.errors import DescriptorError
+from connector.core.layout import Region
 
 
 def buffer_region(buf: np.ndarray, pool: str, layer: int, heads: tuple[int, int], parts: int,
@@ -126,7 +127,7 @@ def test_mismatched_block_size_is_named():
 
 
 def test_many_layers_at_once_equal_layer_by_layer():
-    from connector.descriptors import Descriptors, layers_descriptors
+    from connector.core.descriptors import Descriptors, layers_descriptors
 
     bufs_src = [np.zeros((2, 32, 2, 16), np.uint8) for _ in range(5)]
     bufs_dst = [np.zeros((2, 32, 2, 16), np.uint8) for _ in range(5)]

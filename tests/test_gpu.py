@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from connector.demo import Scenario, run_scenario
-from connector.layout import ParallelLayout
-from connector.models import load_model
+from connector.core.hf_config import load_model
+from connector.core.layout import ParallelLayout
+from connector.sim.cluster import Scenario, run_scenario
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -30,7 +30,7 @@ def test_m3_vram_streams_byte_exact(prefill, decode, chunks):
 
 @pytest.mark.parametrize("prefill, decode, chunks, run_blocks", [((1, 2), (1, 1), 1, 1), ((2, 1), (1, 2), 2, 4)])
 def test_m3_vram_staged_byte_exact(prefill, decode, chunks, run_blocks):
-    """Staging in VRAM: the indexed gather and scatter run on the GPU (connector.staging.indexed_copy)."""
+    """Staging in VRAM: the indexed gather and scatter run on the GPU (connector.transport.device_copy.indexed_copy)."""
     model = load_model("minimax-m3")
     sc = Scenario(model=model, prefill=ParallelLayout.build(60, *prefill), decode=ParallelLayout.build(60, *decode),
                   tokens=1000, block_size=16, device="cuda", chunks=chunks, layer_ms=1.0, timeout_s=120,
@@ -44,7 +44,7 @@ def test_indexed_copy_on_the_gpu_is_byte_exact():
     import numpy as np
     import torch
 
-    from connector.staging import copy_ranges
+    from connector.transport.device_copy import copy_ranges
 
     rng = np.random.default_rng(0)
     src = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device="cuda")

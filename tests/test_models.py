@@ -1,4 +1,4 @@
-"""connector.models: layouts from config.json files and presets, sized as vLLM 0.33 allocates its caches."""
+"""connector.core.hf_config: layouts from config.json files and presets, sized as vLLM 0.33 allocates its caches."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import json
 
 import pytest
 
-from connector.layout import POOLS, LayoutError, ModelLayout
-from connector.models import PRESETS, dsa_indexer_layers, load_model, model_from_config
+from connector.core.errors import LayoutError
+from connector.core.hf_config import PRESETS, dsa_indexer_layers, load_model, model_from_config
+from connector.core.layout import POOLS, ModelLayout
 
 
 def _write(path, config) -> str:

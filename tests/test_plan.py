@@ -8,8 +8,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from connector.layout import POOLS, LayoutError, ParallelLayout, pp_partition
-from connector.plan import build_plan, check_plan, fold_ranges, format_table
+from connector.core.errors import LayoutError
+from connector.core.layout import POOLS, ParallelLayout, pp_partition
+from connector.core.plan import build_plan, check_plan, fold_ranges, format_table
 from tests.helpers import m3_like, make_model
 
 

@@ -1,5 +1,6 @@
-"""connector.staging: the range copies (both the CPU memmove path and the indexed path the GPU uses, run here on
-CPU memory), chunking, the slot allocator, and the receiver's destination check."""
+"""Staging: the range copies (connector.transport.device_copy; both the CPU memmove path and the indexed path the
+GPU uses, run here on CPU memory) and the pure half (connector.core.staging_ranges): chunking, the slot allocator,
+and the receiver's destination check."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from connector.layout import Region
-from connector.staging import (Slots, StagingError, allowed_ranges, check_destinations, chunks, copy_ranges,
-                               indexed_copy, split_long)
+from connector.core.errors import StagingError
+from connector.core.layout import Region
+from connector.core.staging_ranges import Slots, allowed_ranges, check_destinations, chunks, split_long
+from connector.transport.device_copy import copy_ranges, indexed_copy
 
 
 @pytest.mark.parametrize("copy", [copy_ranges, indexed_copy], ids=["memmove", "indexed"])

@@ -3,27 +3,13 @@ every decode rank verifying every byte of every pool it holds. No fake transport
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from connector.demo import Scenario, run_scenario
-from connector.layout import ParallelLayout
-from connector.models import load_model
+from connector.core.hf_config import load_model
+from connector.sim.cluster import Scenario, run_scenario
+from tests.helpers import scenario
 
 pytestmark = pytest.mark.slow
-
-
-def scenario(model, prefill: str, decode: str, **kw) -> Scenario:
-    def side(spec: str) -> ParallelLayout:
-        f = dict(item.split("=") for item in spec.split(","))
-        counts = [int(c) for c in f["layers"].split(":")] if "layers" in f else None
-        return ParallelLayout.build(model.num_layers, int(f.get("tp", 1)), int(f.get("pp", 1)), counts)
-
-    kw.setdefault("tokens", 100)
-    kw.setdefault("layer_ms", 0.0)
-    kw.setdefault("timeout_s", 60.0)
-    return Scenario(model=model, prefill=side(prefill), decode=side(decode), **kw)
 
 
 def check(sc: Scenario):
@@ -31,27 +17,6 @@ def check(sc: Scenario):
     assert result.verified, result.problems
     assert result.bytes > 0 and result.descriptors > 0
     return result
-
-
-@pytest.fixture(scope="module")
-def m3():
-    return load_model("minimax-m3")
-
-
-@pytest.fixture(scope="module")
-def m3_index_v(tmp_path_factory):
-    """A small M3-style model whose sparse layers 4, 6 and 9 keep an index value."""
-    path = tmp_path_factory.mktemp("m3v") / "config.json"
-    freq = [0, 0, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1]
-    disable = [0, 0, 1, 1, 0, 0, 0, 1, 1, 0, 1, 1]
-    path.write_text(json.dumps({
-        "architectures": ["MiniMaxM3SparseForCausalLM"], "model_type": "minimax_m3", "num_hidden_layers": 12,
-        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64, "hidden_size": 512,
-        "torch_dtype": "bfloat16", "sparse_attention_config": {
-            "sparse_attention_freq": freq, "sparse_disable_index_value": disable, "sparse_index_dim": 64}}))
-    model = load_model(str(path))
-    assert model.pools["index_v"].layers == (4, 6, 9)
-    return model
 
 
 def test_m3_k_only_prefill_pp2_into_decode_pp1(m3):

@@ -6,104 +6,52 @@ from __future__ import annotations
 import contextlib
 import socket
 import time
-import uuid
 
 import pytest
 import torch
 
-from connector.control import ControlError, Register, RegisterError, connect
-from connector.demo import Cluster, Scenario, apply_env
-from connector.layout import ParallelLayout
-from connector.loop import LoopThread
-from connector.models import load_model
-from connector.receiver import PrefillAddress, ReceiverConfig, StreamReceiver, TransferFailed
-from connector.sim import RankBuffers, pick_blocks
-from connector.stream import SenderConfig, StreamSender
+from connector.core.errors import ControlError, TransferFailed
+from connector.engine.config import ReceiverConfig, SenderConfig, SideChannelConfig
+from connector.protocol.addressing import PrefillAddress
+from connector.protocol.messages import Register, RegisterError
+from connector.sim.buffers import pick_blocks
+from connector.sim.cluster import Cluster, Scenario
+from connector.sim.rank import SimRank
+from connector.transport.control import connect
+from tests.helpers import scenario
 
 pytestmark = pytest.mark.slow
 TOKENS, BLOCK = 64, 16
 
 
-class InProcess:
-    """One rank living in the test process: loop thread, real NIXL transport, simulated cache."""
-
-    def __init__(self, side: str, sc: Scenario, rank=(0, 0)) -> None:
-        from connector.transport import Transport, TransportConfig
-
-        apply_env()
-        self.sc, self.rank = sc, rank
-        self.parallel = sc.prefill if side == "prefill" else sc.decode
-        self.lt = LoopThread().start()
-        self.transport = Transport(TransportConfig(name=f"test-{side}-{uuid.uuid4().hex[:6]}"))
-        self.lt.run(self.transport.__aenter__(), 30)
-        self.num_blocks = 2 * -(-sc.tokens // sc.block_size) + 8
-        self.bufs = RankBuffers(sc.model, self.parallel, rank, sc.block_size, self.num_blocks)
-        for tensor in self.bufs.tensors:
-            self.transport.register(tensor)
-
-    def close(self, engine) -> None:
-        if engine is not None:
-            self.lt.run(engine.close(), 30)
-        self.lt.run(self.transport.close(), 30)
-        self.lt.stop()
-
-
-def make_scenario(prefill="tp=1,pp=1", layer_ms=0.0) -> Scenario:
-    model = load_model("minimax-m3")
-    tp, pp = (int(x.split("=")[1]) for x in prefill.split(","))
-    return Scenario(model=model, prefill=ParallelLayout.build(60, tp, pp), decode=ParallelLayout.build(60, 1, 1),
-                    tokens=TOKENS, block_size=BLOCK, layer_ms=layer_ms, timeout_s=30.0)
+def make_scenario(model, prefill="tp=1,pp=1", **kw) -> Scenario:
+    kw.setdefault("layer_ms", 0.0)
+    return scenario(model, prefill, tokens=TOKENS, block_size=BLOCK, timeout_s=30.0, **kw)
 
 
 @pytest.fixture
-def prefill_cluster_and_decode():
-    made = []
+def prefill_cluster_and_decode(m3, cluster, open_rank):
+    """`make(prefill, layer_ms)`: prefill ranks as worker processes, and decode (0, 0) in this process."""
 
     def make(prefill="tp=1,pp=1", layer_ms=0.0):
-        sc = make_scenario(prefill, layer_ms)
-        cluster = Cluster(sc, spawn=("prefill",)).__enter__()
-        decode = InProcess("decode", sc)
-        receiver = StreamReceiver(decode.transport, sc.model, sc.decode, (0, 0), decode.bufs.regions(), BLOCK,
-                                  ReceiverConfig(engine_id="test-decode", transfer_timeout_s=20.0, dead_after_s=3.0))
-        made.append((cluster, decode, receiver))
-        return sc, cluster, decode, receiver
+        sc = make_scenario(m3, prefill, layer_ms=layer_ms)
+        prefills = cluster(sc, spawn=("prefill",))
+        decode = open_rank(sc.rank_spec("decode", (0, 0), run_id="test"))
+        receiver = decode.receiver(ReceiverConfig(SideChannelConfig(dead_after_s=3.0), transfer_timeout_s=20.0))
+        return sc, prefills, decode, receiver
 
-    yield make
-    for cluster, decode, receiver in made:
-        cluster.close()
-        decode.close(receiver)
+    return make
 
 
 @contextlib.contextmanager
-def sender_and_receiver(tag: str, *, lease_s: float = 120.0, staging_bytes: int = 0):
-    """A started StreamSender and a StreamReceiver, each in its own InProcess rank (M3, TP1/PP1), optionally with
-    registered staging buffers. Yields (prefill, sender, port, decode, receiver); everything made is closed."""
-    sc = make_scenario()
-    made: list[tuple[InProcess, object]] = []
-    try:
-        prefill = InProcess("prefill", sc)
-        made.append((prefill, None))
-        decode = InProcess("decode", sc)
-        made.append((decode, None))
-        staging = [None, None]
-        if staging_bytes:
-            staging = [torch.zeros(staging_bytes, dtype=torch.uint8) for _ in range(2)]
-            prefill.transport.register(staging[0])
-            decode.transport.register(staging[1])
-        sender = StreamSender(prefill.transport, sc.model, sc.prefill, (0, 0), prefill.bufs.regions(), BLOCK,
-                              SenderConfig(engine_id=f"test-prefill-{tag}", port=0, lease_s=lease_s),
-                              prefill.lt.loop, staging=staging[0])
-        made[0] = (prefill, sender)
-        config = ReceiverConfig(engine_id=f"test-decode-{tag}",
-                                **({"staging_slot_bytes": staging_bytes} if staging_bytes else {}))
-        receiver = StreamReceiver(decode.transport, sc.model, sc.decode, (0, 0), decode.bufs.regions(), BLOCK,
-                                  config, staging=staging[1])
-        made[1] = (decode, receiver)
-        port = prefill.lt.run(sender.start(), 10)
-        yield prefill, sender, port, decode, receiver
-    finally:
-        for side, engine in reversed(made):
-            side.close(engine)
+def sender_and_receiver(model, tag: str, *, lease_s: float = 120.0, staging_mb: int = 0):
+    """A started StreamSender and a StreamReceiver, each on its own SimRank in this process (TP1/PP1), with staging
+    buffers of `staging_mb` (one slot each). Yields (prefill, sender, port, decode, receiver); closes both ranks."""
+    sc = make_scenario(model, staging_mb=staging_mb)
+    with SimRank(sc.rank_spec("prefill", (0, 0), run_id=f"test-{tag}")) as prefill, \
+            SimRank(sc.rank_spec("decode", (0, 0), run_id=f"test-{tag}")) as decode:
+        sender = prefill.sender(SenderConfig(port=0, lease_s=lease_s))
+        yield prefill, sender, sender.port, decode, decode.receiver()
 
 
 def start_prefill(cluster: Cluster, tid: str, layer_ms: float = 0.0, wait: bool = True) -> None:
@@ -119,11 +67,11 @@ def start_prefill(cluster: Cluster, tid: str, layer_ms: float = 0.0, wait: bool 
 def test_out_of_range_block_ids_are_refused_and_nothing_is_written(prefill_cluster_and_decode):
     sc, cluster, decode, receiver = prefill_cluster_and_decode()
     start_prefill(cluster, "t-bad-blocks")
-    blocks = pick_blocks(TOKENS, BLOCK, decode.num_blocks, seed=1)
-    blocks[0][2] = decode.num_blocks + 5
+    blocks = pick_blocks(TOKENS, BLOCK, decode.spec.num_blocks, seed=1)
+    blocks[0][2] = decode.spec.num_blocks + 5
     addr = PrefillAddress("127.0.0.1", cluster.base_port)
-    with pytest.raises(TransferFailed, match=rf"block ids \[{decode.num_blocks + 5}\] are outside kv layer 0"):
-        decode.lt.run(receiver.receive("t-bad-blocks", addr, blocks, 0, TOKENS), 30)
+    with pytest.raises(TransferFailed, match=rf"block ids \[{decode.spec.num_blocks + 5}\] are outside kv layer 0"):
+        decode.loop.run(receiver.receive("t-bad-blocks", addr, blocks, 0, TOKENS), 30)
     time.sleep(0.3)
     assert not any(bool(t.any()) for t in decode.bufs.tensors), "bytes were written for a refused registration"
 
@@ -136,18 +84,18 @@ def test_unknown_transfer_id_and_foreign_layer_are_refused(prefill_cluster_and_d
         conn = await connect("127.0.0.1", port, receiver.hello, timeout=10)
         try:
             reg = dict(transfer_id="t-layers", dst_pp=0, dst_tp=0,
-                       block_ids=pick_blocks(TOKENS, BLOCK, decode.num_blocks, seed=2), first_token=0,
+                       block_ids=pick_blocks(TOKENS, BLOCK, decode.spec.num_blocks, seed=2), first_token=0,
                        num_tokens=TOKENS, layers=[])
             reg.update(fields)
             await conn.send(Register(**reg))
             return await conn.recv(timeout=10)
         finally:
-            await conn.close()
+            await conn.aclose()
 
     # stage 0 holds layers 0-29: asking it for layer 59 is refused, naming the layer
-    reply = decode.lt.run(register(cluster.base_port, layers=[3, 59]), 30)
+    reply = decode.loop.run(register(cluster.base_port, layers=[3, 59]), 30)
     assert isinstance(reply, RegisterError) and "layers [59]" in reply.reason and "layer split" in reply.reason
-    reply = decode.lt.run(register(cluster.base_port, num_tokens=TOKENS + 1), 30)
+    reply = decode.loop.run(register(cluster.base_port, num_tokens=TOKENS + 1), 30)
     assert isinstance(reply, RegisterError) and "prompt tokens" in reply.reason
     assert not any(bool(t.any()) for t in decode.bufs.tensors)
 
@@ -158,7 +106,7 @@ def test_incompatible_fingerprint_and_garbage_frames_leave_the_server_serving(pr
     sc, cluster, decode, receiver = prefill_cluster_and_decode()
     bad = msgspec.structs.replace(receiver.hello, fingerprint="0" * 16)
     with pytest.raises(ControlError, match="fingerprint mismatch: peer has 0000000000000000"):
-        decode.lt.run(connect("127.0.0.1", cluster.base_port, bad, timeout=10), 30)
+        decode.loop.run(connect("127.0.0.1", cluster.base_port, bad, timeout=10), 30)
     for garbage in (b"\x00\x00\x00\x05\x00\x01hello", b"GET / HTTP/1.1\r\n\r\n", b"\xff" * 64):
         with socket.create_connection(("127.0.0.1", cluster.base_port), timeout=10) as s:
             s.sendall(garbage)
@@ -170,18 +118,18 @@ def test_incompatible_fingerprint_and_garbage_frames_leave_the_server_serving(pr
                 pass  # closed on us: what we want
     # still serving: a full transfer now works
     start_prefill(cluster, "t-after-garbage")
-    blocks = pick_blocks(TOKENS, BLOCK, decode.num_blocks, seed=3)
-    res = decode.lt.run(receiver.receive("t-after-garbage", PrefillAddress("127.0.0.1", cluster.base_port),
-                                         blocks, 0, TOKENS), 30)
+    blocks = pick_blocks(TOKENS, BLOCK, decode.spec.num_blocks, seed=3)
+    res = decode.loop.run(receiver.receive("t-after-garbage", PrefillAddress("127.0.0.1", cluster.base_port),
+                                           blocks, 0, TOKENS), 30)
     assert res.bytes_written > 0
     assert decode.bufs.verify(blocks, 0, TOKENS) == []
 
 
 def test_prefill_killed_mid_transfer_fails_the_receiver_within_its_timeout(prefill_cluster_and_decode):
     sc, cluster, decode, receiver = prefill_cluster_and_decode(layer_ms=100.0)
-    blocks = pick_blocks(TOKENS, BLOCK, decode.num_blocks, seed=4)
-    fut = decode.lt.submit(receiver.receive("t-kill-p", PrefillAddress("127.0.0.1", cluster.base_port), blocks, 0,
-                                            TOKENS))
+    blocks = pick_blocks(TOKENS, BLOCK, decode.spec.num_blocks, seed=4)
+    fut = decode.loop.submit(receiver.receive("t-kill-p", PrefillAddress("127.0.0.1", cluster.base_port), blocks, 0,
+                                              TOKENS))
     start_prefill(cluster, "t-kill-p", layer_ms=100.0, wait=False)  # 60 layers x 100 ms
     time.sleep(1.5)
     assert not fut.done()
@@ -193,53 +141,46 @@ def test_prefill_killed_mid_transfer_fails_the_receiver_within_its_timeout(prefi
     assert time.monotonic() - began < 10
 
 
-def test_decode_killed_mid_transfer_frees_the_sender_state():
-    sc = make_scenario(layer_ms=0.0)
-    cluster = Cluster(sc, spawn=("decode",)).__enter__()
-    prefill = InProcess("prefill", sc)
-    sender = StreamSender(prefill.transport, sc.model, sc.prefill, (0, 0), prefill.bufs.regions(), BLOCK,
-                          SenderConfig(engine_id="test-prefill", port=cluster.base_port, lease_s=30),
-                          prefill.lt.loop)
-    try:
-        prefill.lt.run(sender.start(), 10)
-        tid = "t-kill-d"
-        blocks = pick_blocks(TOKENS, BLOCK, prefill.num_blocks, seed=5)
-        sender.start_request(tid, TOKENS)
-        sender.begin_chunk(tid, blocks, TOKENS)
-        _, conn = cluster.decode[(0, 0)]
-        cluster.ask(conn, ("receive", tid, TOKENS, 0, f"127.0.0.1:{cluster.base_port}", 0), 30, "decode")
-        deadline = time.monotonic() + 10
-        while not sender.requests.get(tid) or not sender.requests[tid].dests:
-            assert time.monotonic() < deadline, "decode never registered"
-            time.sleep(0.05)
-        for layer in range(20):
-            prefill.bufs.fill(layer, blocks, 0, TOKENS)
-            sender.layer_ready(tid, layer)
-        proc, _ = cluster.decode[(0, 0)]
-        proc.kill()
-        for layer in range(20, 60):
-            prefill.bufs.fill(layer, blocks, 0, TOKENS)
-        sender.end_chunk(tid)
-        began = time.monotonic()
-        ok = prefill.lt.run(sender.wait_finished(tid, 20), 25)
-        assert ok is False
-        assert time.monotonic() - began < 15
-        assert tid not in sender.requests and not sender._parked
-        assert prefill.transport.inflight_bytes == 0
-    finally:
-        cluster.close()
-        prefill.close(sender)
+def test_decode_killed_mid_transfer_frees_the_sender_state(m3, cluster, open_rank):
+    sc = make_scenario(m3)
+    decodes = cluster(sc, spawn=("decode",))
+    prefill = open_rank(sc.rank_spec("prefill", (0, 0), base_port=decodes.base_port, run_id="test"))
+    sender = prefill.sender(SenderConfig(port=decodes.base_port, lease_s=30))
+    tid = "t-kill-d"
+    blocks = pick_blocks(TOKENS, BLOCK, prefill.spec.num_blocks, seed=5)
+    sender.start_request(tid, TOKENS)
+    sender.begin_chunk(tid, blocks, TOKENS)
+    _, conn = decodes.decode[(0, 0)]
+    decodes.ask(conn, ("receive", tid, TOKENS, 0, f"127.0.0.1:{decodes.base_port}", 0), 30, "decode")
+    deadline = time.monotonic() + 10
+    while not sender.requests.get(tid) or not sender.requests[tid].dests:
+        assert time.monotonic() < deadline, "decode never registered"
+        time.sleep(0.05)
+    for layer in range(20):
+        prefill.bufs.fill(layer, blocks, 0, TOKENS)
+        sender.layer_ready(tid, layer)
+    proc, _ = decodes.decode[(0, 0)]
+    proc.kill()
+    for layer in range(20, 60):
+        prefill.bufs.fill(layer, blocks, 0, TOKENS)
+    sender.end_chunk(tid)
+    began = time.monotonic()
+    ok = prefill.loop.run(sender.wait_finished(tid, 20), 25)
+    assert ok is False
+    assert time.monotonic() - began < 15
+    assert tid not in sender.requests and not sender._parked
+    assert prefill.transport.inflight_bytes == 0
 
 
 def test_decode_abort_waits_until_prefill_stopped_writing(prefill_cluster_and_decode):
     sc, cluster, decode, receiver = prefill_cluster_and_decode(layer_ms=60.0)
-    blocks = pick_blocks(TOKENS, BLOCK, decode.num_blocks, seed=6)
-    fut = decode.lt.submit(receiver.receive("t-abort-d", PrefillAddress("127.0.0.1", cluster.base_port), blocks, 0,
-                                            TOKENS))
+    blocks = pick_blocks(TOKENS, BLOCK, decode.spec.num_blocks, seed=6)
+    fut = decode.loop.submit(receiver.receive("t-abort-d", PrefillAddress("127.0.0.1", cluster.base_port), blocks, 0,
+                                              TOKENS))
     start_prefill(cluster, "t-abort-d", layer_ms=60.0, wait=False)  # 60 layers x 60 ms
     time.sleep(1.5)
     assert not fut.done()
-    decode.lt.run(receiver.abort("t-abort-d", "client went away"), 10)
+    decode.loop.run(receiver.abort("t-abort-d", "client went away"), 10)
     with pytest.raises(TransferFailed, match="aborted: client went away"):
         fut.result(20)
     # prefill confirmed it stopped: whatever it computes from now on never lands here
@@ -253,32 +194,26 @@ def test_decode_abort_waits_until_prefill_stopped_writing(prefill_cluster_and_de
     assert ok[1] is False  # the prefill side released the request as not completed
 
 
-def test_lease_frees_a_finished_request_that_decode_never_registers():
-    sc = make_scenario()
-    prefill = InProcess("prefill", sc)
-    sender = StreamSender(prefill.transport, sc.model, sc.prefill, (0, 0), prefill.bufs.regions(), BLOCK,
-                          SenderConfig(engine_id="test-prefill", port=0, lease_s=1.0), prefill.lt.loop)
+def test_lease_frees_a_finished_request_that_decode_never_registers(m3, open_rank):
+    prefill = open_rank(make_scenario(m3).rank_spec("prefill", (0, 0), run_id="test"))
+    sender = prefill.sender(SenderConfig(port=0, lease_s=1.0))
     finished = []
     sender.on_finished = lambda tid, ok: finished.append((tid, ok))
-    try:
-        prefill.lt.run(sender.start(), 10)
-        blocks = pick_blocks(TOKENS, BLOCK, prefill.num_blocks, seed=7)
-        sender.start_request("t-lease", TOKENS)
-        sender.begin_chunk("t-lease", blocks, TOKENS)
-        sender.end_chunk("t-lease")  # prefill done; no decode ever registers
-        began = time.monotonic()
-        assert prefill.lt.run(sender.wait_finished("t-lease", 10), 15) is False
-        assert 0.9 < time.monotonic() - began < 5
-        assert finished == [("t-lease", False)] and "t-lease" not in sender.requests
-    finally:
-        prefill.close(sender)
+    blocks = pick_blocks(TOKENS, BLOCK, prefill.spec.num_blocks, seed=7)
+    sender.start_request("t-lease", TOKENS)
+    sender.begin_chunk("t-lease", blocks, TOKENS)
+    sender.end_chunk("t-lease")  # prefill done; no decode ever registers
+    began = time.monotonic()
+    assert prefill.loop.run(sender.wait_finished("t-lease", 10), 15) is False
+    assert 0.9 < time.monotonic() - began < 5
+    assert finished == [("t-lease", False)] and "t-lease" not in sender.requests
 
 
 def test_decode_abort_before_registering_frees_prefill_without_waiting_for_the_lease(prefill_cluster_and_decode):
     sc, cluster, decode, receiver = prefill_cluster_and_decode()
     start_prefill(cluster, "t-abort-early")  # prefill computed everything; its lease is 120 s
-    decode.lt.run(receiver.abort_unregistered("t-abort-early", PrefillAddress("127.0.0.1", cluster.base_port),
-                                              "client went away"), 20)
+    decode.loop.run(receiver.abort_unregistered("t-abort-early", PrefillAddress("127.0.0.1", cluster.base_port),
+                                                "client went away"), 20)
     began = time.monotonic()
     _, conn = cluster.prefill[(0, 0)]
     ok = cluster.ask(conn, ("finish", "t-abort-early"), 30, "prefill")
@@ -286,44 +221,39 @@ def test_decode_abort_before_registering_frees_prefill_without_waiting_for_the_l
     assert not any(bool(t.any()) for t in decode.bufs.tensors)
 
 
-def test_prefill_restart_after_preemption_resends_from_the_new_blocks(prefill_cluster_and_decode):
+def test_prefill_restart_after_preemption_resends_from_the_new_blocks(prefill_cluster_and_decode, open_rank):
     """vLLM may preempt a prefill and recompute it into other blocks: what was streamed from the old blocks must
     not count, and decode must end up with the bytes of the recomputation."""
     sc, cluster, decode, receiver = prefill_cluster_and_decode()
-    prefill = InProcess("prefill", sc)
-    sender = StreamSender(prefill.transport, sc.model, sc.prefill, (0, 0), prefill.bufs.regions(), BLOCK,
-                          SenderConfig(engine_id="test-prefill-2", port=cluster.base_port + 1), prefill.lt.loop)
-    try:
-        prefill.lt.run(sender.start(), 10)
-        addr = PrefillAddress("127.0.0.1", cluster.base_port + 1)
-        dst = pick_blocks(TOKENS, BLOCK, decode.num_blocks, seed=8)
-        fut = decode.lt.submit(receiver.receive("t-preempt", addr, dst, 0, TOKENS))
-        old = pick_blocks(TOKENS, BLOCK, prefill.num_blocks, seed=9)
-        sender.start_request("t-preempt", TOKENS)
-        sender.begin_chunk("t-preempt", old, 32)
-        for layer in range(60):  # the first chunk is computed...
-            prefill.bufs.fill(layer, old, 0, 32)
-        for t in prefill.bufs.tensors:
-            t.zero_()  # ...but preempted, its blocks reused by another request before the WRITEs read them
-        for layer in range(60):
-            sender.layer_ready("t-preempt", layer)
-        sender.end_chunk("t-preempt")
-        time.sleep(0.5)
-        new = pick_blocks(TOKENS, BLOCK, prefill.num_blocks, seed=10)
-        sender.begin_chunk("t-preempt", new, TOKENS)  # recomputed from scratch into new blocks, in one go
-        for layer in range(60):
-            prefill.bufs.fill(layer, new, 0, TOKENS)
-        sender.end_chunk("t-preempt")
-        fut.result(30)
-        assert decode.bufs.verify(dst, 0, TOKENS) == []
-    finally:
-        prefill.close(sender)
+    prefill = open_rank(sc.rank_spec("prefill", (0, 0), run_id="test-2"))
+    sender = prefill.sender(SenderConfig(port=cluster.base_port + 1))
+    addr = PrefillAddress("127.0.0.1", cluster.base_port + 1)
+    dst = pick_blocks(TOKENS, BLOCK, decode.spec.num_blocks, seed=8)
+    fut = decode.loop.submit(receiver.receive("t-preempt", addr, dst, 0, TOKENS))
+    old = pick_blocks(TOKENS, BLOCK, prefill.spec.num_blocks, seed=9)
+    sender.start_request("t-preempt", TOKENS)
+    sender.begin_chunk("t-preempt", old, 32)
+    for layer in range(60):  # the first chunk is computed...
+        prefill.bufs.fill(layer, old, 0, 32)
+    for t in prefill.bufs.tensors:
+        t.zero_()  # ...but preempted, its blocks reused by another request before the WRITEs read them
+    for layer in range(60):
+        sender.layer_ready("t-preempt", layer)
+    sender.end_chunk("t-preempt")
+    time.sleep(0.5)
+    new = pick_blocks(TOKENS, BLOCK, prefill.spec.num_blocks, seed=10)
+    sender.begin_chunk("t-preempt", new, TOKENS)  # recomputed from scratch into new blocks, in one go
+    for layer in range(60):
+        prefill.bufs.fill(layer, new, 0, TOKENS)
+    sender.end_chunk("t-preempt")
+    fut.result(30)
+    assert decode.bufs.verify(dst, 0, TOKENS) == []
 
 
-def test_decode_heartbeats_extend_the_lease():
+def test_decode_heartbeats_extend_the_lease(m3):
     """A finished request waits past its 1 s lease while decode keeps listing it in heartbeats, then completes."""
-    with sender_and_receiver("hb", lease_s=1.0) as (prefill, sender, port, decode, receiver):
-        blocks = pick_blocks(TOKENS, BLOCK, prefill.num_blocks, seed=11)
+    with sender_and_receiver(m3, "hb", lease_s=1.0) as (prefill, sender, port, decode, receiver):
+        blocks = pick_blocks(TOKENS, BLOCK, prefill.spec.num_blocks, seed=11)
         sender.start_request("t-hb", TOKENS)
         sender.begin_chunk("t-hb", blocks, TOKENS)
         for layer in range(60):
@@ -334,17 +264,17 @@ def test_decode_heartbeats_extend_the_lease():
             return await connect("127.0.0.1", port, receiver.hello, timeout=10, heartbeat_interval_s=0.2,
                                  heartbeat_ids=lambda: ["t-hb"])
 
-        beating = decode.lt.run(keep_alive(), 15)
+        beating = decode.loop.run(keep_alive(), 15)
         time.sleep(3.0)  # three leases long
         assert "t-hb" in sender.requests, "the lease expired although decode kept heartbeating"
-        dst = pick_blocks(TOKENS, BLOCK, decode.num_blocks, seed=12)
-        decode.lt.run(receiver.receive("t-hb", PrefillAddress("127.0.0.1", port), dst, 0, TOKENS), 30)
-        assert prefill.lt.run(sender.wait_finished("t-hb", 10), 15) is True
+        dst = pick_blocks(TOKENS, BLOCK, decode.spec.num_blocks, seed=12)
+        decode.loop.run(receiver.receive("t-hb", PrefillAddress("127.0.0.1", port), dst, 0, TOKENS), 30)
+        assert prefill.loop.run(sender.wait_finished("t-hb", 10), 15) is True
         assert decode.bufs.verify(dst, 0, TOKENS) == []
-        decode.lt.run(beating.close(), 10)
+        decode.loop.run(beating.aclose(), 10)
 
 
-def test_sender_counts_bytes_streamed_during_compute_apart_from_the_sweep():
+def test_sender_counts_bytes_streamed_during_compute_apart_from_the_sweep(m3):
     """SenderStats (the source of the vLLM metrics): a layer written while its request still computes counts as
     streamed; what the final sweep sends does not; a completed transfer counts as ok."""
     def wait_for(check, what: str) -> None:
@@ -353,39 +283,42 @@ def test_sender_counts_bytes_streamed_during_compute_apart_from_the_sweep():
             assert time.monotonic() < deadline, what
             time.sleep(0.01)
 
-    with sender_and_receiver("st") as (prefill, sender, port, decode, receiver):
-        blocks = pick_blocks(TOKENS, BLOCK, prefill.num_blocks, seed=21)
-        dst = pick_blocks(TOKENS, BLOCK, decode.num_blocks, seed=22)
+    with sender_and_receiver(m3, "st") as (prefill, sender, port, decode, receiver):
+        blocks = pick_blocks(TOKENS, BLOCK, prefill.spec.num_blocks, seed=21)
+        dst = pick_blocks(TOKENS, BLOCK, decode.spec.num_blocks, seed=22)
         sender.start_request("t-st", TOKENS)
         sender.begin_chunk("t-st", blocks, TOKENS)
-        got = decode.lt.submit(receiver.receive("t-st", PrefillAddress("127.0.0.1", port), dst, 0, TOKENS))
+        got = decode.loop.submit(receiver.receive("t-st", PrefillAddress("127.0.0.1", port), dst, 0, TOKENS))
         # (start_request is only queued for the loop: the request may not exist yet)
         wait_for(lambda: "t-st" in sender.requests and sender.requests["t-st"].dests, "decode never registered")
         prefill.bufs.fill(0, blocks, 0, TOKENS)
         sender.layer_ready("t-st", 0)  # layer 0 computed; 59 to go
         wait_for(lambda: sender.stats.writes >= 1, "layer 0 was not streamed")
-        streamed = sender.stats.bytes_during_compute
-        assert streamed == sender.stats.bytes_written > 0
+        streamed = sender.stats.bytes_sent_during_compute
+        assert streamed == sender.stats.bytes_sent > 0
         for layer in range(1, 60):
             prefill.bufs.fill(layer, blocks, 0, TOKENS)
         sender.end_chunk("t-st")  # the sweep: layers 1-59
         got.result(30)
-        assert prefill.lt.run(sender.wait_finished("t-st", 10), 15) is True
+        assert prefill.loop.run(sender.wait_finished("t-st", 10), 15) is True
         assert decode.bufs.verify(dst, 0, TOKENS) == []
         stats = sender.stats
-        assert stats.bytes_during_compute == streamed < stats.bytes_written
-        assert (stats.transfers_ok, stats.transfers_failed) == (1, 0)
+        assert stats.bytes_sent_during_compute == streamed < stats.bytes_sent
+        assert (stats.sends_ok, stats.sends_failed) == (1, 0)
+        # every NIXL WRITE was timed: posting it, and from the post to its completion
+        assert len(stats.transfer_seconds) == len(stats.post_seconds) == stats.writes
+        assert all(0 < p <= t for p, t in zip(stats.post_seconds, stats.transfer_seconds))
 
 
-def test_decode_refuses_a_staged_chunk_aimed_outside_its_blocks():
+def test_decode_refuses_a_staged_chunk_aimed_outside_its_blocks(m3):
     """Staging lets prefill name decode-side addresses in a side-channel message, so decode checks them: a chunk
     whose destinations are not inside the blocks registered for the transfer is refused, nothing is written, and
     the transfer fails on both sides with the reason."""
     import numpy as np
 
-    with sender_and_receiver("evil", staging_bytes=1 << 20) as (prefill, sender, port, decode, receiver):
-        dst = pick_blocks(TOKENS, BLOCK, decode.num_blocks, seed=32)
-        outside = next(b for b in range(decode.num_blocks) if b not in dst[0])
+    with sender_and_receiver(m3, "evil", staging_mb=1) as (prefill, sender, port, decode, receiver):
+        dst = pick_blocks(TOKENS, BLOCK, decode.spec.num_blocks, seed=32)
+        outside = next(b for b in range(decode.spec.num_blocks) if b not in dst[0])
         region = decode.bufs.regions()[0]
         real = sender.staged._scatter
 
@@ -395,44 +328,44 @@ def test_decode_refuses_a_staged_chunk_aimed_outside_its_blocks():
             return await real(key, conn, tid, nbytes, evil)
 
         sender.staged._scatter = aimed_elsewhere
-        blocks = pick_blocks(TOKENS, BLOCK, prefill.num_blocks, seed=31)
+        blocks = pick_blocks(TOKENS, BLOCK, prefill.spec.num_blocks, seed=31)
         for layer in range(60):
             prefill.bufs.fill(layer, blocks, 0, TOKENS)
         sender.start_request("t-evil", TOKENS)
         sender.begin_chunk("t-evil", blocks, TOKENS)
         sender.end_chunk("t-evil")
         with pytest.raises(TransferFailed, match="decode refused staged chunk .* outside the blocks registered"):
-            decode.lt.run(receiver.receive("t-evil", PrefillAddress("127.0.0.1", port), dst, 0, TOKENS), 30)
-        assert prefill.lt.run(sender.wait_finished("t-evil", 10), 15) is False
+            decode.loop.run(receiver.receive("t-evil", PrefillAddress("127.0.0.1", port), dst, 0, TOKENS), 30)
+        assert prefill.loop.run(sender.wait_finished("t-evil", 10), 15) is False
         assert not any(bool(t.any()) for t in decode.bufs.tensors), "a refused chunk wrote into decode's cache"
 
 
-def test_registration_after_prefill_for_an_unknown_transfer_is_refused_at_once():
+def test_registration_after_prefill_for_an_unknown_transfer_is_refused_at_once(m3):
     # Sequential flow: decode learned the transfer from prefill's response, so a prefill that does not know it
     # (restarted since, or the router changed the params) must refuse now, not park it for a lease.
-    with sender_and_receiver("after-prefill") as (prefill, sender, port, decode, receiver):
-        blocks = pick_blocks(TOKENS, BLOCK, decode.num_blocks, seed=7)
+    with sender_and_receiver(m3, "after-prefill") as (prefill, sender, port, decode, receiver):
+        blocks = pick_blocks(TOKENS, BLOCK, decode.spec.num_blocks, seed=7)
         started = time.monotonic()
         with pytest.raises(TransferFailed, match="restarted since"):
-            decode.lt.run(receiver.receive("t-gone", PrefillAddress("127.0.0.1", port), blocks, 0, TOKENS,
-                                           after_prefill=True), 30)
+            decode.run(receiver.receive("t-gone", PrefillAddress("127.0.0.1", port), blocks, 0, TOKENS,
+                                        after_prefill=True), 30)
         assert time.monotonic() - started < 5
         assert "t-gone" not in sender._parked
         assert not any(bool(t.any()) for t in decode.bufs.tensors)
 
 
-def test_decode_that_gives_up_before_prefill_starts_leaves_no_kv_held_for_the_lease():
+def test_decode_that_gives_up_before_prefill_starts_leaves_no_kv_held_for_the_lease(m3):
     # Concurrent flow, a client that hangs up at once: decode's abort reaches prefill before prefill even started
     # the request. Prefill must not then keep that request's KV for its 120 s lease.
-    with sender_and_receiver("early-abort", lease_s=120.0) as (prefill, sender, port, decode, receiver):
-        decode.lt.run(receiver.abort_unregistered("t-early", PrefillAddress("127.0.0.1", port), "client left"), 10)
+    with sender_and_receiver(m3, "early-abort", lease_s=120.0) as (prefill, sender, port, decode, receiver):
+        decode.run(receiver.abort_unregistered("t-early", PrefillAddress("127.0.0.1", port), "client left"), 10)
         deadline = time.monotonic() + 5
         while "t-early" not in sender._given_up and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert "t-early" in sender._given_up
+        assert "t-early" in sender._given_up, "prefill never heard of the abort"
         sender.start_request("t-early", TOKENS)
-        sender.begin_chunk("t-early", pick_blocks(TOKENS, BLOCK, prefill.num_blocks, seed=8), TOKENS)
+        sender.begin_chunk("t-early", pick_blocks(TOKENS, BLOCK, prefill.spec.num_blocks, seed=8), TOKENS)
         sender.end_chunk("t-early")
         started = time.monotonic()
-        assert prefill.lt.run(sender.wait_finished("t-early", 10), 15) is False  # released unsent, not kept
+        assert prefill.run(sender.wait_finished("t-early", 10), 15) is False  # released unsent, not kept
         assert time.monotonic() - started < 5 and "t-early" not in sender.requests

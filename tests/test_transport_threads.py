@@ -12,7 +12,7 @@ import time
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
-from connector.transport import Transport, TransportConfig  # noqa: E402
+from connector.transport.nixl import Transport, TransportConfig  # noqa: E402
 
 _ids = itertools.count()
 

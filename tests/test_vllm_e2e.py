@@ -90,6 +90,8 @@ def test_tp1_to_tp1_by_module_path(pool, m3_dir):
         # fake forward has no compute to hide behind): at most those two layers' bytes, never the swept rest.
         assert 0 <= p["bytes_sent_during_compute"] <= sent * 2 // 8
         assert p["writes"] >= 1 and p["descriptors"] >= p["writes"]  # one WRITE when the sweep takes all layers
+        # each WRITE is one NIXL post here (no staging), timed twice: its post, and post to completion
+        assert len(p["post_seconds"]) == len(p["transfer_seconds"]) == p["writes"] and p["staged_chunks"] == 0
         assert (d["bytes_received"], d["recvs_ok"], d["recvs_failed"], len(d["recv_seconds"])) == (sent, 1, 0, 1)
         summary = trace.kv_stats[pair.P.name].aggregate(trace.kv_stats[pair.D.name]).reduce()
         assert summary["sent_MB"] == summary["received_MB"] == round(sent / 1e6, 3) and summary["recvs_ok"] == 1
@@ -196,6 +198,9 @@ def test_staging_moves_scattered_blocks_as_gathered_chunks(pool, m3v_dir):
         assert sent == block_bytes(pair.D) * math.ceil(89 / BS)
         stats = [pair.pool.ask(w, ("stats",))[1] for w in pair.P.workers.values()]
         assert sum(s["staged_chunks"] for s in stats) > 0, stats
+        # ... and they reach vLLM's metrics, each one NIXL post (the rank that got no slot posts directly)
+        p = trace.kv_stats[pair.P.name].data
+        assert p["staged_chunks"] == sum(s["staged_chunks"] for s in stats) <= len(p["post_seconds"])
 
 
 def test_chunked_prefill_streams_each_chunk(pool, m3_dir):

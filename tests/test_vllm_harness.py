@@ -366,7 +366,7 @@ def test_dist_init_gives_real_groups(m3_dir):
 def _regions_of(model_dir, *, drop_index_values: bool):
     """build_regions on a real vLLM allocation of the whole model (TP1/PP1), optionally without the index-value
     caches (what vLLM 0.33 itself builds for any M3 config)."""
-    from connector.layout import ParallelLayout, RankLayout
+    from connector.core.layout import ParallelLayout, RankLayout
     from connector.vllm.regions import build_regions, model_layout_from_vllm
 
     cfg = H.make_vllm_config(model_dir, kv_role="kv_producer", kv_connector="TinyConnector",
@@ -389,7 +389,7 @@ def test_index_value_caches_become_the_index_v_pool(tmp_path):
 
 
 def test_config_with_index_values_but_no_index_value_cache_is_refused(tmp_path):
-    from connector.layout import LayoutError
+    from connector.core.errors import LayoutError
 
     with pytest.raises(LayoutError, match=r"keeps an index value on sparse layers \[3, 6\].*no index-value cache"):
         _regions_of(H.write_m3_config(tmp_path, index_value_layers=(3, 6)), drop_index_values=True)

@@ -230,6 +230,39 @@ def test_unknown_extra_config_key_is_a_clear_startup_error(m3_dir):
         build(m3_dir, "kv_consumer", extra_config={"side_chanel_port": 5600})
 
 
+@pytest.mark.parametrize("extra, needle", [
+    ({"side_channel_port": True}, "['side_channel_port']=True is refused: Expected `int`, got `bool`"),
+    ({"staging_mb": 1.5}, "['staging_mb']=1.5 is refused: Expected `int`, got `float`"),
+    ({"lease_s": 0}, "['lease_s']=0 is refused: Expected `float` > 0.0"),
+    ({"side_channel_port": 70000}, "['side_channel_port']=70000 is refused: Expected `int` <= 65535"),
+    ({"auth_token": 5}, "['auth_token']=5 is refused: Expected `str`, got `int`"),
+])
+def test_extra_config_values_are_type_checked_naming_the_key(extra, needle):
+    from connector.core.errors import ConfigError
+    from connector.vllm.config import ConnectorSettings
+
+    with pytest.raises(ConfigError) as err:
+        ConnectorSettings.from_extra_config(extra)
+    assert needle in str(err.value)
+
+
+def test_extra_config_defaults_are_the_engines_and_build_their_configs():
+    from connector.engine.config import ReceiverConfig, SenderConfig, SideChannelConfig
+    from connector.vllm.config import ConnectorSettings
+
+    default = ConnectorSettings.from_extra_config(None)
+    assert default.sender_config("h", 1) == SenderConfig(host="h", port=1)
+    assert default.receiver_config() == ReceiverConfig()
+    # numbers spelled as strings (configs built from environment variables) are still accepted
+    s = ConnectorSettings.from_extra_config({"side_channel_port": "5601", "dead_after_s": "4.5", "auth_token": "t",
+                                             "staging_slot_mb": 2, "transfer_timeout_s": 9})
+    side = SideChannelConfig(auth_token="t", dead_after_s=4.5)
+    assert s.side_channel_port == 5601
+    assert s.sender_config("h", 2).side_channel == side == s.receiver_config().side_channel
+    assert s.receiver_config() == ReceiverConfig(side, transfer_timeout_s=9.0, staging_slot_bytes=2 << 20)
+    assert s.transport_config("agent").progress_delay_us == 1000
+
+
 def test_kv_both_is_refused(m3_dir):
     with pytest.raises(ValueError, match="kv_role 'kv_both' is not supported"):
         build(m3_dir, "kv_both")

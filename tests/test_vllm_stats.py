@@ -98,3 +98,33 @@ def test_prometheus_counters_and_histogram(monkeypatch):
     assert value("vllm:sparse_kv_recv_seconds", "_bucket", le="0.025") == 1
     assert registry.get_sample_value("vllm:sparse_kv_bytes_sent_total", {"model_name": "m3", "engine": "0"}) == 0
     assert {f"vllm:sparse_kv_{k}" for k in COUNTERS} <= {m.name for m in registry.collect()}
+
+
+def test_staged_chunks_and_write_timings_are_exported(monkeypatch):
+    """staged_chunks is a counter like the others; the per-WRITE post and transfer times are histograms (as vLLM's
+    NIXL connector exports its own), and the interval line shows them only where they apply."""
+    registry = CollectorRegistry()
+    for name, cls in (("_counter_cls", Counter), ("_gauge_cls", Gauge), ("_histogram_cls", Histogram)):
+        monkeypatch.setattr(KVConnectorProm, name, functools.partial(cls, registry=registry))
+
+    class _Cfg:
+        kv_transfer_config = _ktc()
+
+    step = _prefill_step(4096, 0, ok=1)
+    step.add(staged_chunks=3)
+    step.extend(post_seconds=[0.0002, 0.0004], transfer_seconds=[0.002, 0.02])
+    reduced = step.reduce()
+    assert (reduced["staged_chunks"], reduced["post_avg_ms"], reduced["transfer_avg_ms"]) == (3, 0.3, 11.0)
+    assert "staged_chunks" not in _prefill_step(4096, 0).reduce()
+    prom = KVConnectorProm(_Cfg(), ["model_name", "engine"], {0: ["m3", "0"]})
+    prom.observe(step.data, engine_idx=0)
+
+    def sample(name, **labels):
+        return registry.get_sample_value(name, {"model_name": "m3", "engine": "0", **labels})
+
+    assert sample("vllm:sparse_kv_staged_chunks_total") == 3
+    assert sample("vllm:sparse_kv_post_seconds_count") == 2
+    assert sample("vllm:sparse_kv_post_seconds_bucket", le="0.0005") == 2
+    assert sample("vllm:sparse_kv_transfer_seconds_bucket", le="0.005") == 1
+    assert sample("vllm:sparse_kv_transfer_seconds_sum") == pytest.approx(0.022)
+

@@ -18,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator  
 from vllm.v1.engine import FinishReason  # noqa: E402
 
 import connector  # noqa: E402
-from connector.demo import free_port_range  # noqa: E402
+from connector.sim.env import free_port_range  # noqa: E402
 from connector.vllm import SparseKVConnector  # noqa: E402
 from connector.vllm.metadata import RecvSpec, SendSpec, SparseKVMetadata  # noqa: E402
 from tests import vllm_e2e_worker as W  # noqa: E402

@@ -48,9 +48,9 @@ class _Keep(logging.Handler):
 
 
 def token_keys(positions, prompt_ids: list[int]):
-    """The per-token key fed to connector.sim.content: position, salted with the prompt token id there (positions
-    past the prompt -- generated tokens -- use the position alone). Two requests share bytes at a position only
-    if they share the token there, so a block that lands in the wrong request is caught too."""
+    """The per-token key fed to connector.sim.buffers.content: position, salted with the prompt token id there
+    (positions past the prompt -- generated tokens -- use the position alone). Two requests share bytes at a
+    position only if they share the token there, so a block that lands in the wrong request is caught too."""
     import torch
 
     pos = torch.as_tensor(positions, dtype=torch.int64)
@@ -65,7 +65,7 @@ def expected(pool: str, layer: int, keys, heads: tuple[int, int], row_bytes: int
     """uint8 [T, heads, row_bytes]: the bytes (pool, global layer, token key, global head) must hold."""
     import torch
 
-    from connector.sim import content
+    from connector.sim.buffers import content
 
     return content(pool, layer, keys, heads, 1, row_bytes, torch.device("cpu"))[:, 0]
 
@@ -158,7 +158,7 @@ class Rank:
         sender = getattr(worker, "sender", None)
         if sender is None:
             return {}
-        return {"bytes_written": sender.stats.bytes_written, "descriptors": sender.stats.descriptors,
+        return {"bytes_written": sender.stats.bytes_sent, "descriptors": sender.stats.descriptors,
                 "writes": sender.stats.writes, "staged_chunks": sender.stats.staged_chunks}
 
     # ---- one engine step --------------------------------------------------------------------------------------
@@ -255,7 +255,7 @@ def _shutdown_connector() -> None:
 def main(conn: Any, log_level: int = logging.WARNING) -> None:
     """Process entry point: answer the driver's commands until ("quit",). Every answer is ("ok", ...) or
     ("error", traceback): a failure is reported, never a silent hang."""
-    from connector.demo import apply_env
+    from connector.sim.env import apply_env
 
     apply_env()  # UCX on loopback, NIXL log level, huge pages: before NIXL is loaded
     logging.basicConfig(level=log_level, stream=sys.stderr,

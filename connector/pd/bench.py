@@ -83,7 +83,7 @@ class PdBench:
         folder = self.root / "nixl-clamp"
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "sitecustomize.py").write_text(
-            "from connector.transport.nixl_glue import clamp_every_agent\n"
+            "from connector.transport.nixl.glue import clamp_every_agent\n"
             f"clamp_every_agent({CLAMP_DELAY_US})\n")
         return folder
 

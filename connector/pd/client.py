@@ -14,13 +14,7 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any
 
-
-class RequestFailed(RuntimeError):
-    """The server answered with an HTTP error (or an error event in the stream)."""
-
-    def __init__(self, url: str, status: int, body: str) -> None:
-        super().__init__(f"{url}: HTTP {status}: {body[:1000]}")
-        self.status, self.body = status, body
+from connector.core.errors import RequestFailed
 
 
 @dataclass

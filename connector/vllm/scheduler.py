@@ -10,7 +10,8 @@ from typing import Any
 
 from vllm.v1.request import RequestStatus
 
-from connector.receiver import PrefillAddress
+from connector.core.errors import ConfigError, LayoutError
+from connector.protocol.addressing import PrefillAddress
 from connector.vllm.config import ConnectorSettings, default_host
 from connector.vllm.metadata import RecvSpec, SendSpec, SparseKVHandshake, SparseKVMetadata
 
@@ -35,7 +36,7 @@ def check_params(params: dict[str, Any], *, decode: bool) -> str:
             return f"kv_transfer_params has no prefill_addr (keys given: {given}): {ROUTER_HINT}"
         try:
             PrefillAddress.parse(params["prefill_addr"])
-        except ValueError as exc:
+        except ConfigError as exc:
             return f"kv_transfer_params prefill_addr: {exc}"
     return ""
 
@@ -202,7 +203,7 @@ class SchedulerSide:
         """All (pp, tp) ranks, PP > 0 included. They must agree on the model fingerprint."""
         prints = {k: getattr(v, "fingerprint", None) for k, v in metadata.items()}
         if len(set(prints.values())) > 1:
-            raise ValueError(f"SparseKVConnector workers disagree on the model layout fingerprint: {prints}")
+            raise LayoutError(f"SparseKVConnector workers disagree on the model layout fingerprint: {prints}")
         self.handshakes = dict(metadata)
         first = metadata.get((0, 0))
         if getattr(first, "side_channel", ""):

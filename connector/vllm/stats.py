@@ -12,19 +12,25 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-COUNTERS = (
-    "bytes_sent",                  # prefill: bytes of completed WRITEs
-    "bytes_sent_during_compute",   # ... of those, posted while the request was still computing (streamed)
-    "writes",                      # prefill: WRITE operations
-    "descriptors",                 # prefill: descriptors in them
-    "sends_ok",                    # prefill: requests every decode rank completed
-    "sends_failed",                # prefill: requests aborted, failed or expired
-    "sends_expired",               # ... of those, lease ran out: decode never came (or never completed) for the KV
+from connector.engine.stats import SenderStats, counter_names, series_names
+
+RECEIVER_COUNTERS = (
     "bytes_received",              # decode: bytes its prefill sources report written
-    "recvs_ok",
-    "recvs_failed",
+    "recvs_ok",                    # decode: transfers that completed
+    "recvs_failed",                # decode: transfers that failed (aborted ones are neither)
 )
-SERIES = ("recv_seconds",)         # decode: registration to the last source's completion, per request
+COUNTERS = counter_names(SenderStats) + RECEIVER_COUNTERS
+"""Prefill's are the engine's own counters, under the engine's own names (connector.engine.stats.SenderStats)."""
+SERIES = series_names(SenderStats) + ("recv_seconds",)
+"""Samples in seconds: per NIXL WRITE (post_seconds, transfer_seconds), and per received transfer (recv_seconds:
+decode registration to the last source's completion)."""
+WRITE_BUCKETS_S = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
+RECV_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+HISTOGRAMS = {
+    "post_seconds": ("creating and posting one NIXL WRITE, seconds", WRITE_BUCKETS_S),
+    "transfer_seconds": ("one NIXL WRITE from its post to its completion, seconds", WRITE_BUCKETS_S),
+    "recv_seconds": ("decode registration to complete KV, seconds", RECV_BUCKETS_S),
+}
 
 
 @dataclass
@@ -44,6 +50,10 @@ class SparseKVConnectorStats(KVConnectorStats):
     def add(self, **counts: int) -> None:
         for key, n in counts.items():
             self.data[key] += int(n)
+
+    def extend(self, **samples: list[float]) -> None:
+        for key, values in samples.items():
+            self.data[key].extend(values)
 
     def aggregate(self, other: KVConnectorStats) -> "SparseKVConnectorStats":
         for key in COUNTERS:
@@ -71,6 +81,12 @@ class SparseKVConnectorStats(KVConnectorStats):
             })
             if d["sends_expired"]:  # KV nobody fetched: worth a word in the log line, only when it happens
                 out["sends_expired"] = d["sends_expired"]
+            # Only where they apply, so a plain deployment's line stays short.
+            if d["staged_chunks"]:
+                out["staged_chunks"] = d["staged_chunks"]
+            for key, name in (("post_seconds", "post_avg_ms"), ("transfer_seconds", "transfer_avg_ms")):
+                if d[key]:
+                    out[name] = round(1e3 * sum(d[key]) / len(d[key]), 3)
         if d["recvs_ok"] or d["recvs_failed"]:
             waits = sorted(d["recv_seconds"])
             out.update({
@@ -84,10 +100,8 @@ class SparseKVConnectorStats(KVConnectorStats):
 
 
 class SparseKVPromMetrics(KVConnectorPromMetrics):
-    """Counters `vllm:sparse_kv_<counter>` (exported as ..._total) and the histogram
-    `vllm:sparse_kv_recv_seconds`, one child per engine."""
-
-    BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+    """Counters `vllm:sparse_kv_<counter>` (exported as ..._total) and the histograms `vllm:sparse_kv_<series>`,
+    one child per engine."""
 
     def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
@@ -97,15 +111,17 @@ class SparseKVPromMetrics(KVConnectorPromMetrics):
             metric = self._counter_cls(name=f"vllm:sparse_kv_{key}", labelnames=labelnames,
                                        documentation=f"SparseKVConnector: {key.replace('_', ' ')}")
             self.counters[key] = {idx: metric.labels(*values) for idx, values in per_engine_labelvalues.items()}
-        hist = self._histogram_cls(name="vllm:sparse_kv_recv_seconds", labelnames=labelnames,
-                                   buckets=list(self.BUCKETS_S),
-                                   documentation="SparseKVConnector: decode registration to complete KV, seconds")
-        self.recv_seconds = {idx: hist.labels(*values) for idx, values in per_engine_labelvalues.items()}
+        self.histograms = {}
+        for key, (what, buckets) in HISTOGRAMS.items():
+            hist = self._histogram_cls(name=f"vllm:sparse_kv_{key}", labelnames=labelnames, buckets=list(buckets),
+                                       documentation=f"SparseKVConnector: {what}")
+            self.histograms[key] = {idx: hist.labels(*values) for idx, values in per_engine_labelvalues.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key in COUNTERS:
             n = int(transfer_stats_data.get(key, 0))
             if n:
                 self.counters[key][engine_idx].inc(n)
-        for seconds in transfer_stats_data.get("recv_seconds", ()):
-            self.recv_seconds[engine_idx].observe(seconds)
+        for key in SERIES:
+            for seconds in transfer_stats_data.get(key, ()):
+                self.histograms[key][engine_idx].observe(seconds)

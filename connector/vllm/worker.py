@@ -1,10 +1,9 @@
 """Worker-side half (one per GPU worker process). Thin: it turns vLLM's tensors into Regions and vLLM's hooks into
-stream-engine calls; the transfer logic lives in connector.stream / connector.receiver."""
+stream-engine calls; the transfer logic lives in connector.engine.sender / connector.engine.receiver."""
 
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import logging
 import threading
 import time
@@ -13,11 +12,14 @@ from typing import Any
 
 import torch
 
-from connector.layout import ParallelLayout, RankLayout
-from connector.loop import LoopThread
-from connector.receiver import PrefillAddress, ReceiverConfig, ReceiveResult, StreamReceiver
-from connector.sender_state import SenderStats
-from connector.stream import SenderConfig, StreamSender
+from connector.core.errors import LayoutError
+from connector.core.layout import ParallelLayout, RankLayout
+from connector.engine.rank import LocalRank
+from connector.engine.receiver import ReceiveResult, StreamReceiver
+from connector.engine.sender import StreamSender
+from connector.engine.stats import StatsDelta
+from connector.protocol.addressing import PrefillAddress, side_channel_port
+from connector.transport.loop import LoopThread
 from connector.vllm.config import ConnectorSettings, default_host
 from connector.vllm.metadata import SparseKVHandshake, SparseKVMetadata
 from connector.vllm.regions import build_regions, classify_layers, model_layout_from_vllm
@@ -67,15 +69,15 @@ class WorkerSide:
         """Request id -> time.monotonic() its receive was started (for recv_seconds)."""
         self._stats = SparseKVConnectorStats()
         """Decode-side observations since the last get_kv_connector_stats (model-runner thread only)."""
-        self._sender_seen = SenderStats()
-        """The sender's cumulative counters at the last get_kv_connector_stats: the next report is the delta."""
+        self._sender_delta: StatsDelta | None = None
+        """Reads the sender's counters and samples at each get_kv_connector_stats (the report is what is new)."""
         self._cuda = False
         self._staging: torch.Tensor | None = None
         self.port = 0
 
     # ---- startup ----------------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from connector.transport import Transport, TransportConfig
+        from connector.transport.nixl import Transport
 
         regions = build_regions(kv_caches, self.kv_cache_config, self.rank_layout)
         self._cuda = any(t.is_cuda for t in kv_caches.values())
@@ -83,10 +85,8 @@ class WorkerSide:
         # Unique per process start: a restarted rank must not look like the old one to its peers' NIXL agents.
         side = "p" if self.is_producer else "d"
         name = f"{self.engine_id}-{side}-{self.rank[0]}-{self.rank[1]}-{uuid.uuid4().hex[:8]}"
-        self.transport = Transport(TransportConfig(name=name, max_inflight_bytes=self.settings.max_inflight_bytes,
-                                                   posts_per_second=self.settings.posts_per_second,
-                                                   progress_delay_us=self.settings.progress_delay_us))
-        self.loop.run(self.transport.__aenter__(), 60)
+        self.transport = Transport(self.settings.transport_config(name))
+        self.loop.run(self.transport.open(), 60)
         # Register each distinct storage once, whole (several layers may share one, and a permuted view's bytes
         # are not its data_ptr() .. + numel()).
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in kv_caches.values()}
@@ -100,31 +100,21 @@ class WorkerSide:
             self._staging = staging  # kept alive as long as the transport uses it
         block_size = {r.group: self.kv_cache_config.kv_cache_groups[r.group].kv_cache_spec.block_size for r in regions}
         if len(set(block_size.values())) != 1:
-            raise ValueError(f"SparseKVConnector needs one block size across KV-cache groups, got {block_size}")
-        bs = next(iter(block_size.values()))
+            raise LayoutError(f"SparseKVConnector needs one block size across KV-cache groups, got {block_size}")
+        me = LocalRank(self.engine_id, self.model, self.parallel, self.rank, tuple(regions),
+                       next(iter(block_size.values())), mem_type="VRAM" if self._cuda else "DRAM", staging=staging)
         s = self.settings
         if self.is_producer:
             host = s.side_channel_host or default_host()
-            self.port = s.side_channel_port + self.rank[0] * self.parallel.tp + self.rank[1]
-            self.sender = StreamSender(
-                self.transport, self.model, self.parallel, self.rank, regions, bs,
-                SenderConfig(engine_id=self.engine_id, host=host, port=self.port, auth_token=s.auth_token,
-                             lease_s=s.lease_s, write_timeout_s=s.write_timeout_s,
-                             handshake_timeout_s=s.handshake_timeout_s, heartbeat_interval_s=s.heartbeat_interval_s,
-                             dead_after_s=s.dead_after_s),
-                self.loop.loop, mem_type="VRAM" if self._cuda else "DRAM", on_finished=self._on_sent,
-                staging=staging)
+            self.port = side_channel_port(s.side_channel_port, self.rank, self.parallel.tp)
+            self.sender = StreamSender(me, self.transport, s.sender_config(host, self.port), self.loop.loop,
+                                       on_finished=self._on_sent)
+            self._sender_delta = StatsDelta(self.sender.stats)
             self.loop.run(self.sender.start(), 30)
             log.info("SparseKVConnector prefill rank %s: side channel %s:%d, %d regions", self.rank, host, self.port,
                      len(regions))
         else:
-            self.receiver = StreamReceiver(
-                self.transport, self.model, self.parallel, self.rank, regions, bs,
-                ReceiverConfig(engine_id=self.engine_id, auth_token=s.auth_token,
-                               connect_timeout_s=s.handshake_timeout_s, transfer_timeout_s=s.transfer_timeout_s,
-                               heartbeat_interval_s=s.heartbeat_interval_s, dead_after_s=s.dead_after_s,
-                               staging_slot_bytes=s.staging_slot_mb << 20),
-                staging=staging)
+            self.receiver = StreamReceiver(me, self.transport, s.receiver_config())
             log.info("SparseKVConnector decode rank %s: %d regions, %s", self.rank, len(regions),
                      f"staging {s.staging_mb} MiB" if staging is not None else "no staging")
 
@@ -154,9 +144,9 @@ class WorkerSide:
 
     def _start_receive(self, req_id: str, spec: Any) -> None:
         if spec.finished:  # vLLM is done with it: only prefill has to hear, and vLLM must hear nothing more
-            self.loop.submit(self.receiver.abort_unregistered(
+            self.loop.spawn(self.receiver.abort_unregistered(
                 spec.transfer_id, PrefillAddress.parse(spec.prefill_addr),
-                "request ended on decode before it registered")).add_done_callback(self._log_failure)
+                "request ended on decode before it registered"), f"abort of unregistered transfer {spec.transfer_id}")
             return
         if spec.aborted:
             self._aborted.add(req_id)
@@ -173,11 +163,6 @@ class WorkerSide:
             spec.transfer_id, addr, [list(g) for g in spec.block_ids], spec.first_token, spec.num_tokens,
             after_prefill=spec.prefill_finished))
 
-    @staticmethod
-    def _log_failure(fut: concurrent.futures.Future) -> None:
-        if not fut.cancelled() and fut.exception() is not None:
-            log.warning("could not tell prefill that a transfer is off: %s", fut.exception())
-
     def _abort(self, req_id: str, tid: str) -> None:
         if self.sender is not None:
             self.sender.abort(tid, "request aborted on prefill")
@@ -188,7 +173,7 @@ class WorkerSide:
         self._aborted.add(req_id)
         # The receive ends once every prefill rank confirmed it writes nothing more into our blocks; only then is
         # the request reported finished, so vLLM does not hand the blocks to another request early.
-        self.loop.submit(self.receiver.abort(tid, "request aborted on decode"))
+        self.loop.spawn(self.receiver.abort(tid, "request aborted on decode"), f"abort of transfer {tid}")
 
     def layer_saved(self, layer_name: str) -> None:
         """save_kv_layer: must return at once. Records a CUDA event; the engine waits for it off this thread."""
@@ -262,15 +247,10 @@ class WorkerSide:
         """What happened since the last call (model-runner thread): the sender's counters as a delta, and the
         receives that ended. None when nothing did, so vLLM ships nothing."""
         out, self._stats = self._stats, SparseKVConnectorStats()
-        if self.sender is not None:
-            now = dataclasses.replace(self.sender.stats)  # a snapshot: the loop thread keeps counting
-            seen, self._sender_seen = self._sender_seen, now
-            out.add(bytes_sent=now.bytes_written - seen.bytes_written,
-                    bytes_sent_during_compute=now.bytes_during_compute - seen.bytes_during_compute,
-                    writes=now.writes - seen.writes, descriptors=now.descriptors - seen.descriptors,
-                    sends_ok=now.transfers_ok - seen.transfers_ok,
-                    sends_failed=now.transfers_failed - seen.transfers_failed,
-                    sends_expired=now.leases_expired - seen.leases_expired)
+        if self._sender_delta is not None:
+            counts, samples = self._sender_delta.take()
+            out.add(**counts)
+            out.extend(**samples)
         return None if out.is_empty() else out
 
     def shutdown(self) -> None:
@@ -278,10 +258,10 @@ class WorkerSide:
             return
         try:
             if self.sender is not None:
-                self.loop.run(self.sender.close(), 30)
+                self.loop.run(self.sender.aclose(), 30)
             if self.receiver is not None:
-                self.loop.run(self.receiver.close(), 30)
+                self.loop.run(self.receiver.aclose(), 30)
             if self.transport is not None:
-                self.loop.run(self.transport.close(), 30)
+                self.loop.run(self.transport.aclose(), 30)
         finally:
             self.loop.stop()

@@ -1,0 +1,63 @@
+"""`python -m connector bench-pd`: argument checks and output for connector.pd.bench."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from connector.core.errors import CliError
+from connector.pd.bench import MODES, BenchConfig, PdBench, dump
+
+MAX_MODEL_LEN = 4096
+
+
+def add_subcommand(subs: Any) -> None:
+    p = subs.add_parser("bench-pd", help="TTFT of one vLLM engine vs PD pairs (SparseKVConnector concurrent and "
+                                         "sequential, NixlConnector as shipped and clamped) on real engines")
+    p.add_argument("--requests", type=int, default=30, help="measured requests per mode (default 30)")
+    p.add_argument("--warmup", type=int, default=3, help="requests per mode before measuring (default 3)")
+    p.add_argument("--prompt-tokens", default="600,900,1000", help="prompt lengths, cycled (default 600,900,1000)")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {','.join(MODES)}")
+    p.add_argument("--engine-python", default=".venv-cpu/bin/python",
+                   help="python of the vLLM environment that serves (default: the one tools/cpu-engine-env.sh "
+                        "builds)")
+    p.add_argument("--work-dir", type=Path, default=None, help="model and server logs (default: a temp folder)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=run)
+
+
+def config_from(args: argparse.Namespace) -> BenchConfig:
+    if not 1 <= args.requests <= 10_000:
+        raise CliError(f"--requests {args.requests}: give 1..10000")
+    if not 0 <= args.warmup <= 100:
+        raise CliError(f"--warmup {args.warmup}: give 0..100")
+    if not 1 <= args.max_tokens <= 1024:
+        raise CliError(f"--max-tokens {args.max_tokens}: give 1..1024")
+    try:
+        lengths = tuple(int(x) for x in args.prompt_tokens.split(","))
+    except ValueError:
+        raise CliError(f"--prompt-tokens {args.prompt_tokens!r}: give integers, e.g. 600,900,1000") from None
+    too_long = [n for n in lengths if not 2 <= n <= MAX_MODEL_LEN - args.max_tokens]
+    if too_long:
+        raise CliError(f"--prompt-tokens {too_long}: each must be 2..{MAX_MODEL_LEN - args.max_tokens} "
+                           f"(max model length {MAX_MODEL_LEN} minus --max-tokens)")
+    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown or not modes:
+        raise CliError(f"--modes {args.modes!r}: unknown {unknown}; choose from {','.join(MODES)}")
+    if not Path(args.engine_python).exists():
+        raise CliError(f"--engine-python {args.engine_python} does not exist: build the CPU engine environment "
+                           f"with `bash tools/cpu-engine-env.sh`, or point it at a vLLM environment's python")
+    return BenchConfig(requests=args.requests, warmup=args.warmup, prompt_lengths=lengths,
+                       max_tokens=args.max_tokens, modes=modes, engine_python=args.engine_python,
+                       work_dir=args.work_dir)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = config_from(args)  # a CliError is printed as one line, exit code 2 (cli.main)
+    results = PdBench(config, log=lambda line: print(line, file=sys.stderr, flush=True)).run()
+    print(dump(results, args.json))
+    return 0 if all(r.token_equal == r.requests for r in results) else 1

@@ -1,0 +1,48 @@
+"""`python -m connector {plan,demo,bench}`: a thin layer over the planning and streaming code."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from connector.cli.args import add_common, parse_side
+from connector.cli.bench_pd import add_subcommand as add_bench_pd
+from connector.cli.demo import add_subcommands
+from connector.core.errors import InputError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m connector", description=__doc__)
+    subs = parser.add_subparsers(dest="command", required=True)
+    plan = subs.add_parser("plan", help="print which prefill rank sends which (pool, layer, heads) to which decode rank")
+    add_common(plan)
+    plan.add_argument("--prefill", required=True, metavar="tp=T,pp=P[,layers=a:b:c]")
+    plan.add_argument("--decode", required=True, metavar="tp=T,pp=P[,layers=a:b:c]")
+    add_subcommands(subs)  # (the transport stack is imported only when demo or bench runs)
+    add_bench_pd(subs)
+    return parser
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from connector.core.hf_config import load_model
+    from connector.core.plan import build_plan, check_plan, format_table
+
+    model = load_model(args.model, args.kv_cache_dtype)
+    plan = build_plan(model, parse_side(args.prefill, model, "--prefill"), parse_side(args.decode, model, "--decode"))
+    check_plan(plan)
+    print(json.dumps(plan.to_json()) if args.json else format_table(plan))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "plan":
+            return run_plan(args)
+        return args.run(args)
+    except InputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        return 0

@@ -1,0 +1,172 @@
+"""Block ids -> (addr, len) descriptor lists for one route. Pure, no I/O.
+
+Descriptor count is the performance lever (DESIGN.md: ~11 us per descriptor VRAM->VRAM, ~2.5 us on DRAM), so
+runs of blocks that are contiguous on BOTH sides are merged into one descriptor. Source and destination
+descriptors are returned pairwise equal in length, ready for one NIXL WRITE.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+
+from connector.core.errors import DescriptorError
+from connector.core.layout import Region
+from connector.core.plan import Route
+
+
+@dataclass(frozen=True)
+class Descriptors:
+    """Pairwise descriptors: src_addrs[i] -> dst_addrs[i], lengths[i] bytes. numpy uint64/int64 arrays."""
+
+    src_addrs: np.ndarray
+    dst_addrs: np.ndarray
+    lengths: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.lengths.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.lengths.sum())
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(src Nx2, dst Nx2) uint64 arrays of (addr, nbytes): the fast form the transport takes."""
+        return np.stack([self.src_addrs, self.lengths], axis=1), np.stack([self.dst_addrs, self.lengths], axis=1)
+
+    def pairs(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """(src [(addr, len)], dst [(addr, len)]) as Python lists (tests, small requests)."""
+        lens = self.lengths.tolist()
+        return list(zip(self.src_addrs.tolist(), lens)), list(zip(self.dst_addrs.tolist(), lens))
+
+    @staticmethod
+    def concat(parts: Sequence["Descriptors"]) -> "Descriptors":
+        if not parts:
+            return EMPTY
+        return Descriptors(np.concatenate([p.src_addrs for p in parts]),
+                           np.concatenate([p.dst_addrs for p in parts]),
+                           np.concatenate([p.lengths for p in parts]))
+
+
+EMPTY = Descriptors(np.zeros(0, np.uint64), np.zeros(0, np.uint64), np.zeros(0, np.uint64))
+
+
+def check_blocks(region: Region, block_ids: Sequence[int] | np.ndarray, who: str = "") -> np.ndarray:
+    ids = np.asarray(block_ids, dtype=np.int64)
+    if ids.ndim != 1:
+        raise DescriptorError(f"{who}block ids must be a flat list, got shape {ids.shape}")
+    bad = ids[(ids < 0) | (ids >= region.num_blocks)]
+    if bad.size:
+        raise DescriptorError(f"{who}block ids {sorted(set(bad.tolist()))[:8]} are outside {region.pool} layer "
+                              f"{region.layer}'s {region.num_blocks} blocks (valid 0..{region.num_blocks - 1})")
+    return ids
+
+
+def head_span(region: Region, heads: tuple[int, int]) -> tuple[int, int]:
+    """(byte offset inside a block, bytes) of global heads [first, end) in `region` (head-major blocks)."""
+    first, end = heads
+    if not (region.heads[0] <= first < end <= region.heads[1]):
+        raise DescriptorError(f"heads {first}-{end - 1} are not all held by {region.pool} layer {region.layer} "
+                              f"(it holds heads {region.heads[0]}-{region.heads[1] - 1})")
+    if (first, end) != region.heads and not region.head_major:
+        raise DescriptorError(f"{region.pool} layer {region.layer} is not head-major (NHD) so heads {first}-{end - 1} "
+                              f"of {region.heads[0]}-{region.heads[1] - 1} cannot be cut out of a block: use the HND "
+                              f"KV-cache layout when prefill and decode TP sizes differ")
+    per_head = region.bytes_per_head_per_block
+    return (first - region.heads[0]) * per_head, (end - first) * per_head
+
+
+def block_addresses(region: Region, block_ids: np.ndarray, offset: int) -> np.ndarray:
+    """Address of `offset` inside each block of each part, part-major: shape (num_parts * len(block_ids),)."""
+    parts = np.arange(region.num_parts, dtype=np.int64)[:, None] * region.part_stride
+    addrs = region.base_addr + parts + block_ids[None, :] * region.block_stride + offset
+    return addrs.reshape(-1).astype(np.uint64)
+
+
+def route_descriptors(src: Region, dst: Region, src_blocks: Sequence[int] | np.ndarray,
+                      dst_blocks: Sequence[int] | np.ndarray, heads: tuple[int, int]) -> Descriptors:
+    """Descriptors that copy `heads` of src block src_blocks[i] into dst block dst_blocks[i], every part.
+
+    Runs contiguous on both sides are coalesced: the result has one descriptor per run, not per block."""
+    if src.key != dst.key:
+        raise DescriptorError(f"route pairs {src.key} with {dst.key}: regions must be the same (pool, layer)")
+    if src.num_parts != dst.num_parts:
+        raise DescriptorError(f"{src.pool} layer {src.layer} has {src.num_parts} part(s) on prefill but "
+                              f"{dst.num_parts} on decode: the KV cache layouts differ")
+    s_ids = check_blocks(src, src_blocks, "source ")
+    d_ids = check_blocks(dst, dst_blocks, "destination ")
+    if s_ids.shape != d_ids.shape:
+        raise DescriptorError(f"{src.pool} layer {src.layer}: {s_ids.size} source blocks but {d_ids.size} "
+                              f"destination blocks")
+    s_off, s_len = head_span(src, heads)
+    d_off, d_len = head_span(dst, heads)
+    if s_len != d_len:
+        raise DescriptorError(f"{src.pool} layer {src.layer}: heads {heads} are {s_len} B per block on prefill "
+                              f"but {d_len} B on decode: block sizes or dtypes differ")
+    if s_ids.size == 0:
+        return EMPTY
+    return coalesce(block_addresses(src, s_ids, s_off), block_addresses(dst, d_ids, d_off), s_len)
+
+
+def geometry(region: Region) -> tuple:
+    """Everything about a region but its address: regions with equal geometry can be computed together."""
+    return (region.pool, region.num_blocks, region.bytes_per_block, region.block_stride, region.num_parts,
+            region.part_stride, region.heads, region.head_major, region.group)
+
+
+def layers_descriptors(srcs: Sequence[Region], dsts: Sequence[Region], src_blocks: Sequence[int] | np.ndarray,
+                       dst_blocks: Sequence[int] | np.ndarray, heads: tuple[int, int]) -> Descriptors:
+    """`route_descriptors` for many layers at once (their regions share geometry, see `geometry`), in one
+    vectorised pass: the same as concatenating the per-layer results, layer by layer, but ~50x cheaper."""
+    if not srcs:
+        return EMPTY
+    first = route_descriptors(srcs[0], dsts[0], src_blocks, dst_blocks, heads)  # validates once
+    if len(srcs) == 1 or not len(first):
+        return first
+    if any(geometry(r) != geometry(srcs[0]) for r in srcs) or any(geometry(r) != geometry(dsts[0]) for r in dsts):
+        return Descriptors.concat([route_descriptors(a, b, src_blocks, dst_blocks, heads) for a, b in zip(srcs, dsts)])
+    s_off, length = head_span(srcs[0], heads)
+    d_off, _ = head_span(dsts[0], heads)
+    s_ids, d_ids = np.asarray(src_blocks, dtype=np.int64), np.asarray(dst_blocks, dtype=np.int64)
+    s_rel = block_addresses(srcs[0], s_ids, s_off) - np.uint64(srcs[0].base_addr)
+    d_rel = block_addresses(dsts[0], d_ids, d_off) - np.uint64(dsts[0].base_addr)
+    s_base = np.array([r.base_addr for r in srcs], dtype=np.uint64)[:, None]
+    d_base = np.array([r.base_addr for r in dsts], dtype=np.uint64)[:, None]
+    return coalesce((s_base + s_rel).reshape(-1), (d_base + d_rel).reshape(-1), length)
+
+
+def batch_descriptors(src_regions: Mapping[tuple[str, int], Region], dst_regions: Mapping[tuple[str, int], Region],
+                      layer_routes: Mapping[int, Sequence[Route]], spans: Iterable[tuple[int, int, int]],
+                      src_blocks: Sequence[Sequence[int]], dst_blocks: Sequence[Sequence[int]]) -> Descriptors:
+    """Descriptors of one WRITE from one prefill rank to one decode rank: for each `(global layer, first block,
+    end block)` in `spans`, every route of that layer, blocks [first, end) of each side's block-id group.
+
+    The one function that turns a batch into descriptors (the sender's WRITEs and the bench's raw-NIXL baseline
+    both use it, so they move the same descriptors). Layers that move the same block range with the same geometry
+    are computed in one vectorised pass (`layers_descriptors`)."""
+    groups: dict[tuple, tuple[list[Region], list[Region], tuple[int, int], int, int]] = {}
+    for layer, b0, b1 in spans:
+        for r in layer_routes[layer]:
+            src, dst = src_regions[(r.pool, layer)], dst_regions[(r.pool, layer)]
+            key = (geometry(src), geometry(dst), r.heads, b0, b1)
+            groups.setdefault(key, ([], [], r.heads, b0, b1))
+            groups[key][0].append(src)
+            groups[key][1].append(dst)
+    return Descriptors.concat([
+        layers_descriptors(srcs, dsts, src_blocks[srcs[0].group][b0:b1], dst_blocks[dsts[0].group][b0:b1], heads)
+        for srcs, dsts, heads, b0, b1 in groups.values()])
+
+
+def coalesce(src_addrs: np.ndarray, dst_addrs: np.ndarray, length: int) -> Descriptors:
+    """Merge consecutive equal-length pieces that continue each other on both sides."""
+    n = src_addrs.shape[0]
+    if n == 0:
+        return EMPTY
+    step = np.uint64(length)
+    breaks = np.ones(n, dtype=bool)
+    breaks[1:] = (src_addrs[1:] != src_addrs[:-1] + step) | (dst_addrs[1:] != dst_addrs[:-1] + step)
+    starts = np.flatnonzero(breaks)
+    run_lengths = np.diff(np.append(starts, n)).astype(np.uint64) * step
+    return Descriptors(src_addrs[starts], dst_addrs[starts], run_lengths)

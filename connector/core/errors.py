@@ -1,0 +1,98 @@
+"""Every exception the connector raises, in one tree. Catch a branch, not a tuple of leaves.
+
+    ConnectorError
+      InputError         refused before anything moved: the input is wrong, the message names it and the fix
+        LayoutError        a model or parallel layout that cannot be used (or two sides whose layouts differ)
+        DescriptorError    block ids or heads that do not fit a region
+        RegistrationError  a decode registration prefill refuses (the text goes back to decode)
+        StagingError       a staged chunk decode refuses (the text goes back to prefill)
+        ConfigError        a setting or request parameter that cannot be used
+        CliError           bad command-line input (exit code 2)
+      PeerError          the other side, or the path to it, failed: retrying against a healthy peer may work
+        ControlError       the side channel: rejected handshake, closed or dead peer, timeout
+          FrameError         a frame that cannot be accepted (too large, unknown version, malformed)
+        TransportError     a NIXL WRITE, post or peer operation
+        StagedWriteError   a staged chunk that did not land
+        TransferFailed     a transfer decode gives up on (which prefill rank, and why)
+        ServerError        a `vllm serve` process (connector.pd) that would not start or died
+        RequestFailed      an HTTP request to such a server that was answered with an error
+      PlanError          a plan that breaks an invariant: a bug here, not bad input
+
+Each leaf keeps its stdlib parent (ValueError for refused input, RuntimeError for failures, AssertionError for a
+broken invariant), so code written against those keeps working.
+"""
+
+from __future__ import annotations
+
+
+class ConnectorError(Exception):
+    """Root of every exception this package raises on purpose."""
+
+
+class InputError(ConnectorError):
+    """Input refused before anything was written; the message names the value, where it came from and the fix."""
+
+
+class PeerError(ConnectorError):
+    """The peer, or the path to it, failed (closed, dead, timed out, or it refused what we sent)."""
+
+
+class LayoutError(InputError, ValueError):
+    """A model or parallel layout that cannot be used; the message names the value and the fix."""
+
+
+class DescriptorError(InputError, ValueError):
+    """Block ids or heads that do not fit a region; the message names them."""
+
+
+class RegistrationError(InputError, ValueError):
+    """A registration that is refused before anything is written; the text goes back to decode."""
+
+
+class StagingError(InputError, ValueError):
+    """A staged chunk that cannot be accepted; the text goes back to the sender."""
+
+
+class ConfigError(InputError, ValueError):
+    """A setting (kv_connector_extra_config) or request parameter (kv_transfer_params) that cannot be used."""
+
+
+class CliError(InputError, ValueError):
+    """Bad command-line input; printed as one line, exit code 2."""
+
+
+class ControlError(PeerError, RuntimeError):
+    """Anything that goes wrong on the side channel: rejected handshake, closed or dead peer, bad frame, timeout."""
+
+
+class FrameError(ControlError):
+    """A frame that cannot be accepted (too large, unknown version, malformed msgpack, unknown message type)."""
+
+
+class TransportError(PeerError, RuntimeError):
+    """A transfer or peer operation failed. The message names the peer/transfer and the fix."""
+
+
+class StagedWriteError(PeerError, RuntimeError):
+    """A staged chunk that did not land (decode refused it, the connection closed, or it timed out)."""
+
+
+class TransferFailed(PeerError, RuntimeError):
+    """A transfer that will not complete; the message says which prefill rank and why."""
+
+
+class PlanError(ConnectorError, AssertionError):
+    """A plan that breaks an invariant (a bug, not bad input)."""
+
+
+class ServerError(PeerError, RuntimeError):
+    """A `vllm serve` process that would not start, died, or answered with an error; the message carries its
+    log's tail."""
+
+
+class RequestFailed(PeerError, RuntimeError):
+    """A server answered an HTTP request with an error (or an error event in its stream)."""
+
+    def __init__(self, url: str, status: int, body: str) -> None:
+        super().__init__(f"{url}: HTTP {status}: {body[:1000]}")
+        self.status, self.body = status, body

@@ -1,0 +1,53 @@
+"""Settings of the two engines and their defaults, in one place. The side channel is the same on both sides, so
+its settings are one object that both configs hold. `connector.vllm.config.ConnectorSettings` (the operator's
+`kv_connector_extra_config`) takes its defaults from here and builds these objects."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SideChannelConfig:
+    """The TCP side channel between a prefill and a decode rank (connector.transport.control)."""
+
+    auth_token: str = ""
+    """Shared secret both sides present in the handshake; empty = no authentication."""
+    handshake_timeout_s: float = 10.0
+    """Connecting and exchanging Hellos, each way."""
+    heartbeat_interval_s: float = 2.0
+    dead_after_s: float = 15.0
+    """A peer silent for this long is treated as dead (a few heartbeat intervals)."""
+
+
+@dataclass(frozen=True)
+class SenderConfig:
+    """A prefill rank."""
+
+    host: str = "127.0.0.1"
+    """Address the side channel listens on."""
+    port: int = 0
+    """Port the side channel listens on (0: any free one; see connector.protocol.addressing for the rule)."""
+    side_channel: SideChannelConfig = field(default_factory=SideChannelConfig)
+    lease_s: float = 120.0
+    """How long a finished request keeps its blocks for decode ranks that have not completed; heartbeats extend."""
+    write_timeout_s: float = 60.0
+    """One WRITE (or staged chunk), from admission to completion."""
+    max_writes_per_destination: int = 2
+    poll_interval_s: float = 0.0005
+    """While requests are active, how often the loop picks up hook calls (see `StreamSender.layer_ready`)."""
+    released_memory_s: float = 600.0
+    """How long a finished transfer id is remembered, so a late registration for it is refused clearly."""
+
+
+@dataclass(frozen=True)
+class ReceiverConfig:
+    """A decode rank."""
+
+    side_channel: SideChannelConfig = field(default_factory=SideChannelConfig)
+    transfer_timeout_s: float = 300.0
+    """A transfer with no completion from every source by then fails (vLLM's kv_load_failure_policy applies)."""
+    stop_timeout_s: float = 60.0
+    """After an abort or failure, how long to wait for every prefill rank to confirm it writes nothing more."""
+    staging_slot_bytes: int = 16 * 1024 * 1024
+    """With a staging buffer: the slot each prefill rank connection gets (a staged chunk is at most this)."""

@@ -1,0 +1,82 @@
+"""What the sender counts, under the names connector.vllm.stats exports (`vllm:sparse_kv_<name>`), and the one
+generic way to turn it into per-interval reports: counters as deltas, samples drained.
+
+Written on the event loop thread only; read from others. Plain ints and deques need no lock for that: a reader
+sees each int whole, and deque append/popleft are atomic."""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field, fields
+
+from connector.transport.nixl import WriteTiming
+
+SAMPLES_KEPT = 4096
+"""Samples of a series kept until someone takes them (older ones are dropped: an unread series stays bounded)."""
+
+
+def _samples() -> collections.deque[float]:
+    return collections.deque(maxlen=SAMPLES_KEPT)
+
+
+@dataclass
+class SenderStats:
+    """Cumulative counters (ints) and recent samples (deques of seconds) of one prefill rank."""
+
+    bytes_sent: int = 0
+    """Bytes of completed WRITEs."""
+    bytes_sent_during_compute: int = 0
+    """... of those, posted while their request was still computing (streamed, not swept afterwards)."""
+    writes: int = 0
+    """WRITE batches (each one NIXL post, or one run of staged chunks)."""
+    descriptors: int = 0
+    """Byte ranges in them."""
+    staged_chunks: int = 0
+    """NIXL posts that went through staging (one descriptor each) instead of their descriptors."""
+    sends_ok: int = 0
+    """Requests every decode rank completed."""
+    sends_failed: int = 0
+    """Requests aborted, failed or expired."""
+    sends_expired: int = 0
+    """... of those, whose lease ran out before every decode rank completed (a router that never sent the decode
+    leg, a decode that died): their KV was freed unread."""
+    post_seconds: collections.deque[float] = field(default_factory=_samples)
+    """Per NIXL WRITE: creating and posting it (on DRAM the copy itself runs in the post)."""
+    transfer_seconds: collections.deque[float] = field(default_factory=_samples)
+    """Per NIXL WRITE: from the post until it completed."""
+
+    def record_write(self, timing: WriteTiming) -> None:
+        self.post_seconds.append(timing.post_s)
+        self.transfer_seconds.append(timing.transfer_s)
+
+
+def counter_names(stats_type: type) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(stats_type) if f.type in (int, "int"))
+
+
+def series_names(stats_type: type) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(stats_type) if f.name not in counter_names(stats_type))
+
+
+class StatsDelta:
+    """Reads a stats object every interval: what each counter gained since the last read, and the samples
+    recorded since (taken out of the object)."""
+
+    def __init__(self, stats: SenderStats) -> None:
+        self.stats = stats
+        self._counters = counter_names(type(stats))
+        self._series = series_names(type(stats))
+        self._seen = self._read()
+
+    def _read(self) -> dict[str, int]:
+        return {name: getattr(self.stats, name) for name in self._counters}
+
+    def take(self) -> tuple[dict[str, int], dict[str, list[float]]]:
+        now = self._read()
+        counts = {name: now[name] - self._seen[name] for name in self._counters}
+        self._seen = now
+        samples = {}
+        for name in self._series:
+            queue = getattr(self.stats, name)
+            samples[name] = [queue.popleft() for _ in range(len(queue))]
+        return counts, samples

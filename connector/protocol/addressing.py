@@ -1,0 +1,35 @@
+"""Where a prefill rank listens: the one place that states the port rule and parses a side-channel address. Pure."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from connector.core.errors import ConfigError
+from connector.core.plan import Rank
+
+
+def side_channel_port(base_port: int, rank: Rank, tp_size: int) -> int:
+    """Prefill rank (pp, tp) of an engine whose rank (0, 0) listens on `base_port` listens on
+    `base_port + pp * tp_size + tp` (the same convention as vLLM's NixlConnector side-channel ports)."""
+    return base_port + rank[0] * tp_size + rank[1]
+
+
+@dataclass(frozen=True)
+class PrefillAddress:
+    host: str
+    port: int
+    """Side-channel port of prefill rank (0, 0)."""
+
+    @classmethod
+    def parse(cls, text: str) -> "PrefillAddress":
+        host, sep, port = str(text).rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"prefill side-channel address {text!r} is not host:port (e.g. 10.0.0.5:5600)")
+        return cls(host.strip("[]"), int(port))
+
+    def port_of(self, rank: Rank, tp_size: int) -> int:
+        """Side-channel port of prefill rank `rank` of this engine (`tp_size` TP ranks per stage)."""
+        return side_channel_port(self.port, rank, tp_size)
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"

@@ -1,0 +1,12 @@
+"""Simulated ranks for the demo, the bench and the tests: real engines, real NIXL, real OS processes; only the model
+is simulated (deterministic cache content written layer by layer, then verified byte by byte on decode).
+
+  env           the environment NIXL/UCX need before they load; free loopback ports
+  buffers       per-rank paged caches laid out like vLLM's, their content and its verification
+  spec          RankSpec: what one simulated rank is (plain data, pickled to its worker process)
+  rank          SimRank: one rank as an object (loop thread, transport, cache, engine), in any process
+  rank_process  a SimRank as an OS process driven over a pipe (the demo's workers)
+  cluster       the processes of one run (Scenario -> DemoResult)
+  bench         raw NIXL vs connector bulk vs connector stream; raw_nixl is its raw baseline
+
+No vllm here (tests/test_layers.py holds this)."""

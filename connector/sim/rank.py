@@ -1,0 +1,97 @@
+"""One simulated rank as an object: its event loop thread, a NIXL transport, its paged cache (and staging buffer)
+registered with it, and the engine it runs. The demo's worker processes (connector.sim.rank_process) and the tests'
+in-process ranks are both this.
+
+Import it after `connector.sim.env.apply_env()` in a fresh process: it loads torch, and the transport loads NIXL."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from connector.engine.config import ReceiverConfig, SenderConfig
+from connector.engine.rank import LocalRank
+from connector.engine.receiver import StreamReceiver
+from connector.engine.sender import StreamSender
+from connector.sim.buffers import RankBuffers
+from connector.sim.spec import RankSpec
+from connector.transport.loop import LoopThread
+from connector.transport.nixl import Transport, TransportConfig
+
+
+class SimRank:
+    """Use as `with SimRank(spec) as rank:`, or `open()` / `close()`. The engine made by `sender()` or `receiver()`
+    is closed with the rank."""
+
+    def __init__(self, spec: RankSpec) -> None:
+        self.spec = spec
+        self.loop = LoopThread(f"sim-{spec.side}-{spec.rank[0]}-{spec.rank[1]}")
+        self.transport: Transport | None = None
+        self.bufs: RankBuffers | None = None
+        self.staging: torch.Tensor | None = None
+        self.engine: StreamSender | StreamReceiver | None = None
+
+    def open(self) -> "SimRank":
+        spec = self.spec
+        try:
+            self.loop.start()
+            name = f"{spec.run_id}-{spec.side}-{spec.rank[0]}-{spec.rank[1]}-{os.getpid()}"
+            self.transport = Transport(TransportConfig(name=name))
+            self.loop.run(self.transport.open(), 60)
+            self.bufs = RankBuffers(spec.model, spec.parallel, spec.rank, spec.block_size, spec.num_blocks,
+                                    spec.device)
+            for tensor in self.bufs.tensors:
+                self.transport.register(tensor)
+            if spec.staging_mb:
+                self.staging = torch.empty(spec.staging_mb << 20, dtype=torch.uint8, device=spec.device)
+                self.transport.register(self.staging)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def me(self) -> LocalRank:
+        """This rank as the engines see it."""
+        spec = self.spec
+        return LocalRank(spec.engine_id, spec.model, spec.parallel, spec.rank, tuple(self.bufs.regions()),
+                         spec.block_size, mem_type=spec.mem_type, staging=self.staging)
+
+    def sender(self, config: SenderConfig | None = None) -> StreamSender:
+        """A started StreamSender on this rank (its side channel on `config.port`, by default the spec's)."""
+        config = config or SenderConfig(port=self.spec.port, write_timeout_s=self.spec.timeout_s)
+        sender = StreamSender(self.me(), self.transport, config, self.loop.loop)
+        self.engine = sender
+        self.loop.run(sender.start(), 30)
+        return sender
+
+    def receiver(self, config: ReceiverConfig | None = None) -> StreamReceiver:
+        """A StreamReceiver on this rank; by default every prefill rank connection gets its own staging slot."""
+        spec = self.spec
+        if config is None:
+            slot_bytes = max(1, spec.staging_mb << 20) // (spec.prefill.pp * spec.prefill.tp)
+            config = ReceiverConfig(transfer_timeout_s=spec.timeout_s, staging_slot_bytes=slot_bytes)
+        self.engine = StreamReceiver(self.me(), self.transport, config)
+        return self.engine
+
+    def run(self, coro: Any, timeout: float | None = None) -> Any:
+        """Run `coro` on this rank's loop and wait for it (at most `timeout`, by default the spec's)."""
+        return self.loop.run(coro, timeout if timeout is not None else self.spec.timeout_s)
+
+    def close(self) -> None:
+        """Close the engine, then the transport, then stop the loop; safe after a partial `open()`."""
+        try:
+            if self.engine is not None:
+                self.loop.run(self.engine.aclose(), 30)
+            if self.transport is not None:
+                self.loop.run(self.transport.aclose(), 30)
+        finally:
+            self.engine = self.transport = None
+            self.loop.stop()
+
+    def __enter__(self) -> "SimRank":
+        return self.open()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,176 @@
+"""Worker processes of the demo and bench: one per prefill rank and one per decode rank.
+
+Each is a SimRank (connector.sim.rank: the process's one event loop, a NIXL transport, the simulated cache, the
+engine) that takes commands from the parent on a pipe in its main thread, which also plays the model: it "computes"
+layers by writing deterministic content into the simulated cache and calls the engine's hooks exactly as the vLLM
+adapter does.
+
+This module stays light (no torch, no NIXL at import): the parent imports it to spawn workers, and a worker must set
+its environment (connector.sim.env) before those load.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from typing import Any
+
+from connector.core.layout import blocks_for
+from connector.core.plan import Rank
+from connector.sim.env import apply_env
+from connector.sim.spec import RankSpec
+
+
+def run(conn: Any, spec: RankSpec) -> None:
+    """Process entry point: open the rank, say ("ready", ...), answer the parent's commands until "quit". A
+    failure to start, or of a command, goes back to the parent as ("error", text), never a silent hang."""
+    apply_env()
+    logging.basicConfig(level=spec.log_level, format=f"%(asctime)s {spec.side}{tuple(spec.rank)} "
+                                                     f"%(levelname)s %(name)s: %(message)s")
+    from connector.sim.rank import SimRank  # noqa: PLC0415 - torch and NIXL load only after apply_env()
+
+    try:
+        rank = SimRank(spec).open()
+    except Exception as exc:  # noqa: BLE001 - the parent must hear about it
+        conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}"))
+        return
+    try:
+        commands = PrefillCommands(rank) if spec.side == "prefill" else DecodeCommands(rank)
+        conn.send(("ready", spec.port))
+        _serve(conn, commands.handlers())
+    except Exception as exc:  # noqa: BLE001 - the parent must hear about it
+        conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}"))
+    finally:
+        rank.close()
+
+
+def _serve(conn: Any, handlers: dict[str, Any]) -> None:
+    """Answer parent commands until "quit"; any failure is reported, never a silent hang."""
+    while True:
+        if not conn.poll(3600):
+            return
+        msg = conn.recv()
+        if msg[0] == "quit":
+            return
+        try:
+            conn.send(handlers[msg[0]](*msg[1:]))
+        except Exception as exc:  # noqa: BLE001 - report to the parent, keep serving
+            conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}"))
+
+
+def pick_request_blocks(spec: RankSpec, tokens: int, seed: int) -> list[list[int]]:
+    from connector.sim.buffers import pick_blocks  # noqa: PLC0415 - torch
+
+    return pick_blocks(tokens, spec.block_size, spec.num_blocks, seed=seed, run_blocks=spec.run_blocks)
+
+
+class PrefillCommands:
+    """start, chunk (compute layers and call the hooks), finish, raw (the bench's raw-NIXL baseline)."""
+
+    def __init__(self, rank: Any) -> None:
+        self.rank, self.spec = rank, rank.spec
+        self.sender = rank.sender()
+        self.blocks: dict[str, list[list[int]]] = {}
+
+    def handlers(self) -> dict[str, Any]:
+        return {"start": self.start, "chunk": self.chunk, "finish": self.finish, "raw": self.raw}
+
+    def start(self, tid: str, tokens: int, index: int) -> tuple:
+        # Each TP rank of a stage uses the same block ids, as vLLM's scheduler gives all ranks one block table.
+        self.blocks[tid] = pick_request_blocks(self.spec, tokens, seed=1000 + index)
+        self.sender.start_request(tid, tokens)
+        return ("ok",)
+
+    def chunk(self, tid: str, t0: int, t1: int, layer_ms: float, mode: str, hook_layers: str) -> tuple:
+        import torch  # noqa: PLC0415 - loaded already (SimRank)
+
+        cuda = self.spec.device.startswith("cuda")
+        self.sender.begin_chunk(tid, self.blocks[tid], t1)
+        hooks, start_t = [], time.time()
+        for layer in range(*self.sender.me.stage):
+            began = time.perf_counter()
+            self.rank.bufs.fill(layer, self.blocks[tid], t0, t1)
+            event = None
+            if cuda:
+                event = torch.cuda.Event()
+                event.record()
+            left = layer_ms / 1e3 - (time.perf_counter() - began)
+            if left > 0:
+                time.sleep(left)
+            if mode == "stream" and (hook_layers == "all" or layer % 2 == 0):
+                h0 = time.perf_counter_ns()
+                self.sender.layer_ready(tid, layer, event)
+                hooks.append(time.perf_counter_ns() - h0)
+        if cuda:
+            torch.cuda.synchronize()
+        end_t = time.time()
+        self.sender.end_chunk(tid)  # the sweep: layers without a hook, and the whole request in bulk mode
+        return ("chunk_done", start_t, end_t, hooks)
+
+    def finish(self, tid: str) -> tuple:
+        timeout = self.spec.timeout_s
+        ok = self.rank.run(self.sender.wait_finished(tid, timeout), timeout + 5)
+        info = self.sender.finished_info.get(tid)
+        return ("finished", ok, info.first_write_at if info else 0.0)
+
+    def raw(self, seed: int, tokens: int, dst_blocks: dict[Rank, list[list[int]]]) -> tuple:
+        """Bench baseline: the descriptors the connector posts (built by the sender's own function), as one raw
+        NIXL WRITE per decode rank."""
+        from connector.core.descriptors import batch_descriptors  # noqa: PLC0415
+        from connector.sim.raw_nixl import raw_write  # noqa: PLC0415
+
+        src_blocks = pick_request_blocks(self.spec, tokens, seed=1000 + seed)
+        n = blocks_for(tokens, self.spec.block_size)
+        seconds = nbytes = count = 0
+        for (_engine, *dst), peer in self.sender.peers.items():
+            layer_routes = peer.accepted.plan.layer_routes(self.spec.rank, tuple(dst))
+            descs = batch_descriptors(self.sender.me.by_key, peer.accepted.regions, layer_routes,
+                                      [(layer, 0, n) for layer in layer_routes], src_blocks, dst_blocks[tuple(dst)])
+            local, remote = descs.arrays()
+            seconds += raw_write(self.rank.transport, peer.agent, local, remote, mem_type=self.spec.mem_type,
+                                 timeout=self.spec.timeout_s)
+            nbytes += descs.nbytes
+            count += len(descs)
+        return ("raw", seconds, nbytes, count)
+
+
+class DecodeCommands:
+    """receive (pick blocks, register them with every prefill rank), collect (wait, then verify every byte)."""
+
+    def __init__(self, rank: Any) -> None:
+        self.rank, self.spec = rank, rank.spec
+        self.receiver = rank.receiver()
+        self.pending: dict[str, Any] = {}
+        self.requests: dict[str, tuple] = {}
+        self.used: list[list[int]] = [[], []]
+
+    def handlers(self) -> dict[str, Any]:
+        return {"receive": self.receive, "collect": self.collect}
+
+    async def _timed_receive(self, *args: Any) -> tuple[Any, float]:
+        result = await self.receiver.receive(*args)
+        return result, time.time()
+
+    def receive(self, tid: str, tokens: int, first_token: int, address: str, index: int) -> tuple:
+        from connector.protocol.addressing import PrefillAddress  # noqa: PLC0415
+
+        block_ids = pick_request_blocks(self.spec, tokens, seed=5000 + index * 7 + self.spec.rank[1])
+        for g, ids in enumerate(block_ids):
+            self.used[g] += ids
+        self.requests[tid] = (block_ids, first_token, tokens)
+        self.pending[tid] = self.rank.loop.submit(
+            self._timed_receive(tid, PrefillAddress.parse(address), block_ids, first_token, tokens))
+        return ("registering", block_ids)
+
+    def collect(self, tid: str) -> tuple:
+        block_ids, first_token, tokens = self.requests.pop(tid)
+        try:
+            result, done_at = self.pending.pop(tid).result(self.spec.timeout_s + 5)
+        except Exception as exc:  # noqa: BLE001 - a failed transfer is a result, not a crash
+            return ("collected", [f"transfer failed: {exc}"], 0, 0, time.time(), 0)
+        bufs = self.rank.bufs
+        problems = bufs.verify(block_ids, first_token, tokens)
+        problems += bufs.verify_prefix_untouched(block_ids, first_token) if first_token else []
+        problems += bufs.untouched(self.used)
+        return ("collected", problems, result.bytes_written, result.descriptors, done_at, result.staged_chunks)

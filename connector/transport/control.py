@@ -1,0 +1,395 @@
+"""Asyncio TCP side channel between prefill and decode ranks.
+
+What crosses the wire (messages, frames, the Hello checks) is `connector.protocol`. This module holds the sockets:
+the connection, the server and the client handshake. Lifetimes: a `ControlConnection` owns its reader and heartbeat
+tasks and cancels them on `aclose()`; a `ControlServer` owns its connection tasks and closes them on exit. Every wait
+on a peer has a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
+
+import msgspec
+
+from connector.core.errors import ControlError, FrameError
+from connector.protocol.handshake import check_hello
+from connector.protocol.messages import (DEFAULT_MAX_FRAME_BYTES, HEADER, Error, Heartbeat, Hello, Message, Register,
+                                         RegisterError, Reject, check_header, decode_body, encode_frame)
+
+log = logging.getLogger(__name__)
+
+MessageHandler = Callable[["ControlConnection", Message], Awaitable[None]]
+HelloHook = Callable[[Hello], "None | Awaitable[None]"]
+
+
+class _Closed:
+    """Queue sentinel: the connection is closed."""
+
+
+def format_addr(addr: Any) -> str:
+    """`host:port` (IPv6 as `[host]:port`) from a socket peername."""
+    if isinstance(addr, tuple) and len(addr) >= 2:
+        host, port = addr[0], addr[1]
+        return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+    return str(addr)
+
+
+async def read_frame(reader: asyncio.StreamReader, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Message:
+    """Read one frame. The header is checked (size, version) before the body is read.
+    Raises FrameError for a bad frame, asyncio.IncompleteReadError on EOF."""
+    length = check_header(await reader.readexactly(HEADER.size), max_frame_bytes)
+    return decode_body(await reader.readexactly(length))
+
+
+class ControlConnection:
+    """One established, handshaken connection (either side). Create with `connect()` or get from `ControlServer`.
+
+    Messages from the peer are read by an owned reader task into a queue; take them with `recv(timeout)` or
+    `async for`. Empty Heartbeats only refresh liveness and are not queued. With `dead_after` set, a connection
+    that receives nothing for that many seconds closes itself. With `heartbeat_interval` set, it sends
+    `Heartbeat(heartbeat_ids())` at that interval (the peer's `dead_after` should be a few intervals)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: Hello, *,
+                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, send_timeout_s: float = 10.0,
+                 heartbeat_interval_s: float | None = None, dead_after_s: float | None = None,
+                 heartbeat_ids: Callable[[], Iterable[str]] | None = None,
+                 on_close: Callable[[str], None] | None = None) -> None:
+        self.peer = peer
+        """The peer's Hello."""
+        self.address = format_addr(writer.get_extra_info("peername"))
+        """Peer `host:port`."""
+        self._reader, self._writer = reader, writer
+        self._max_frame_bytes = max_frame_bytes
+        self._send_timeout_s = send_timeout_s
+        self._heartbeat_interval_s = heartbeat_interval_s
+        self._dead_after_s = dead_after_s
+        self._heartbeat_ids = heartbeat_ids or (lambda: ())
+        self._on_close = on_close
+        self._write_lock = asyncio.Lock()
+        self._queue: asyncio.Queue[Message | _Closed] = asyncio.Queue()
+        self.closed: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        """Resolves to the close reason once the connection is closed (never raises)."""
+        self.close_reason: str | None = None
+        self._tasks: list[asyncio.Task[None]] = [
+            asyncio.create_task(self._read_loop(), name=f"control-read {self.address}")]
+        if heartbeat_interval_s:
+            self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name=f"control-heartbeat {self.address}"))
+
+    @property
+    def is_closed(self) -> bool:
+        return self.close_reason is not None
+
+    async def send(self, msg: Message) -> None:
+        """Write one message. Writes are serialised; drain waits at most `send_timeout_s`, after which the
+        connection is closed and ControlError raised."""
+        if self.close_reason is not None:
+            raise ControlError(f"connection to {self.address} is closed: {self.close_reason}")
+        frame = encode_frame(msg)
+        async with self._write_lock:
+            try:
+                self._writer.write(frame)
+                async with asyncio.timeout(self._send_timeout_s):
+                    await self._writer.drain()
+            except TimeoutError:
+                reason = f"send blocked for more than {self._send_timeout_s} s"
+                self._shutdown(reason, logging.WARNING)
+                raise ControlError(f"connection to {self.address}: {reason}") from None
+            except (ConnectionError, RuntimeError) as exc:
+                self._shutdown(f"send failed: {exc!r}", logging.WARNING)
+                raise ControlError(f"connection to {self.address}: send failed: {exc!r}") from exc
+
+    async def recv(self, timeout: float) -> Message:
+        """Next message from the peer. Raises TimeoutError after `timeout` s, ControlError once closed."""
+        async with asyncio.timeout(timeout):
+            item = await self._queue.get()
+        if isinstance(item, _Closed):
+            self._queue.put_nowait(item)  # every later recv sees it too
+            raise ControlError(f"connection to {self.address} is closed: {self.close_reason}")
+        return item
+
+    def __aiter__(self) -> AsyncIterator[Message]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[Message]:
+        while True:
+            item = await self._queue.get()
+            if isinstance(item, _Closed):
+                self._queue.put_nowait(item)
+                return
+            yield item
+
+    async def aclose(self, reason: str = "closed locally") -> None:
+        """Close the socket and cancel owned tasks; idempotent. The first reason wins."""
+        self._shutdown(reason, logging.DEBUG)
+        current = asyncio.current_task()
+        others = [t for t in self._tasks if t is not current and not t.done()]
+        if others:
+            await asyncio.wait(others, timeout=5.0)
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(1.0):
+                await self._writer.wait_closed()
+
+    async def __aenter__(self) -> "ControlConnection":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def _shutdown(self, reason: str, level: int) -> None:
+        """Synchronous part of closing: usable from inside the owned tasks."""
+        if self.close_reason is not None:
+            return
+        self.close_reason = reason
+        log.log(level, "closing %s: %s", self.address, reason)
+        current = asyncio.current_task()
+        for task in self._tasks:
+            if task is not current:
+                task.cancel()
+        self._writer.close()
+        self._queue.put_nowait(_Closed())
+        self.closed.set_result(reason)
+        if self._on_close is not None:
+            try:
+                self._on_close(reason)
+            except Exception:
+                log.exception("on_close callback for %s failed", self.address)
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout(self._dead_after_s):
+                        msg = await read_frame(self._reader, self._max_frame_bytes)
+                except TimeoutError:
+                    self._shutdown(f"peer silent for more than {self._dead_after_s} s (dead_after)", logging.WARNING)
+                    return
+                match msg:
+                    case Heartbeat(transfer_ids=[]):
+                        continue  # liveness only: reading it was the point
+                    case Hello() | Reject():
+                        await self._send_best_effort(Error(f"unexpected {type(msg).__name__} after the handshake"))
+                        self._shutdown(f"protocol violation: {type(msg).__name__} after the handshake",
+                                       logging.WARNING)
+                        return
+                    case _:
+                        self._queue.put_nowait(msg)
+        except asyncio.IncompleteReadError:
+            self._shutdown("peer closed the connection", logging.INFO)
+        except FrameError as exc:
+            await self._send_best_effort(Error(str(exc)))
+            self._shutdown(str(exc), logging.WARNING)
+        except (ConnectionError, OSError) as exc:
+            self._shutdown(f"connection lost: {exc!r}", logging.WARNING)
+        except asyncio.CancelledError:
+            self._shutdown("closed locally", logging.DEBUG)
+            raise
+        except Exception as exc:  # a bug here must not vanish
+            log.exception("reader for %s failed", self.address)
+            self._shutdown(f"reader failed: {exc!r}", logging.ERROR)
+
+    async def _heartbeat_loop(self) -> None:
+        assert self._heartbeat_interval_s
+        try:
+            while True:
+                await asyncio.sleep(self._heartbeat_interval_s)
+                await self.send(Heartbeat(transfer_ids=list(self._heartbeat_ids())))
+        except ControlError:
+            return  # send() already closed the connection and logged why
+        except Exception as exc:
+            log.exception("heartbeat for %s failed", self.address)
+            self._shutdown(f"heartbeat failed: {exc!r}", logging.ERROR)
+
+    async def _send_best_effort(self, msg: Message) -> None:
+        with contextlib.suppress(Exception):
+            self._writer.write(encode_frame(msg))
+            async with asyncio.timeout(1.0):
+                await self._writer.drain()
+
+
+async def connect(host: str, port: int, hello: Hello, *, timeout: float = 10.0,
+                  max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, send_timeout_s: float = 10.0,
+                  heartbeat_interval_s: float | None = None, dead_after_s: float | None = None,
+                  heartbeat_ids: Callable[[], Iterable[str]] | None = None,
+                  on_close: Callable[[str], None] | None = None) -> ControlConnection:
+    """Open a connection, send `hello`, and wait (at most `timeout` s in all) for the peer's Hello.
+    Raises ControlError if the peer rejects us (with its reason), answers with something else, or is
+    incompatible (version, role, fingerprint)."""
+    where = f"{host}:{port}"
+    try:
+        async with asyncio.timeout(timeout):
+            reader, writer = await asyncio.open_connection(host, port)
+    except (OSError, TimeoutError) as exc:
+        raise ControlError(f"cannot connect to {where}: {exc!r}") from exc
+    try:
+        async with asyncio.timeout(timeout):
+            writer.write(encode_frame(hello))
+            await writer.drain()
+            reply = await read_frame(reader, max_frame_bytes)
+        if isinstance(reply, Reject):
+            raise ControlError(f"{where} rejected the handshake: {reply.reason}")
+        if not isinstance(reply, Hello):
+            raise ControlError(f"{where} answered the Hello with {type(reply).__name__}: {reply!r}")
+        try:
+            check_hello(reply, hello)
+        except ControlError as exc:
+            raise ControlError(f"{where}: {exc}") from None
+    except BaseException as exc:
+        writer.close()
+        if isinstance(exc, TimeoutError):
+            raise ControlError(f"handshake with {where} timed out after {timeout} s") from None
+        if isinstance(exc, asyncio.IncompleteReadError):
+            raise ControlError(f"{where} closed the connection during the handshake") from None
+        if isinstance(exc, (ConnectionError, OSError)) and not isinstance(exc, ControlError):
+            raise ControlError(f"handshake with {where} failed: {exc!r}") from exc
+        raise
+    return ControlConnection(reader, writer, reply, max_frame_bytes=max_frame_bytes, send_timeout_s=send_timeout_s,
+                             heartbeat_interval_s=heartbeat_interval_s, dead_after_s=dead_after_s,
+                             heartbeat_ids=heartbeat_ids, on_close=on_close)
+
+
+class ControlServer:
+    """Accepts side-channel connections. Use as `async with ControlServer(...) as server:`; `server.port` is the
+    bound port (useful with port=0).
+
+    Per connection: the first frame must be a Hello within `handshake_timeout_s`; it is checked against `hello`
+    (version, auth, role, fingerprint) and passed to `on_hello` (raise to reject, the message is the reason);
+    the server answers with its own `hello` (auth_token blanked) and then awaits `on_message(conn, msg)` for each
+    further message, in order. A handler exception is logged and answered with RegisterError (for Register) or
+    Error; the connection stays up."""
+
+    def __init__(self, hello: Hello, on_message: MessageHandler, *, host: str = "127.0.0.1", port: int = 0,
+                 auth_token: str = "", on_hello: HelloHook | None = None, handshake_timeout_s: float = 10.0,
+                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, send_timeout_s: float = 10.0,
+                 heartbeat_interval_s: float | None = None, dead_after_s: float | None = None,
+                 heartbeat_ids: Callable[[], Iterable[str]] | None = None) -> None:
+        self.hello = hello
+        self.host = host
+        self.port = port
+        """The bound port once started."""
+        self._reply = msgspec.structs.replace(hello, auth_token="")
+        self._on_message = on_message
+        self._auth_token = auth_token
+        self._on_hello = on_hello
+        self._handshake_timeout_s = handshake_timeout_s
+        self._max_frame_bytes = max_frame_bytes
+        self._conn_kwargs = dict(max_frame_bytes=max_frame_bytes, send_timeout_s=send_timeout_s,
+                                 heartbeat_interval_s=heartbeat_interval_s, dead_after_s=dead_after_s,
+                                 heartbeat_ids=heartbeat_ids)
+        self._server: asyncio.Server | None = None
+        self._handlers: set[asyncio.Task[Any]] = set()
+        self.connections: set[ControlConnection] = set()
+        """Handshaken connections that are still open."""
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._handle, self.host, self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+        log.info("control server listening on %s:%d", self.host, self.port)
+
+    async def aclose(self) -> None:
+        """Stop accepting, close every connection, cancel and await the connection tasks."""
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self.connections):
+            await conn.aclose("server shutting down")
+        for task in list(self._handlers):
+            task.cancel()
+        if self._handlers:
+            await asyncio.wait(list(self._handlers), timeout=5.0)
+        if self._server is not None:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(5.0):
+                    await self._server.wait_closed()
+            self._server = None
+
+    async def __aenter__(self) -> "ControlServer":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
+        try:
+            conn = await self._handshake(reader, writer)
+            if conn is None:
+                return
+            self.connections.add(conn)
+            try:
+                await self._serve(conn)
+            finally:
+                self.connections.discard(conn)
+                await conn.aclose()
+        except asyncio.CancelledError:
+            writer.close()
+        except Exception:  # must never escape into asyncio's handler machinery
+            log.exception("control connection from %s failed", format_addr(writer.get_extra_info("peername")))
+            writer.close()
+        finally:
+            self._handlers.discard(task)
+
+    async def _handshake(self, reader: asyncio.StreamReader,
+                         writer: asyncio.StreamWriter) -> ControlConnection | None:
+        addr = format_addr(writer.get_extra_info("peername"))
+        reason, reply = None, None
+        try:
+            async with asyncio.timeout(self._handshake_timeout_s):
+                first = await read_frame(reader, self._max_frame_bytes)
+            if not isinstance(first, Hello):
+                raise ControlError(f"first frame is {type(first).__name__}, expected Hello")
+            check_hello(first, self.hello, self._auth_token)
+            if self._on_hello is not None:
+                try:
+                    result = self._on_hello(first)
+                    if inspect.isawaitable(result):
+                        await result
+                except Exception as exc:
+                    raise ControlError(f"refused by on_hello: {exc}") from exc
+            writer.write(encode_frame(self._reply))
+            try:
+                async with asyncio.timeout(self._handshake_timeout_s):
+                    await writer.drain()
+            except TimeoutError:
+                raise ConnectionError(f"our Hello not sent within {self._handshake_timeout_s} s") from None
+        except TimeoutError:
+            reason = f"no Hello within the {self._handshake_timeout_s} s handshake timeout"
+        except asyncio.IncompleteReadError as exc:
+            reason = f"peer closed the connection during the handshake after {len(exc.partial)} bytes"
+        except ControlError as exc:  # FrameError included
+            reason, reply = str(exc), Reject(str(exc))
+        except (ConnectionError, OSError) as exc:
+            reason = f"connection lost during the handshake: {exc!r}"
+        if reason is not None:
+            log.warning("closing %s: %s", addr, reason)
+            if reply is not None:
+                with contextlib.suppress(Exception):
+                    writer.write(encode_frame(reply))
+                    async with asyncio.timeout(1.0):
+                        await writer.drain()
+            writer.close()
+            return None
+        log.info("control handshake with %s: %s engine %s pp%d/tp%d", addr, first.role, first.engine_id,
+                 first.pp_rank, first.tp_rank)
+        peer = msgspec.structs.replace(first, auth_token="")  # keep the secret out of logs and reprs
+        return ControlConnection(reader, writer, peer, **self._conn_kwargs)
+
+    async def _serve(self, conn: ControlConnection) -> None:
+        async for msg in conn:
+            try:
+                await self._on_message(conn, msg)
+            except Exception as exc:
+                log.exception("handler for %s from %s failed", type(msg).__name__, conn.address)
+                reason = f"{type(msg).__name__} handler failed: {exc!r}"
+                answer: Message = (RegisterError(msg.transfer_id, reason) if isinstance(msg, Register)
+                                   else Error(reason))
+                try:
+                    await conn.send(answer)
+                except ControlError:
+                    return

@@ -1,0 +1,421 @@
+"""asyncio-facing wrapper over one NIXL agent with the UCX backend: memory registration, and WRITE posting with
+byte backpressure and an optional post-rate cap. No NIXL notifications: completions travel over the side channel
+(connector.transport.control), so nothing here polls for them.
+
+Threads: the event loop never calls NIXL on the data path. `post_threads` workers build descriptor lists and run
+createXferReq + postXferReq (on DRAM the CMA copy runs inside postXferReq); one poller thread (`poller.py`)
+drives PROC transfers to completion. Any NIXL call that touches the UCX worker can
+wait for a concurrent copy, so none of them may run on the loop. The agent is created in NIXL_THREAD_SYNC_RW
+mode, which makes this sharing safe (see `glue.make_agent`). Control calls (`register`, `add_peer`,
+`remove_peer`) are synchronous and may wait briefly for in-progress posts; make them off the hot path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import contextlib
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from connector.core.errors import ConfigError, TransportError
+from connector.transport.nixl.glue import as_descs, make_agent, memory_region, nixl_errors, pair_check
+from connector.transport.nixl.poller import Poller, Xfer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    name: str
+    """Agent name, unique per process (and among all peers)."""
+    progress_delay_us: int = 1000
+    """NIXL progress-thread poll delay. Never 0: 0 spins a whole core."""
+    max_inflight_bytes: int = 1 << 30
+    """Backpressure: bytes admitted but not completed, summed over all writes. A single larger write is admitted
+    alone when nothing else is in flight."""
+    posts_per_second: float | None = None
+    """Optional cap on WRITE posts per second (asyncio_throttle.Throttler); None = off."""
+    post_threads: int = 2
+    """Worker threads that post transfers (on DRAM the copy itself runs in the posting thread)."""
+    ucx_error_handling_mode: str = "peer"
+    """UCX error handling; "peer" keeps peer-failure detection."""
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ConfigError("TransportConfig.name must be a non-empty agent name")
+        if self.progress_delay_us <= 0:
+            raise ConfigError("progress_delay_us must be > 0 (0 makes NIXL's progress thread spin a core)")
+        if self.max_inflight_bytes <= 0 or self.post_threads <= 0:
+            raise ConfigError("max_inflight_bytes and post_threads must be > 0")
+        if self.posts_per_second is not None and self.posts_per_second <= 0:
+            raise ConfigError("posts_per_second must be > 0 or None")
+        if self.ucx_error_handling_mode not in ("peer", "none"):
+            raise ConfigError("ucx_error_handling_mode must be 'peer' or 'none'")
+
+
+@dataclass(frozen=True)
+class WriteTiming:
+    """How long one NIXL WRITE took (what vLLM's NIXL connector records as post and transfer durations)."""
+
+    post_s: float
+    """Creating and posting it in the post thread (on DRAM the copy runs inside the post)."""
+    transfer_s: float
+    """From the start of the post until the WRITE completed."""
+
+
+@dataclass
+class TransportStats:
+    """Counters. `posts`/`descriptors` count WRITEs handed to NIXL; `bytes_written` counts completed bytes."""
+
+    posts: int = 0
+    descriptors: int = 0
+    bytes_written: int = 0
+    errors: int = 0
+    timeouts: int = 0
+    peak_inflight_bytes: int = 0
+
+
+class _ByteGate:
+    """FIFO admission by bytes: admits while `inflight + n <= cap`, or anything when nothing is in flight."""
+
+    def __init__(self, cap: int, stats: TransportStats) -> None:
+        self.cap = cap
+        self.inflight = 0
+        self._stats = stats
+        self._waiters: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
+
+    def _fits(self, n: int) -> bool:
+        return self.inflight == 0 or self.inflight + n <= self.cap
+
+    def _take(self, n: int) -> None:
+        self.inflight += n
+        if self.inflight > self._stats.peak_inflight_bytes:
+            self._stats.peak_inflight_bytes = self.inflight
+
+    async def acquire(self, n: int) -> None:
+        if not self._waiters and self._fits(n):
+            self._take(n)
+            return
+        entry = (n, asyncio.get_running_loop().create_future())
+        self._waiters.append(entry)
+        try:
+            await entry[1]
+        except BaseException:
+            if entry[1].done() and not entry[1].cancelled():
+                self.release(n)  # granted, then cancelled before we ran: give it back
+            else:
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(entry)
+                self._wake()
+            raise
+
+    def release(self, n: int) -> None:
+        self.inflight -= n
+        self._wake()
+
+    def _wake(self) -> None:
+        while self._waiters and self._fits(self._waiters[0][0]):
+            n, fut = self._waiters.popleft()
+            if not fut.done():
+                self._take(n)
+                fut.set_result(None)
+
+
+class Transport:
+    """One NIXL agent (UCX backend) driven from asyncio. Use as `async with Transport(cfg) as t:`."""
+
+    def __init__(self, config: TransportConfig) -> None:
+        self.config = config
+        self.stats = TransportStats()
+        self._agent: Any = None
+        self._errors: tuple[type[BaseException], ...] = ()
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._poller: Poller | None = None
+        self._gate = _ByteGate(config.max_inflight_bytes, self.stats)
+        self._throttle = None
+        if config.posts_per_second is not None:
+            from asyncio_throttle import Throttler  # noqa: PLC0415
+
+            pps = float(config.posts_per_second)
+            burst = max(1, int(pps * 0.1))  # windows of ~100 ms: smooth, without per-post sleeps
+            self._throttle = Throttler(rate_limit=burst, period=burst / pps, retry_interval=min(0.01, 0.5 / pps))
+        self._peers: set[str] = set()
+        self._regs: list[tuple[Any, Any]] = []  # (nixlRegDList, the object kept alive while registered)
+        self._hlock = threading.Lock()
+        self._handles: set[Any] = set()
+        """Xfer handles not yet released (any thread); `_release` is the only way out of this set."""
+        self._closing = False
+        self._close_fut: asyncio.Future[None] | None = None
+
+    # ---------------------------------------------------------------- lifetime
+    async def open(self) -> "Transport":
+        """Create the NIXL agent and start the poller; pair with `aclose()` (or use `async with`)."""
+        if self._agent is not None or self._closing:
+            raise TransportError(f"transport {self.config.name!r} was already entered; create a new Transport")
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        self._executor = concurrent.futures.ThreadPoolExecutor(cfg.post_threads, thread_name_prefix=f"nixl-{cfg.name}")
+        try:
+            self._agent = await loop.run_in_executor(
+                self._executor,
+                lambda: make_agent(cfg.name, progress_delay_us=cfg.progress_delay_us,
+                                   ucx_error_handling_mode=cfg.ucx_error_handling_mode))
+            self._errors = nixl_errors()
+        except BaseException as exc:
+            self._executor.shutdown(wait=False)
+            self._closing = True
+            raise TransportError(f"could not create NIXL agent {cfg.name!r} with the UCX backend: {exc}") from exc
+        self._poller = Poller(self._agent, self._errors, self._release, cfg.name)
+        self._poller.start()
+        return self
+
+    async def __aenter__(self) -> "Transport":
+        return await self.open()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Refuse new work, wait for posting threads, stop the poller (releasing the handles it holds), remove
+        peers, deregister memory, drop the agent. Idempotent; concurrent callers wait for the first."""
+        if self._close_fut is not None:
+            await asyncio.shield(self._close_fut)
+            return
+        self._close_fut = asyncio.get_running_loop().create_future()
+        self._closing = True
+        try:
+            await asyncio.to_thread(self._teardown)
+        finally:
+            self._close_fut.set_result(None)
+
+    def _teardown(self) -> None:  # runs off the loop: joining threads and NIXL teardown may take a moment
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+        if self._poller is not None:
+            self._poller.stop()
+            self._poller.join(timeout=30)
+        with self._hlock:
+            left = list(self._handles)
+        for h in left:  # the poller has stopped: whatever is still here gets its last try
+            self._release(h)
+        with self._hlock:
+            stuck, self._handles = self._handles, set()
+        if stuck:  # the agent's destructor, which runs next, releases what NIXL still holds
+            log.warning("transport %s: %d xfer handle(s) could not be released before close", self.config.name,
+                        len(stuck))
+        agent = self._agent
+        if agent is not None:
+            for peer in list(self._peers):
+                self._quiet(agent.remove_remote_agent, peer)
+            for reg, _obj in self._regs:
+                self._quiet(agent.deregister_memory, reg)
+        self._peers.clear()
+        self._regs.clear()
+        # Drop every reference to the agent now, not when this object is collected: the nixl_agent's destructor
+        # is what stops its progress thread and UCX worker threads (each costs ~3 % of a core while idle).
+        if self._poller is not None and not self._poller.is_alive():
+            self._poller.detach()
+        self._agent = None
+
+    def _quiet(self, fn: Any, *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception as exc:  # noqa: BLE001 - teardown must go on
+            log.warning("transport %s: %s%r during close failed: %s", self.config.name, fn.__name__, args, exc)
+
+    def _live_agent(self) -> Any:
+        if self._agent is None or self._closing:
+            raise TransportError(
+                f"transport {self.config.name!r} is closed or was never opened; use `async with Transport(cfg)` "
+                f"or `await Transport(cfg).open()`")
+        return self._agent
+
+    # ---------------------------------------------------------------- memory and peers
+    def register(self, tensor: Any) -> None:
+        """Register a contiguous tensor (CPU -> "DRAM", CUDA -> "VRAM" on `tensor.device.index`) or numpy array.
+        Send `metadata` to peers after registering."""
+        agent = self._live_agent()
+        addr, nbytes, mem_type, dev = memory_region(tensor)
+        try:
+            reg = agent.register_memory([(addr, nbytes, dev, "")], mem_type)
+        except self._errors as exc:
+            raise TransportError(f"registering {nbytes} B of {mem_type} (device {dev}) at {addr:#x} with "
+                                 f"{self.config.name!r} failed: {exc}; is that memory type usable here?") from exc
+        self._regs.append((reg, tensor))
+
+    @property
+    def metadata(self) -> bytes:
+        """This agent's metadata (connection info + registered memory). Send it over our own side channel."""
+        return bytes(self._live_agent().get_agent_metadata())
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def agent(self) -> Any:
+        """The raw `nixl_agent` (the bench's raw-NIXL baseline, connector.sim.raw_nixl). Do not add or remove peers
+        or register memory through it."""
+        return self._live_agent()
+
+    @property
+    def peers(self) -> frozenset[str]:
+        return frozenset(self._peers)
+
+    def add_peer(self, metadata: bytes) -> str:
+        """Load a peer's agent metadata (from our side channel) and connect; returns its agent name. Re-adding a
+        known peer is a no-op for NIXL; after the peer restarted, `remove_peer` it first."""
+        agent = self._live_agent()
+        try:
+            name = agent.add_remote_agent(bytes(metadata))
+        except self._errors as exc:
+            raise TransportError(f"transport {self.config.name!r} could not load peer metadata ({len(metadata)} B): "
+                                 f"{exc}; send the live peer's current Transport.metadata (not our own)") from exc
+        name = name.decode() if isinstance(name, (bytes, bytearray)) else str(name)
+        self._peers.add(name)
+        return name
+
+    def remove_peer(self, peer: str) -> None:
+        """Forget a peer and disconnect from it. Unknown peers are ignored."""
+        if peer not in self._peers:
+            return
+        self._peers.discard(peer)
+        try:
+            self._live_agent().remove_remote_agent(peer)
+        except self._errors as exc:
+            log.warning("transport %s: removing peer %r: %s", self.config.name, peer, exc)
+
+    def _check_peer(self, peer: str) -> Any:
+        agent = self._live_agent()
+        if peer not in self._peers:
+            raise TransportError(f"peer {peer!r} is unknown to transport {self.config.name!r} (known: "
+                                 f"{sorted(self._peers)}); call add_peer(<peer metadata>) first")
+        return agent
+
+    # ---------------------------------------------------------------- data path
+    @property
+    def inflight_bytes(self) -> int:
+        return self._gate.inflight
+
+    @property
+    def open_handles(self) -> int:
+        """Xfer handles created and not yet released (for tests)."""
+        return len(self._handles)
+
+    async def write(self, peer: str, local: Sequence[tuple[int, int]] | np.ndarray,
+                    remote: Sequence[tuple[int, int]] | np.ndarray, *, mem_type: str = "DRAM",
+                    local_device: int = 0, remote_device: int = 0, timeout: float = 30.0) -> WriteTiming:
+        """WRITE local[i] -> remote[i] on `peer` (pairs of (addr, nbytes), or Nx2/Nx3 integer arrays). Returns, with
+        its timing, when the transfer is complete.
+        ValueError (nothing posted) on mismatched descriptors; TransportError on failure, timeout, unknown peer.
+        `timeout` covers admission, throttling, posting and completion."""
+        if mem_type not in ("DRAM", "VRAM"):
+            raise ValueError(f"mem_type must be 'DRAM' or 'VRAM', not {mem_type!r}")
+        ld = as_descs(local, local_device)
+        rd = as_descs(remote, remote_device)
+        nbytes = pair_check(ld, rd)
+        agent = self._check_peer(peer)
+        if ld.shape[0] == 0:
+            return WriteTiming(0.0, 0.0)
+        what = (f"WRITE of {ld.shape[0]} descriptor(s) / {nbytes} B ({mem_type}) from {self.config.name!r} "
+                f"to peer {peer!r}")
+        try:
+            async with asyncio.timeout(timeout):
+                await self._gate.acquire(nbytes)
+                try:
+                    state, timing = await self._post_and_wait(agent, peer, ld, rd, mem_type, what)
+                finally:
+                    self._gate.release(nbytes)
+        except TimeoutError:
+            self.stats.timeouts += 1
+            raise TransportError(f"{what} timed out after {timeout:g} s; the peer may be dead or stuck "
+                                 "(check it, or raise `timeout` for very large writes)") from None
+        if state != "DONE":
+            self.stats.errors += 1
+            raise TransportError(f"{what} failed with state {state}; the peer may have died or disconnected "
+                                 "-- re-handshake (remove_peer + add_peer with fresh metadata) before retrying")
+        self.stats.bytes_written += nbytes
+        return timing
+
+    async def _post_and_wait(self, agent: Any, peer: str, ld: np.ndarray, rd: np.ndarray, mem_type: str,
+                             what: str) -> tuple[str, WriteTiming]:
+        if self._throttle is not None:
+            await self._throttle.acquire()
+        assert self._executor is not None
+        xfer = Xfer(asyncio.get_running_loop())
+        try:
+            cf = self._executor.submit(self._post, agent, peer, ld, rd, mem_type, xfer)
+        except RuntimeError:  # executor shut down: aclose() is running
+            raise TransportError(f"{what}: transport is closing") from None
+        try:
+            state = await asyncio.wrap_future(cf)
+            self.stats.posts += 1
+            self.stats.descriptors += int(ld.shape[0])
+            if state == "PROC":
+                state = await xfer.future
+            return state, WriteTiming(xfer.post_s, time.perf_counter() - xfer.started)
+        except asyncio.CancelledError:
+            xfer.abandoned = True  # not started: never posted; posted: the poller cancels/releases it
+            cf.cancel()
+            raise
+        except _Closed:
+            raise TransportError(f"{what}: transport closed before it was posted") from None
+        except self._errors as exc:
+            self.stats.errors += 1
+            raise TransportError(f"{what} could not be posted: {exc!r}; the peer may have died or its metadata is "
+                                 "stale -- re-handshake (remove_peer + add_peer with fresh metadata)") from exc
+
+    def _post(self, agent: Any, peer: str, ld: np.ndarray, rd: np.ndarray, mem_type: str, xfer: Xfer) -> str:
+        """Post worker thread: build descriptor lists, create and post the request. DONE/ERR: released here and
+        returned. PROC: handed to the poller, which resolves `xfer.future` and releases the handle."""
+        if self._closing or xfer.abandoned:
+            raise _Closed()
+        xfer.started = time.perf_counter()
+        local = agent.get_xfer_descs(ld, mem_type)
+        remote = agent.get_xfer_descs(rd, mem_type)
+        handle = agent.initialize_xfer("WRITE", local, remote, peer)
+        with self._hlock:
+            self._handles.add(handle)
+        xfer.handle = handle
+        try:
+            state = agent.transfer(handle)
+        except BaseException:
+            self._release(handle)
+            raise
+        xfer.post_s = time.perf_counter() - xfer.started
+        if state == "PROC" and self._poller is not None and not self._closing:
+            self._poller.add(xfer)
+            return state
+        self._release(handle)
+        return "ERR (transport closing)" if state == "PROC" else state
+
+    def _release(self, handle: Any, *, keep_if_active: bool = False) -> bool:
+        """The one place an xfer handle is released (any thread), so it is released once: taken out of the live
+        set first, so a second call finds nothing to do. NIXL refuses to release a transfer it cannot cancel; the
+        handle then stays live (`keep_if_active`: the poller tries again later, else it is retried at close) and
+        False is returned."""
+        with self._hlock:
+            if handle not in self._handles:
+                return True
+            self._handles.discard(handle)
+        try:
+            handle.release()
+            return True
+        except Exception as exc:  # noqa: BLE001 - still active: stays live
+            if not keep_if_active:
+                log.warning("transport %s: xfer handle release failed (%s); will retry at close", self.config.name,
+                            exc)
+            with self._hlock:
+                self._handles.add(handle)
+            return False
+
+
+class _Closed(Exception):
+    """Internal: the transport closed before a queued post ran."""

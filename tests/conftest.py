@@ -1,0 +1,69 @@
+"""Shared fixtures: the models most tests use, and simulated ranks and worker clusters that are always closed when
+the test ends (loop threads, NIXL agents and engines in this process; worker processes ended by PID)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from connector.core.hf_config import load_model
+
+
+@pytest.fixture(scope="session")
+def m3():
+    return load_model("minimax-m3")
+
+
+@pytest.fixture(scope="session")
+def m3_index_v(tmp_path_factory):
+    """A small M3-style model whose sparse layers 4, 6 and 9 keep an index value."""
+    path = tmp_path_factory.mktemp("m3v") / "config.json"
+    freq = [0, 0, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1]
+    disable = [0, 0, 1, 1, 0, 0, 0, 1, 1, 0, 1, 1]
+    path.write_text(json.dumps({
+        "architectures": ["MiniMaxM3SparseForCausalLM"], "model_type": "minimax_m3", "num_hidden_layers": 12,
+        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64, "hidden_size": 512,
+        "torch_dtype": "bfloat16", "sparse_attention_config": {
+            "sparse_attention_freq": freq, "sparse_disable_index_value": disable, "sparse_index_dim": 64}}))
+    model = load_model(str(path))
+    assert model.pools["index_v"].layers == (4, 6, 9)
+    return model
+
+
+@pytest.fixture
+def open_rank():
+    """`open_rank(spec)`: a SimRank (connector.sim.rank) in this process, opened; closed with its engine when the
+    test ends, in reverse order of opening."""
+    from connector.sim.env import apply_env
+
+    apply_env()  # before NIXL and torch's allocator see the environment
+    from connector.sim.rank import SimRank
+
+    ranks: list[SimRank] = []
+
+    def make(spec) -> SimRank:
+        rank = SimRank(spec).open()
+        ranks.append(rank)
+        return rank
+
+    yield make
+    for rank in reversed(ranks):
+        rank.close()
+
+
+@pytest.fixture
+def cluster():
+    """`cluster(scenario, spawn=("prefill",))`: worker processes for those sides, ready; ended when the test ends."""
+    from connector.sim.cluster import Cluster
+
+    made: list[Cluster] = []
+
+    def make(sc, spawn=("prefill", "decode")) -> Cluster:
+        started = Cluster(sc, spawn=spawn).__enter__()
+        made.append(started)
+        return started
+
+    yield make
+    for started in reversed(made):
+        started.close()
