@@ -23,8 +23,18 @@ COUNTERS = (
     "bytes_received",              # decode: bytes its prefill sources report written
     "recvs_ok",
     "recvs_failed",
+    "send_steps",                  # prefill: steps in which a rank computed tokens of a request it sends
+    "signals_repeated",            # ... per-layer signals dropped as a layer's second one in a step (sent once)
 )
 SERIES = ("recv_seconds",)         # decode: registration to the last source's completion, per request
+PER_LAYER = (
+    "layers_signalled",            # prefill, per global layer: steps in which it was signalled on its own
+                                   # (save_kv_layer or the method layer_signals installed), so it can stream
+    "layers_swept",                # ... steps in which it got no signal and waited for the wait_for_save sweep
+)
+"""Lists indexed by global layer id: whether per-layer streaming happens, and for which layers. Ranks add up
+(tensor-parallel ranks hold the same layers, pipeline stages different ones), like send_steps, so the per-step
+figures in `reduce` are per rank."""
 
 
 @dataclass
@@ -35,25 +45,36 @@ class SparseKVConnectorStats(KVConnectorStats):
         else:  # rebuilt from another process's payload: tolerate keys an older peer did not send
             for key in COUNTERS:
                 self.data.setdefault(key, 0)
-            for key in SERIES:
+            for key in (*SERIES, *PER_LAYER):
                 self.data.setdefault(key, [])
 
     def reset(self) -> None:
-        self.data = {**{key: 0 for key in COUNTERS}, **{key: [] for key in SERIES}}
+        self.data = {**{key: 0 for key in COUNTERS}, **{key: [] for key in (*SERIES, *PER_LAYER)}}
 
     def add(self, **counts: int) -> None:
         for key, n in counts.items():
             self.data[key] += int(n)
+
+    def count_step(self, signalled: list[int], swept: list[int], repeated: int) -> None:
+        """One prefill step of one rank: the global layers signalled on their own, those left to the sweep, and the
+        signals dropped as repeats."""
+        self.data["send_steps"] += 1
+        self.data["signals_repeated"] += int(repeated)
+        for key, layers in (("layers_signalled", signalled), ("layers_swept", swept)):
+            _add_per_layer(self.data[key], {layer: 1 for layer in layers})
 
     def aggregate(self, other: KVConnectorStats) -> "SparseKVConnectorStats":
         for key in COUNTERS:
             self.data[key] += int(other.data.get(key, 0))
         for key in SERIES:
             self.data[key].extend(other.data.get(key, ()))
+        for key in PER_LAYER:
+            _add_per_layer(self.data[key], dict(enumerate(other.data.get(key, ()))))
         return self
 
     def is_empty(self) -> bool:
-        return not any(self.data[key] for key in COUNTERS) and not any(self.data[key] for key in SERIES)
+        return not any(self.data[key] for key in COUNTERS) and not any(self.data[key] for key in SERIES) \
+            and not any(any(self.data[key]) for key in PER_LAYER)
 
     def reduce(self) -> dict[str, int | float]:
         d = self.data
@@ -80,12 +101,28 @@ class SparseKVConnectorStats(KVConnectorStats):
                 "recv_avg_ms": round(1e3 * sum(waits) / len(waits), 2) if waits else 0.0,
                 "recv_max_ms": round(1e3 * waits[-1], 2) if waits else 0.0,
             })
+        if d["send_steps"]:
+            # Per rank and step: how many layers were signalled on their own, how many waited for the sweep.
+            # With vLLM 0.33's hooks alone MiniMax-M3 shows 3 and 57, DeepSeek-V3.2 0 and 61.
+            out["signalled_layers_per_step"] = round(sum(d["layers_signalled"]) / d["send_steps"], 1)
+            out["swept_layers_per_step"] = round(sum(d["layers_swept"]) / d["send_steps"], 1)
+            if d["signals_repeated"]:
+                out["signals_repeated"] = d["signals_repeated"]
         return out
 
 
+def _add_per_layer(counts: list[int], increments: dict[int, int]) -> None:
+    """counts[layer] += n for each (layer, n), growing the list as needed."""
+    for layer, n in increments.items():
+        if layer >= len(counts):
+            counts.extend([0] * (layer + 1 - len(counts)))
+        counts[layer] += int(n)
+
+
 class SparseKVPromMetrics(KVConnectorPromMetrics):
-    """Counters `vllm:sparse_kv_<counter>` (exported as ..._total) and the histogram
-    `vllm:sparse_kv_recv_seconds`, one child per engine."""
+    """Counters `vllm:sparse_kv_<counter>` (exported as ..._total), the per-layer counters
+    `vllm:sparse_kv_layers_signalled` / `..._layers_swept` with a `layer` label (global layer id), and the histogram
+    `vllm:sparse_kv_recv_seconds`, one child per engine (and layer)."""
 
     BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -101,6 +138,11 @@ class SparseKVPromMetrics(KVConnectorPromMetrics):
                                    buckets=list(self.BUCKETS_S),
                                    documentation="SparseKVConnector: decode registration to complete KV, seconds")
         self.recv_seconds = {idx: hist.labels(*values) for idx, values in per_engine_labelvalues.items()}
+        self.per_layer = {key: self._counter_cls(name=f"vllm:sparse_kv_{key}", labelnames=[*labelnames, "layer"],
+                                                 documentation=f"SparseKVConnector: {key.replace('_', ' ')}, steps "
+                                                               f"per global layer")
+                          for key in PER_LAYER}
+        self._engine_labels = per_engine_labelvalues
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key in COUNTERS:
@@ -109,3 +151,7 @@ class SparseKVPromMetrics(KVConnectorPromMetrics):
                 self.counters[key][engine_idx].inc(n)
         for seconds in transfer_stats_data.get("recv_seconds", ()):
             self.recv_seconds[engine_idx].observe(seconds)
+        for key, metric in self.per_layer.items():
+            for layer, n in enumerate(transfer_stats_data.get(key, ())):
+                if n:
+                    metric.labels(*self._engine_labels[engine_idx], str(layer)).inc(int(n))
