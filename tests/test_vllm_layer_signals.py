@@ -6,6 +6,8 @@ The transfer itself (signals -> NIXL WRITEs while prefill computes, byte-exact) 
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 
 vllm = pytest.importorskip("vllm", reason="needs vllm==0.33.0")
@@ -16,7 +18,9 @@ from vllm.compilation import breakable_cudagraph as bcg  # noqa: E402
 from vllm.config import CUDAGraphMode  # noqa: E402
 from vllm.forward_context import set_forward_context  # noqa: E402
 
+from connector.vllm import SparseKVConnector  # noqa: E402
 from connector.vllm import layer_signals as S  # noqa: E402
+from connector.vllm.connector import kv_role_holding  # noqa: E402
 from connector.vllm.regions import classify_layers  # noqa: E402
 from tests import vllm_harness as H  # noqa: E402
 from tests import vllm_layers as L  # noqa: E402
@@ -290,3 +294,32 @@ def test_a_layer_signalled_twice_in_a_step_goes_out_once():
     assert steps.first(4)  # a new step
     steps.begin()  # a step that never reached wait_for_save leaves nothing behind
     assert steps.end() == ([], [3, 4, 5], 0)
+
+
+# ---- CUDA graph mode per role ----------------------------------------------------------------------------------
+
+def test_prefill_asks_for_piecewise_and_decode_keeps_full_graphs(tmp_path):
+    from vllm.platforms import current_platform
+
+    model_dir = H.write_m3_config(tmp_path / "m3")
+    modes = {}
+    # The CPU platform captures no graphs; pretend it does so that VllmConfig reaches the connector question
+    # (config/vllm.py: cudagraph_mode FULL_AND_PIECEWISE by default, then requires_piecewise_for_cudagraph).
+    with mock.patch.object(type(current_platform), "support_static_graph_mode", return_value=True, create=True):
+        for role in ("kv_producer", "kv_consumer"):
+            cfg = H.make_vllm_config(model_dir, kv_role=role)
+            modes[role] = cfg.compilation_config.cudagraph_mode
+    assert modes == {"kv_producer": CUDAGraphMode.PIECEWISE, "kv_consumer": CUDAGraphMode.FULL_AND_PIECEWISE}
+    # Outside vLLM's call site the role cannot be told: PIECEWISE, right on both sides.
+    assert SparseKVConnector.requires_piecewise_for_cudagraph({}) is True
+
+    class Holder:
+        def __init__(self, role):
+            self.kv_transfer_config = mock.Mock(kv_role=role, kv_connector_extra_config={"k": 1})
+
+        def ask(self, extra):
+            return kv_role_holding(extra)
+
+    holder = Holder("kv_consumer")
+    assert holder.ask(holder.kv_transfer_config.kv_connector_extra_config) == "kv_consumer"
+    assert holder.ask({"k": 1}) is None  # an equal dict is not the config's own: no guess
