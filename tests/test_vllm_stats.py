@@ -71,7 +71,8 @@ def test_layer_signals_per_step_sum_over_ranks_and_per_layer():
     now = rank_step(list(range(60)), [], repeated=3)
     rebuilt = SparseKVConnector.build_kv_connector_stats(pickle.loads(pickle.dumps(now.data)))
     merged = today.aggregate(rebuilt)
-    assert merged.data["layers_signalled"] == [3, 3, 3] + [1] * 57 and merged.data["layers_swept"] == [0, 0, 0] + [2] * 57
+    assert merged.data["layers_signalled"] == [3, 3, 3] + [1] * 57
+    assert merged.data["layers_swept"] == [0, 0, 0] + [2] * 57
     assert merged.reduce() == {"signalled_layers_per_step": 22.0, "swept_layers_per_step": 38.0,
                                "signals_repeated": 3}
     # PP: stages hold different layers, the lists line up by global layer id whatever their lengths.

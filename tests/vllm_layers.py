@@ -7,9 +7,10 @@ and for running the REAL eager-break method bodies, with CPU stand-ins only for 
                            Its index cache: `indexer.index_cache` (a property: `indexer.impl.index_cache`), a
                            MiniMaxM3IndexerCache registered under `<layer>.index_cache`.
   DeepSeek-V3.2 layer      deepseek_v32/attention.py DeepseekV32Attention; `_sparse_indexer_and_attn` runs the indexer
-                           kernel (CUDA only: skipped here with skip_topk=True), `self.impl.record_logical_topk_ready()`,
-                           then reads the layer's attention context (no metadata outside a real step: it zeroes
-                           `output` and returns). Its index cache: `indexer.k_cache`, a DeepseekV32IndexerCache.
+                           kernel (CUDA only: skipped here with skip_topk=True), then
+                           `self.impl.record_logical_topk_ready()`, then reads the layer's attention context (no
+                           metadata outside a real step: it zeroes `output` and returns). Its index cache:
+                           `indexer.k_cache`, a DeepseekV32IndexerCache.
   M3 dense layer           the generic `Attention` (attention.py): no eager-break method; vLLM runs save_kv_layer.
 """
 
