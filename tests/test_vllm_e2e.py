@@ -86,9 +86,13 @@ def test_tp1_to_tp1_by_module_path(pool, m3_dir):
         # the transfer metrics, as vLLM's KVOutputAggregator merged the workers' get_kv_connector_stats
         p, d = trace.kv_stats[pair.P.name].data, trace.kv_stats[pair.D.name].data
         assert (p["bytes_sent"], p["sends_ok"], p["sends_failed"]) == (sent, 1, 0)
-        # Only hooked dense layers 0-1 can go out before the sweep, and whether they do depends on timing (this
-        # fake forward has no compute to hide behind): at most those two layers' bytes, never the swept rest.
-        assert 0 <= p["bytes_sent_during_compute"] <= sent * 2 // 8
+        # Every layer got its own signal in the one prefill step: dense 0-1 from vLLM's save_kv_layer, sparse 2-7
+        # from the method the connector installed. Whether a WRITE leaves before the sweep depends on timing here
+        # (this fake forward has no compute to hide behind; test_layers_vllm_never_hooks_stream... has some).
+        assert pair.P.infos[(0, 0)]["signalled"] == [2, 3, 4, 5, 6, 7]
+        assert (p["send_steps"], p["layers_signalled"], sum(p["layers_swept"]), p["signals_repeated"]) == \
+            (1, [1] * 8, 0, 0)
+        assert 0 <= p["bytes_sent_during_compute"] <= sent
         assert p["writes"] >= 1 and p["descriptors"] >= p["writes"]  # one WRITE when the sweep takes all layers
         # each WRITE is one NIXL post here (no staging), timed twice: its post, and post to completion
         assert len(p["post_seconds"]) == len(p["transfer_seconds"]) == p["writes"] and p["staged_chunks"] == 0
@@ -174,10 +178,13 @@ def test_pp_and_tp_together(pool, m3_dir, prefill, decode):
 def test_deepseek_v32_mla_latent_and_indexer_keys(pool, dsv_dir, prefill, decode):
     # DeepSeek-V3.2 as vLLM 0.33 lays it out: per layer an MLA latent [B, 1, N, 192] bf16 and indexer keys
     # [B, 1, N, 132] uint8, both one replicated head (the connector leaves the layout to vLLM for MLA). No layer
-    # runs a save_kv_layer hook on CUDA, so every byte goes out in the wait_for_save sweep.
+    # runs vLLM's save_kv_layer; each signals from the DeepseekV32Attention._sparse_indexer_and_attn the connector
+    # re-wrapped, on the prefill rank that holds it.
     pool.grow(prefill[0] * prefill[1] + decode[0] * decode[1])
     with Pair(pool, dsv_dir, prefill=prefill, decode=decode) as pair:
         assert not any(info["hooked"] for info in pair.P.infos.values())
+        assert sorted(layer for info in pair.P.infos.values() for layer in info["signalled"]) == \
+            sorted(layer for info in pair.P.infos.values() for _n, p, layer in info["layers"] if p == "kv")
         layers = {(p, layer) for info in pair.D.infos.values() for _n, p, layer in info["layers"]}
         assert layers == {(p, i) for p in ("kv", "index_k") for i in range(6)}
         trace, job, sent = run_one(pair, "ds1", 75)
@@ -294,3 +301,53 @@ def test_bad_transfer_params_fail_alone(pool, m3_dir, caplog):
     for rid in ("s6-no-tid", "s6-bad-addr"):
         assert f"request {rid}: KV transfer failed" in worker_log
     assert "request s6-good:" not in worker_log  # the good one logged no failure
+
+
+LAYER_MS = 30
+"""Fake compute per prefill layer after its attention: time for a signalled layer's WRITE to leave before the next."""
+
+
+@pytest.mark.parametrize("model_layers", [False, True], ids=["vllm-hooks-only", "layer-signals"])
+@pytest.mark.parametrize("model", ["m3", "dsv32"])
+def test_layers_vllm_never_hooks_stream_while_prefill_computes(pool, m3_dir, dsv_dir, model, model_layers):
+    # Prefill spends LAYER_MS per layer, and decode registered before prefill starts, so a layer with a signal of
+    # its own goes out while the later layers compute; a layer without one waits for the wait_for_save sweep after
+    # the last layer. vllm-hooks-only is the connector before it re-wrapped the eager-break methods (the model's
+    # modules are not registered, so it finds none): vLLM 0.33 runs save_kv_layer for M3's dense layers 0-1 only.
+    model_dir, hooked, num_layers = (m3_dir, 2, 8) if model == "m3" else (dsv_dir, 0, 6)
+    with Pair(pool, model_dir, prefill_opts={"layer_ms": LAYER_MS, "model_layers": model_layers}) as pair:
+        job = decode_job(pair, f"ls-{model}", prompt_of(f"ls-{model}", 100))
+        before = pair.sender_bytes()
+        trace = drive(pair, [job], prefill_after_register=True)
+        sent = pair.sender_bytes() - before
+        check_transfer(pair, trace, job)  # byte-exact on every pool and layer
+        check_blocks_back(pair)
+        assert sent == block_bytes(pair.D) * math.ceil(99 / BS)  # each byte once
+        stats = trace.kv_stats[pair.P.name]
+        p, summary = stats.data, stats.reduce()
+        print(f"{model} {'with' if model_layers else 'without'} layer signals: {summary}")
+        assert trace.scheduled_prefill[job.rid] == [100] and p["send_steps"] == 1
+        if model_layers:
+            assert summary["signalled_layers_per_step"] == num_layers and summary["swept_layers_per_step"] == 0
+            assert summary["streamed_pct"] >= 75, summary  # all of it, but for timing on a loaded machine
+        else:
+            assert summary["signalled_layers_per_step"] == hooked
+            assert summary["swept_layers_per_step"] == num_layers - hooked
+            # at most the hooked layers' bytes can leave during compute (M3: 2 of 8 layers, no index cache)
+            sizes = pair.D.infos[(0, 0)]["layer_block_bytes"]
+            hooked_bytes = sum(n for name, n in sizes.items() if name in pair.P.infos[(0, 0)]["hooked"])
+            assert p["bytes_sent_during_compute"] <= hooked_bytes * math.ceil(99 / BS)
+
+
+def test_a_layer_hooked_twice_in_a_step_goes_out_once(pool, m3_dir):
+    # A vLLM that runs save_kv_layer for the sparse layers too (and the installed method still signals): every
+    # sparse layer gets two signals a step; the second is dropped, counted, and no byte moves twice.
+    with Pair(pool, m3_dir, prefill_max_batched=40, prefill_opts={"hook_all_layers": True}) as pair:
+        trace, job, sent = run_one(pair, "tw1", 100)
+        check_transfer(pair, trace, job)
+        check_blocks_back(pair)
+        p = trace.kv_stats[pair.P.name].data
+        assert trace.scheduled_prefill["tw1"] == [40, 40, 20]
+        assert (p["send_steps"], p["layers_signalled"], p["signals_repeated"]) == (3, [3] * 8, 6 * 3)
+        per_block = block_bytes(pair.D)
+        assert 7 * per_block <= sent <= (7 + 2) * per_block  # as test_chunked_prefill_streams_each_chunk

@@ -57,6 +57,33 @@ def test_aggregate_sums_ranks_and_survives_the_process_boundary():
                               "recv_max_ms": 250.0}
 
 
+def test_layer_signals_per_step_sum_over_ranks_and_per_layer():
+    # M3 prefill TP2 (both ranks hold layers 0-59) on vLLM 0.33's hooks alone: 0-2 signalled, 3-59 swept.
+    def rank_step(signalled, swept, repeated=0):
+        s = SparseKVConnectorStats()
+        s.count_step(signalled, swept, repeated)
+        return s
+
+    today = rank_step([0, 1, 2], list(range(3, 60))).aggregate(rank_step([0, 1, 2], list(range(3, 60))))
+    assert today.data["send_steps"] == 2 and today.data["layers_signalled"] == [2, 2, 2]  # as long as needed
+    assert today.reduce() == {"signalled_layers_per_step": 3.0, "swept_layers_per_step": 57.0}
+    # With the installed methods every layer is signalled; a layer hooked twice in a step counts as a repeat.
+    now = rank_step(list(range(60)), [], repeated=3)
+    rebuilt = SparseKVConnector.build_kv_connector_stats(pickle.loads(pickle.dumps(now.data)))
+    merged = today.aggregate(rebuilt)
+    assert merged.data["layers_signalled"] == [3, 3, 3] + [1] * 57
+    assert merged.data["layers_swept"] == [0, 0, 0] + [2] * 57
+    assert merged.reduce() == {"signalled_layers_per_step": 22.0, "swept_layers_per_step": 38.0,
+                               "signals_repeated": 3}
+    # PP: stages hold different layers, the lists line up by global layer id whatever their lengths.
+    stage1 = rank_step([30, 31], [32])
+    assert stage1.data["layers_signalled"] == [0] * 30 + [1, 1]
+    assert rank_step([0], [1]).aggregate(stage1).data["layers_swept"] == [0, 1] + [0] * 30 + [1]
+    assert not stage1.is_empty() and SparseKVConnectorStats().is_empty()
+    older = SparseKVConnector.build_kv_connector_stats({"bytes_sent": 5})  # a peer without these keys
+    assert older.data["layers_signalled"] == [] and older.aggregate(stage1).data["send_steps"] == 1
+
+
 def test_vllm_logging_prints_the_interval_summary():
     logging_ = KVConnectorLogging(_ktc())
     assert logging_.connector_cls is SparseKVConnector
@@ -98,6 +125,14 @@ def test_prometheus_counters_and_histogram(monkeypatch):
     assert value("vllm:sparse_kv_recv_seconds", "_bucket", le="0.025") == 1
     assert registry.get_sample_value("vllm:sparse_kv_bytes_sent_total", {"model_name": "m3", "engine": "0"}) == 0
     assert {f"vllm:sparse_kv_{k}" for k in COUNTERS} <= {m.name for m in registry.collect()}
+    layers = SparseKVConnectorStats()
+    layers.count_step([0, 2], [1], 0)
+    layers.count_step([0], [1, 2], 1)
+    prom.observe(layers.data, engine_idx=0)
+    assert value("vllm:sparse_kv_send_steps", engine="0") == 2
+    assert value("vllm:sparse_kv_signals_repeated", engine="0") == 1
+    assert [value("vllm:sparse_kv_layers_signalled", engine="0", layer=str(i)) for i in range(3)] == [2, None, 1]
+    assert [value("vllm:sparse_kv_layers_swept", engine="0", layer=str(i)) for i in range(3)] == [None, 2, 1]
 
 
 def test_staged_chunks_and_write_timings_are_exported(monkeypatch):

@@ -140,7 +140,9 @@ class Instance:
 
 def make_instance(pool: Pool, first_worker: int, model_dir, *, role: str, tp: int, pp: int, by_name: bool,
                   base_port: int, max_num_batched_tokens: int = 256, policy: str = "fail",
-                  prefix_caching: bool = True, extra_config: dict | None = None) -> Instance:
+                  prefix_caching: bool = True, extra_config: dict | None = None,
+                  worker_opts: dict | None = None) -> Instance:
+    """worker_opts: the rank spec's model options (vllm_e2e_worker: model_layers, layer_ms, hook_all_layers)."""
     name = "prefill" if role == "kv_producer" else "decode"
     engine_id = f"{name}-{uuid.uuid4().hex[:8]}"
     extra = dict(EXTRA, side_channel_port=base_port, **(extra_config or {}))
@@ -165,7 +167,7 @@ def make_instance(pool: Pool, first_worker: int, model_dir, *, role: str, tp: in
     spec = {"model_dir": str(model_dir), "kv_role": role, "engine_id": engine_id, "extra_config": extra,
             "block_size": BS, "max_num_batched_tokens": max_num_batched_tokens, "tp": tp, "pp": pp,
             "kv_load_failure_policy": policy, "num_blocks": NUM_BLOCKS, "by_name": by_name,
-            "enable_prefix_caching": prefix_caching}
+            "enable_prefix_caching": prefix_caching, **(worker_opts or {})}
     for rank, w in workers.items():
         pool.send(w, ("setup", dict(spec, rank=rank)))
     infos = {rank: pool.reply(w)[1] for rank, w in workers.items()}
@@ -189,7 +191,8 @@ class Pair:
     """A prefill and a decode instance on the pool; tears every rank down on exit."""
 
     def __init__(self, pool: Pool, model_dir, *, prefill=(1, 1), decode=(1, 1), by_name=False,
-                 prefill_max_batched=256, decode_prefix_caching=True, extra_config: dict | None = None) -> None:
+                 prefill_max_batched=256, decode_prefix_caching=True, extra_config: dict | None = None,
+                 prefill_opts: dict | None = None) -> None:
         self.pool = pool
         (ptp, ppp), (dtp, dpp) = prefill, decode
         assert ptp * ppp + dtp * dpp <= len(pool.procs)
@@ -198,7 +201,7 @@ class Pair:
         try:
             self.P = make_instance(pool, 0, model_dir, role="kv_producer", tp=ptp, pp=ppp, by_name=by_name,
                                    base_port=self.base_port, max_num_batched_tokens=prefill_max_batched,
-                                   extra_config=extra_config)
+                                   extra_config=extra_config, worker_opts=prefill_opts)
             self.instances.append(self.P)
             self.D = make_instance(pool, ptp * ppp, model_dir, role="kv_consumer", tp=dtp, pp=dpp,
                                    by_name=by_name, base_port=self.base_port, prefix_caching=decode_prefix_caching,
@@ -230,6 +233,10 @@ class Pair:
 
     def sender_bytes(self) -> int:
         return sum(self.pool.ask(w, ("stats",))[1].get("bytes_written", 0) for w in self.P.workers.values())
+
+    def registered(self, transfer_id: str) -> bool:
+        """Every prefill rank holds decode's registration for `transfer_id` (parked until prefill starts it)."""
+        return all(self.pool.ask(w, ("parked", transfer_id))[1] for w in self.P.workers.values())
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -291,22 +298,30 @@ def _step_workers(pair: Pair, items: list[tuple[Instance, Any]]) -> dict[str, An
     return merged
 
 
-def drive(pair: Pair, jobs: list[Job], *, max_steps: int = 400, wall_s: float = DRIVE_WALL_S) -> Trace:
-    """Add the jobs to both instances and step both until every request finished and every block is back."""
+def drive(pair: Pair, jobs: list[Job], *, max_steps: int = 400, wall_s: float = DRIVE_WALL_S,
+          prefill_after_register: bool = False) -> Trace:
+    """Add the jobs to both instances and step both until every request finished and every block is back.
+    prefill_after_register: prefill gets a request only once decode's registration for it reached every prefill
+    rank, so its layers can stream from the first (the proxy sends both legs at once; a real prefill computes long
+    enough for the registration to arrive, this fake one does not)."""
     P, D = pair.P, pair.D
     trace = Trace()
+    to_prefill = []
     for job in jobs:
         D.sched.add_request(H.make_request(job.rid, len(job.prompt), kv_transfer_params=dict(job.decode_params),
                                            max_tokens=job.max_tokens, prompt_token_ids=job.prompt, block_size=BS))
         if job.to_prefill:
-            # The proxy's prefill leg: one output token, KV pushed to decode.
-            P.sched.add_request(H.make_request(job.rid, len(job.prompt), max_tokens=1, prompt_token_ids=job.prompt,
-                                               kv_transfer_params={"do_remote_decode": True,
-                                                                   "transfer_id": job.tid}, block_size=BS))
+            to_prefill.append(job)
         trace.statuses[job.rid] = []
     by_rid = {job.rid: job for job in jobs}
     began = time.monotonic()
     while True:
+        for job in [j for j in to_prefill if not prefill_after_register or pair.registered(j.tid)]:
+            # The proxy's prefill leg: one output token, KV pushed to decode.
+            P.sched.add_request(H.make_request(job.rid, len(job.prompt), max_tokens=1, prompt_token_ids=job.prompt,
+                                               kv_transfer_params={"do_remote_decode": True,
+                                                                   "transfer_id": job.tid}, block_size=BS))
+            to_prefill.remove(job)
         trace.steps += 1
         step = trace.steps
         so_p, so_d = P.sched.schedule(), D.sched.schedule()
@@ -364,7 +379,7 @@ def drive(pair: Pair, jobs: list[Job], *, max_steps: int = 400, wall_s: float = 
             if ("prefill", job.rid) in trace.finish:
                 trace.prefill_held.setdefault(job.rid, []).append((step, job.rid in P.sched.requests, P.free()))
         if not P.sched.requests and not D.sched.requests and not P.connector.has_pending_push_work() \
-                and all(("decode", j.rid) in trace.finish for j in jobs):
+                and not to_prefill and all(("decode", j.rid) in trace.finish for j in jobs):
             return trace
         if step >= max_steps or time.monotonic() - began > wall_s:
             raise AssertionError(f"not finished after {step} steps / {time.monotonic() - began:.1f} s: "

@@ -8,12 +8,20 @@ builds the rank exactly as a vLLM 0.33 GPU worker does, `teardown` shuts it down
   ->  allocate_kv_cache in the layout vLLM resolves with the connector's get_required_kvcache_layout
   ->  vLLM's own ActiveKVConnector (v1/worker/gpu/kv_connector.py): register_kv_caches + set_host_xfer_buffer_ops.
 
+Before register_kv_caches, the rank registers the model's attention modules in static_forward_context as loading
+the model does on a CUDA worker: vLLM 0.33's own classes made on CPU (tests/vllm_layers.py), so the connector finds
+and re-wraps the eager-break methods of MiniMax-M3's sparse layers and DeepSeek-V3.2's layers (spec "model_layers",
+default on; off gives what the connector saw before it had per-layer signals).
+
 Each `step` gets the pickled SchedulerOutput (as vLLM's executor ships it) and runs the model runner's order
 (v1/worker/gpu/model_runner.py execute_model/sample_tokens): request-state update, then either no_forward, or
 [forward context: pre_forward (handle_preemptions, bind_connector_metadata), the layers of THIS stage in order --
-wait_for_layer_load, fake attention writing the layer's KV, save_kv_layer, hooks only on the layers vLLM hooks
-(M3's dense layers) -- ], finish_forward, post_forward (start_load_kv, wait_for_save, get_transfer_results,
-clear_connector_metadata). The KVConnectorOutput goes back to the driver, which aggregates with KVOutputAggregator.
+the fake KV insert of the layer (index cache, then main), then its attention: vLLM's generic op with
+wait_for_layer_load/save_kv_layer on the layers vLLM hooks (M3's dense layers), or the layer's eager-break method
+(the REAL method body, its kernels stood in for), which signals when the connector installed its copy; then
+spec "layer_ms" of the layer's remaining compute -- ], finish_forward, post_forward (start_load_kv, wait_for_save,
+get_transfer_results, clear_connector_metadata). The KVConnectorOutput goes back to the driver, which aggregates
+with KVOutputAggregator.
 
 The fake forward writes `expected()` -- deterministic bytes per (pool, global layer, token, GLOBAL head, byte),
 salted with the prompt token id at that position -- into the scheduled tokens' slots of the tensor's LOGICAL view
@@ -111,6 +119,12 @@ class Rank:
             ensure_kv_transfer_initialized(cfg, kvc)
             self._stack.callback(_shutdown_connector)
             self.caches = H.allocate_kv_caches(kvc, cfg, layout=layout.name)
+            self.modules: dict[str, Any] = {}
+            if spec.get("model_layers", True):
+                from tests import vllm_layers
+
+                self.modules = vllm_layers.layer_modules(cfg, self.caches, pp_rank=self.pp_rank)
+                cfg.compilation_config.static_forward_context.update(self.modules)
             self.kv = get_kv_connector(cfg, self.caches)  # vLLM's ActiveKVConnector: register_kv_caches
             self.connector = get_kv_transfer_group()
         except BaseException:
@@ -121,6 +135,11 @@ class Rank:
         text = cfg.model_config.hf_text_config
         self.lo, self.hi = get_pp_indices(text.num_hidden_layers, self.pp_rank, self.pp)
         self.hooked = set(H.hooked_layer_names(cfg, pp_rank=self.pp_rank))
+        self.layer_s = spec.get("layer_ms", 0) / 1e3
+        """Compute time of a layer after its attention (o_proj, MoE): what per-layer streaming hides WRITEs behind."""
+        self.hook_all = spec.get("hook_all_layers", False)
+        """Also run save_kv_layer on layers with an eager-break method (a vLLM that hooks them too): each layer
+        then gets two signals a step, which must go out once."""
         group_of = {n: g for g, grp in enumerate(kvc.kv_cache_groups) for n in grp.layer_names}
         # (name, pool, global layer, group, uint8 logical view [B, H, N, C_bytes], global head range), in the
         # stage's registration order (index cache before its main layer, as M3 registers them).
@@ -147,11 +166,20 @@ class Rank:
     # ---- info ---------------------------------------------------------------------------------------------------
     def info(self) -> dict[str, Any]:
         md = self.connector.get_handshake_metadata()
+        worker = getattr(self.connector, "_worker", None)
+        installed = getattr(worker, "_installed", None)
         return {"handshake": {(self.pp_rank, self.tp_rank): md} if md is not None else None,
                 "num_blocks": self.kvc.num_blocks, "layout": self.layout,
                 "connector": type(self.connector).__module__ + "." + type(self.connector).__name__,
                 "hooked": sorted(self.hooked), "layers": [(n, p, l) for n, p, l, *_ in self.layers],
-                "block_bytes": sum(u8[0].numel() for *_, u8, _h in self.layers)}
+                "block_bytes": sum(u8[0].numel() for *_, u8, _h in self.layers),
+                "layer_block_bytes": {n: u8[0].numel() for n, *_, u8, _h in self.layers},
+                "signalled": sorted(i.global_layer for i in installed.installed) if installed else []}
+
+    def parked(self, transfer_id: str) -> bool:
+        """Prefill: a registration for `transfer_id` arrived and waits for the request to start."""
+        sender = getattr(getattr(self.connector, "_worker", None), "sender", None)
+        return sender is not None and transfer_id in sender._parked
 
     def sender_stats(self) -> dict[str, int]:
         worker = getattr(self.connector, "_worker", None)
@@ -198,9 +226,12 @@ class Rank:
                 pool, layer, token_keys(pos, state["prompt"]), heads, u8.shape[-1])
 
     def step(self, blob: bytes) -> Any:
+        import time
         import types
 
         from vllm.forward_context import set_forward_context
+
+        from tests.vllm_layers import attend
 
         so = pickle.loads(blob)
         self._update_states(so)
@@ -210,14 +241,21 @@ class Rank:
         batch = [(r, computed[r], n) for r, n in so.num_scheduled_tokens.items()]
         with set_forward_context(None, self.cfg):
             self.kv.pre_forward(so)
-            for entry in self.layers:  # this stage's layers, in forward order
-                name = entry[0]
+            for entry in self.layers:  # this stage's caches in forward order (an index cache before its layer)
+                name, pool = entry[0], entry[1]
                 hooked = name in self.hooked
                 if hooked:
                     self.connector.wait_for_layer_load(name)
                 self._write_layer(entry, batch)
+                if pool != "kv":
+                    continue  # written by its layer's fused insert; the layer's attention comes with the main cache
+                module = self.modules.get(name)
+                if module is not None and attend(module) and self.hook_all:
+                    hooked = True
                 if hooked:
                     self.connector.save_kv_layer(name, self.caches[name], types.SimpleNamespace())
+                if self.layer_s:
+                    time.sleep(self.layer_s)
         self.kv.finish_forward()
         return self.kv.post_forward(so.finished_req_ids)
 
@@ -296,6 +334,8 @@ def main(conn: Any, log_level: int = logging.WARNING) -> None:
                 reply = ("ok", *rank.verify(*msg[1:]))
             elif kind == "stats":
                 reply = ("ok", rank.sender_stats())
+            elif kind == "parked":
+                reply = ("ok", rank.parked(msg[1]))
             elif kind == "logs":
                 lines, keep.lines = keep.lines, []
                 reply = ("ok", lines)

@@ -4,6 +4,7 @@ scheduler-side or worker-side half."""
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 import torch
@@ -19,6 +20,25 @@ from connector.vllm.stats import SparseKVConnectorStats, SparseKVPromMetrics
 from connector.vllm.worker import WorkerSide
 
 log = logging.getLogger(__name__)
+
+MAX_CALLER_FRAMES = 8
+
+
+def kv_role_holding(extra_config: dict[str, Any]) -> str | None:
+    """kv_role of the KVTransferConfig whose kv_connector_extra_config IS `extra_config` (this very dict), looked up
+    in the callers' `self`. vLLM 0.33 asks requires_piecewise_for_cudagraph from VllmConfig.__post_init__
+    (config/vllm.py:1990) with `self.kv_transfer_config.kv_connector_extra_config` alone; that VllmConfig holds the
+    role. None when no caller within MAX_CALLER_FRAMES holds this dict (another caller, such as MultiConnector
+    passing a child's config, or a copy)."""
+    frame = sys._getframe(1)
+    for _ in range(MAX_CALLER_FRAMES):
+        if frame is None:
+            return None
+        ktc = getattr(frame.f_locals.get("self"), "kv_transfer_config", None)
+        if ktc is not None and getattr(ktc, "kv_connector_extra_config", None) is extra_config:
+            return getattr(ktc, "kv_role", None)
+        frame = frame.f_back
+    return None
 
 
 class SparseKVConnector(KVConnectorBase_V1, SupportsHMA):
@@ -52,8 +72,11 @@ class SparseKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        # save_kv_layer records a CUDA event per layer: full CUDA graphs would skip the hook on replay.
-        return True
+        # Prefill signals each layer from Python (save_kv_layer, the methods connector.vllm.layer_signals installs);
+        # a FULL graph replay runs none of it, so prefill needs PIECEWISE. Decode does nothing per layer and keeps
+        # vLLM's FULL decode graphs. vLLM 0.33 passes only the extra config; when the role cannot be told, answer
+        # as prefill (PIECEWISE is correct on both sides, only slower on decode).
+        return kv_role_holding(extra_config) != "kv_consumer"
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> SparseKVConnectorStats:

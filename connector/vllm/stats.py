@@ -19,7 +19,11 @@ RECEIVER_COUNTERS = (
     "recvs_ok",                    # decode: transfers that completed
     "recvs_failed",                # decode: transfers that failed (aborted ones are neither)
 )
-COUNTERS = counter_names(SenderStats) + RECEIVER_COUNTERS
+WORKER_COUNTERS = (
+    "send_steps",                  # prefill: steps in which a rank computed tokens of a request it sends
+    "signals_repeated",            # ... per-layer signals dropped as a layer's second one in a step (sent once)
+)
+COUNTERS = counter_names(SenderStats) + RECEIVER_COUNTERS + WORKER_COUNTERS
 """Prefill's are the engine's own counters, under the engine's own names (connector.engine.stats.SenderStats)."""
 SERIES = series_names(SenderStats) + ("recv_seconds",)
 """Samples in seconds: per NIXL WRITE (post_seconds, transfer_seconds), and per received transfer (recv_seconds:
@@ -31,6 +35,14 @@ HISTOGRAMS = {
     "transfer_seconds": ("one NIXL WRITE from its post to its completion, seconds", WRITE_BUCKETS_S),
     "recv_seconds": ("decode registration to complete KV, seconds", RECV_BUCKETS_S),
 }
+PER_LAYER = (
+    "layers_signalled",            # prefill, per global layer: steps in which it was signalled on its own
+                                   # (save_kv_layer or the method layer_signals installed), so it can stream
+    "layers_swept",                # ... steps in which it got no signal and waited for the wait_for_save sweep
+)
+"""Lists indexed by global layer id: whether per-layer streaming happens, and for which layers. Ranks add up
+(tensor-parallel ranks hold the same layers, pipeline stages different ones), like send_steps, so the per-step
+figures in `reduce` are per rank."""
 
 
 @dataclass
@@ -41,11 +53,11 @@ class SparseKVConnectorStats(KVConnectorStats):
         else:  # rebuilt from another process's payload: tolerate keys an older peer did not send
             for key in COUNTERS:
                 self.data.setdefault(key, 0)
-            for key in SERIES:
+            for key in (*SERIES, *PER_LAYER):
                 self.data.setdefault(key, [])
 
     def reset(self) -> None:
-        self.data = {**{key: 0 for key in COUNTERS}, **{key: [] for key in SERIES}}
+        self.data = {**{key: 0 for key in COUNTERS}, **{key: [] for key in (*SERIES, *PER_LAYER)}}
 
     def add(self, **counts: int) -> None:
         for key, n in counts.items():
@@ -54,16 +66,26 @@ class SparseKVConnectorStats(KVConnectorStats):
     def extend(self, **samples: list[float]) -> None:
         for key, values in samples.items():
             self.data[key].extend(values)
+    def count_step(self, signalled: list[int], swept: list[int], repeated: int) -> None:
+        """One prefill step of one rank: the global layers signalled on their own, those left to the sweep, and the
+        signals dropped as repeats."""
+        self.data["send_steps"] += 1
+        self.data["signals_repeated"] += int(repeated)
+        for key, layers in (("layers_signalled", signalled), ("layers_swept", swept)):
+            _add_per_layer(self.data[key], {layer: 1 for layer in layers})
 
     def aggregate(self, other: KVConnectorStats) -> "SparseKVConnectorStats":
         for key in COUNTERS:
             self.data[key] += int(other.data.get(key, 0))
         for key in SERIES:
             self.data[key].extend(other.data.get(key, ()))
+        for key in PER_LAYER:
+            _add_per_layer(self.data[key], dict(enumerate(other.data.get(key, ()))))
         return self
 
     def is_empty(self) -> bool:
-        return not any(self.data[key] for key in COUNTERS) and not any(self.data[key] for key in SERIES)
+        return not any(self.data[key] for key in COUNTERS) and not any(self.data[key] for key in SERIES) \
+            and not any(any(self.data[key]) for key in PER_LAYER)
 
     def reduce(self) -> dict[str, int | float]:
         d = self.data
@@ -96,12 +118,28 @@ class SparseKVConnectorStats(KVConnectorStats):
                 "recv_avg_ms": round(1e3 * sum(waits) / len(waits), 2) if waits else 0.0,
                 "recv_max_ms": round(1e3 * waits[-1], 2) if waits else 0.0,
             })
+        if d["send_steps"]:
+            # Per rank and step: how many layers were signalled on their own, how many waited for the sweep.
+            # With vLLM 0.33's hooks alone MiniMax-M3 shows 3 and 57, DeepSeek-V3.2 0 and 61.
+            out["signalled_layers_per_step"] = round(sum(d["layers_signalled"]) / d["send_steps"], 1)
+            out["swept_layers_per_step"] = round(sum(d["layers_swept"]) / d["send_steps"], 1)
+            if d["signals_repeated"]:
+                out["signals_repeated"] = d["signals_repeated"]
         return out
 
 
+def _add_per_layer(counts: list[int], increments: dict[int, int]) -> None:
+    """counts[layer] += n for each (layer, n), growing the list as needed."""
+    for layer, n in increments.items():
+        if layer >= len(counts):
+            counts.extend([0] * (layer + 1 - len(counts)))
+        counts[layer] += int(n)
+
+
 class SparseKVPromMetrics(KVConnectorPromMetrics):
-    """Counters `vllm:sparse_kv_<counter>` (exported as ..._total) and the histograms `vllm:sparse_kv_<series>`,
-    one child per engine."""
+    """Counters `vllm:sparse_kv_<counter>` (exported as ..._total), the per-layer counters
+    `vllm:sparse_kv_layers_signalled` / `..._layers_swept` with a `layer` label (global layer id), and the histograms
+    `vllm:sparse_kv_<series>`, one child per engine (and layer)."""
 
     def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
@@ -116,6 +154,11 @@ class SparseKVPromMetrics(KVConnectorPromMetrics):
             hist = self._histogram_cls(name=f"vllm:sparse_kv_{key}", labelnames=labelnames, buckets=list(buckets),
                                        documentation=f"SparseKVConnector: {what}")
             self.histograms[key] = {idx: hist.labels(*values) for idx, values in per_engine_labelvalues.items()}
+        self.per_layer = {key: self._counter_cls(name=f"vllm:sparse_kv_{key}", labelnames=[*labelnames, "layer"],
+                                                 documentation=f"SparseKVConnector: {key.replace('_', ' ')}, steps "
+                                                               f"per global layer")
+                          for key in PER_LAYER}
+        self._engine_labels = per_engine_labelvalues
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key in COUNTERS:
@@ -125,3 +168,7 @@ class SparseKVPromMetrics(KVConnectorPromMetrics):
         for key in SERIES:
             for seconds in transfer_stats_data.get(key, ()):
                 self.histograms[key][engine_idx].observe(seconds)
+        for key, metric in self.per_layer.items():
+            for layer, n in enumerate(transfer_stats_data.get(key, ())):
+                if n:
+                    metric.labels(*self._engine_labels[engine_idx], str(layer)).inc(int(n))

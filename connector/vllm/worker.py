@@ -20,6 +20,7 @@ from connector.engine.sender import StreamSender
 from connector.engine.stats import StatsDelta
 from connector.protocol.addressing import PrefillAddress, side_channel_port
 from connector.transport.loop import LoopThread
+from connector.vllm import layer_signals
 from connector.vllm.config import ConnectorSettings, default_host
 from connector.vllm.metadata import SparseKVHandshake, SparseKVMetadata
 from connector.vllm.regions import build_regions, classify_layers, model_layout_from_vllm
@@ -68,10 +69,14 @@ class WorkerSide:
         self._recv_started: dict[str, float] = {}
         """Request id -> time.monotonic() its receive was started (for recv_seconds)."""
         self._stats = SparseKVConnectorStats()
-        """Decode-side observations since the last get_kv_connector_stats (model-runner thread only)."""
+        """Observations since the last get_kv_connector_stats (model-runner thread only): decode's receives,
+        prefill's per-step layer signals."""
         self._sender_delta: StatsDelta | None = None
         """Reads the sender's counters and samples at each get_kv_connector_stats (the report is what is new)."""
         self._cuda = False
+        self._signals: layer_signals.StepSignals | None = None
+        """Prefill: which layers got their per-layer signal this step, and their CUDA events."""
+        self._installed = layer_signals.InstallResult()
         self._staging: torch.Tensor | None = None
         self.port = 0
 
@@ -113,10 +118,22 @@ class WorkerSide:
             self.loop.run(self.sender.start(), 30)
             log.info("SparseKVConnector prefill rank %s: side channel %s:%d, %d regions", self.rank, host, self.port,
                      len(regions))
+            self._signals = layer_signals.StepSignals(self._layer_of.values(), cuda=self._cuda)
+            self._install_layer_signals()
         else:
             self.receiver = StreamReceiver(me, self.transport, s.receiver_config())
             log.info("SparseKVConnector decode rank %s: %d regions, %s", self.rank, len(regions),
                      f"staging {s.staging_mb} MiB" if staging is not None else "no staging")
+
+    def _install_layer_signals(self) -> None:
+        """Prefill only (decode has nothing to send per layer): a per-layer signal for the layers vLLM never runs
+        save_kv_layer for (connector.vllm.layer_signals). vLLM calls register_kv_caches after the model is loaded
+        and profiled and before CUDA-graph capture, so the installed methods are the ones capture records."""
+        compilation = self.vllm_config.compilation_config
+        self._installed = layer_signals.install(compilation.static_forward_context, self._layer_of,
+                                                self._signal_layer, compile_mode=compilation.mode)
+        for line in self._installed.log_lines():
+            log.info("SparseKVConnector prefill rank %s: %s", self.rank, line)
 
     def handshake_metadata(self) -> SparseKVHandshake:
         host = (self.settings.side_channel_host or default_host()) if self.is_producer else ""
@@ -138,6 +155,7 @@ class WorkerSide:
                 self.sender.begin_chunk(spec.transfer_id, [list(g) for g in spec.block_ids], spec.computed_after_step)
                 active.append(spec.transfer_id)
             self._active_sends = active
+            self._signals.begin()
         if self.receiver is not None:
             for req_id, spec in meta.recvs.items():
                 self._start_receive(req_id, spec)
@@ -176,32 +194,30 @@ class WorkerSide:
         self.loop.spawn(self.receiver.abort(tid, "request aborted on decode"), f"abort of transfer {tid}")
 
     def layer_saved(self, layer_name: str) -> None:
-        """save_kv_layer: must return at once. Records a CUDA event; the engine waits for it off this thread."""
-        if not self._active_sends or self.sender is None:
-            return
+        """save_kv_layer (vLLM's generic attention layers)."""
         layer = self._layer_of.get(layer_name)
-        if layer is None:
+        if layer is not None:
+            self._signal_layer(layer)
+
+    def _signal_layer(self, layer: int) -> None:
+        """Global layer `layer` (every pool of it on this rank) holds this step's tokens: from save_kv_layer, or
+        from a method layer_signals installed. Must return at once: records the layer's CUDA event, the engine
+        waits for it off this thread. A second signal of the layer in the same step is dropped (StepSignals)."""
+        if not self._active_sends or self.sender is None or not self._signals.first(layer):
             return
-        event = self._record_event()
+        event = self._signals.record(layer)
         for tid in self._active_sends:
             self.sender.layer_ready(tid, layer, event)
 
     def step_done(self) -> None:
-        """wait_for_save: the sweep. Every layer of this step is computed (including those with no hook)."""
+        """wait_for_save: the sweep. Every layer of this step is computed (including those with no signal)."""
         if self.sender is None or not self._active_sends:
             return
-        event = self._record_event()
+        event = self._signals.record_sweep()
         for tid in self._active_sends:
             self.sender.end_chunk(tid, event)
         self._active_sends = []
-
-    def _record_event(self) -> torch.cuda.Event | None:
-        """A CUDA event marking everything queued so far on this stream (None on CPU): the engine waits for it."""
-        if not self._cuda:
-            return None
-        event = torch.cuda.Event()
-        event.record()
-        return event
+        self._stats.count_step(*self._signals.end())
 
     def _on_sent(self, tid: str, ok: bool) -> None:
         """Loop thread: the sender is done with a request (all decode ranks completed, aborted or lease expired)."""
@@ -254,6 +270,7 @@ class WorkerSide:
         return None if out.is_empty() else out
 
     def shutdown(self) -> None:
+        layer_signals.uninstall(self._installed)  # the model may outlive the connector: no calls into a closed one
         if not self.loop._thread:
             return
         try:

@@ -273,6 +273,7 @@ class Transport:
         """Load a peer's agent metadata (from our side channel) and connect; returns its agent name. Re-adding a
         known peer is a no-op for NIXL; after the peer restarted, `remove_peer` it first."""
         agent = self._live_agent()
+        started = time.monotonic()
         try:
             name = agent.add_remote_agent(bytes(metadata))
         except self._errors as exc:
@@ -280,6 +281,8 @@ class Transport:
                                  f"{exc}; send the live peer's current Transport.metadata (not our own)") from exc
         name = name.decode() if isinstance(name, (bytes, bytearray)) else str(name)
         self._peers.add(name)
+        if time.monotonic() - started > 1.0:  # a peer's handshake timeout runs meanwhile: say where the time went
+            log.warning("transport %r: loading peer %s took %.1f s", self.config.name, name, time.monotonic() - started)
         return name
 
     def remove_peer(self, peer: str) -> None:
