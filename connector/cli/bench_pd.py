@@ -25,6 +25,9 @@ def add_subcommand(subs: Any) -> None:
                    help="python of the vLLM environment that serves (default: the one tools/cpu-engine-env.sh "
                         "builds)")
     p.add_argument("--work-dir", type=Path, default=None, help="model and server logs (default: a temp folder)")
+    p.add_argument("--no-pin", action="store_true",
+                   help="let every engine use every core (default: prefill and local on core 0, decode on core 1, "
+                        "as on separate nodes)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=run)
 
@@ -53,7 +56,7 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
                            f"with `bash tools/cpu-engine-env.sh`, or point it at a vLLM environment's python")
     return BenchConfig(requests=args.requests, warmup=args.warmup, prompt_lengths=lengths,
                        max_tokens=args.max_tokens, modes=modes, engine_python=args.engine_python,
-                       work_dir=args.work_dir)
+                       work_dir=args.work_dir, pin=not args.no_pin)
 
 
 def run(args: argparse.Namespace) -> int:

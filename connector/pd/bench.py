@@ -9,12 +9,15 @@ Modes (each on its own servers, one mode at a time, so they do not share the mac
   a spinning core per agent), so the comparison is not only about that.
 
 Requests go one at a time (TTFT without queueing), streamed, greedy; each request has a fresh `cache_salt` so no
-prefix cache is reused. Every PD answer is compared token by token with the local engine's answer to the same
+prefix cache is reused. With `pin` (the default on a machine with two cores or more) prefill (and the local
+engine) run on core 0 and decode on core 1, standing in for separate nodes: a decode engine spins a core while it
+waits for KV, which on a shared core would be taken from prefill's compute. Every PD answer is compared token by token with the local engine's answer to the same
 prompt. The first `warmup` requests of each mode are not counted."""
 
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 import time
 import uuid
@@ -65,6 +68,7 @@ class BenchConfig:
     modes: tuple[str, ...] = MODES
     engine_python: str = ".venv-cpu/bin/python"
     work_dir: Path | None = None
+    pin: bool = True
 
 
 class PdBench:
@@ -88,7 +92,11 @@ class PdBench:
         return folder
 
     def _server(self, name: str, kv: dict | None = None, env: dict | None = None) -> VllmServer:
-        spec = ServerSpec(name, self.model, free_port(), kv_transfer_config=kv, env=env or {})
+        allowed = sorted(os.sched_getaffinity(0))
+        cpus = None
+        if self.config.pin and len(allowed) >= 2:
+            cpus = (allowed[1],) if name.endswith("decode") else (allowed[0],)
+        spec = ServerSpec(name, self.model, free_port(), kv_transfer_config=kv, env=env or {}, cpus=cpus)
         return VllmServer(spec, self.config.engine_python, self.root / "logs")
 
     def _servers(self, mode: str) -> tuple[list[VllmServer], Callable[[list[int]], Completion]]:

@@ -96,6 +96,10 @@ class ServerSpec:
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment (on top of CPU_ENGINE_ENV)."""
     extra_args: tuple[str, ...] = ()
+    cpus: tuple[int, ...] | None = None
+    """CPU cores the server (all its processes) may run on; None = any. Pinning prefill and decode to different
+    cores stands in for separate nodes on one machine: a decode engine spins a core while it waits for KV (vLLM's
+    shared-memory ring polls for a second after each read), which must not be the core prefill computes on."""
 
     def command(self, python: str) -> list[str]:
         cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
@@ -135,8 +139,10 @@ class VllmServer:
         env = {**os.environ, **CPU_ENGINE_ENV, **self.spec.env}
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
+            cpus = self.spec.cpus
             self.proc = subprocess.Popen(self.spec.command(self.python), stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+                                         stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+                                         preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
         return self
 
     def log_tail(self, lines: int = 40) -> str:

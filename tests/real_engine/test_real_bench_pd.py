@@ -1,0 +1,30 @@
+"""`python -m connector bench-pd` end to end on real engines, small: every mode it runs answers token-equal to the
+local engine, and the table the README quotes comes out of it. (The README's numbers come from the full run.)"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.real_engine.conftest import ROOT, engine_python
+
+pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(900)]
+
+
+def test_bench_pd_runs_every_flow_token_equal(tmp_path):
+    python = engine_python()
+    out = subprocess.run(
+        [sys.executable, "-m", "connector", "bench-pd", "--requests", "2", "--warmup", "1", "--prompt-tokens",
+         "300,500", "--modes", "local,sparse-concurrent,sparse-sequential,nixl-clamped", "--engine-python",
+         str(python), "--work-dir", str(tmp_path), "--json"],
+        cwd=ROOT, capture_output=True, text=True, timeout=800)
+    assert out.returncode == 0, f"bench-pd failed ({out.returncode}):\n{out.stderr[-4000:]}"
+    result = json.loads(out.stdout)
+    modes = {m["mode"]: m for m in result["modes"]}
+    assert list(modes) == ["local", "sparse-concurrent", "sparse-sequential", "nixl-clamped"]
+    for name, m in modes.items():
+        assert (m["requests"], m["token_equal"]) == (2, 2), name
+        assert len(m["ttft_ms"]) == 2 and m["p50_ms"] > 0, name
