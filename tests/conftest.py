@@ -67,3 +67,16 @@ def cluster():
     yield make
     for started in reversed(made):
         started.close()
+
+
+@pytest.fixture
+def two_nodes():
+    """Two network namespaces ("nodes") joined by a veth pair (connector.sim.netns.TwoNodes), deleted when the test
+    ends, also after a failure. Skipped, with the reason in the summary (`-rs`), where they cannot be made."""
+    from connector.sim import netns
+
+    why = netns.available()
+    if why is not None:
+        pytest.skip(f"two-node tests need network namespaces: {why}")
+    with netns.TwoNodes() as net:
+        yield net

@@ -29,7 +29,7 @@ ENV = {"UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "WARN", "THP_MEM_ALLOC_ENABLE"
 for _k, _v in ENV.items():  # this process hosts agents too
     os.environ.setdefault(_k, _v)
 
-from connector.core.errors import TransportError  # noqa: E402
+from connector.core.errors import TransportError, WriteAbandoned  # noqa: E402
 from connector.sim.raw_nixl import raw_write  # noqa: E402
 from connector.transport.nixl import Transport, TransportConfig, descs_array  # noqa: E402
 
@@ -312,10 +312,12 @@ async def test_killed_peer_raises_transport_error_without_hanging() -> None:
 
 
 @pytest.mark.slow
-async def test_an_abandoned_write_is_cancelled_and_its_handle_released_once(monkeypatch) -> None:
-    """A WRITE that times out while NIXL still runs it is cancelled by the poller, and its handle is released
-    exactly once: only the Transport releases handles. UCX's TCP transport and a stopped peer keep the transfer in
-    PROC (over CMA the copy would finish inside the post). The spy wraps the real handle class; nothing is faked."""
+async def test_an_abandoned_write_keeps_its_memory_until_nixl_ends_it_then_is_released_once(monkeypatch) -> None:
+    """A WRITE that times out while NIXL still runs it raises WriteAbandoned and is NOT released then: releasing a
+    running transfer does not stop it (poller.py), so its memory stays in use. The poller drives it to its end and
+    the Transport releases its handle exactly once; `settled` tells when. UCX's TCP transport and a stopped peer
+    keep the transfer in PROC (over CMA the copy would finish inside the post). The spy wraps the real handle
+    class; nothing is faked."""
     from connector.transport.nixl.glue import nixl_api
 
     monkeypatch.setenv("UCX_TLS", "tcp")  # this process's agent, and the child's (it inherits the environment)
@@ -337,14 +339,17 @@ async def test_an_abandoned_write_is_cancelled_and_its_handle_released_once(monk
             a.register(src)
             peer = a.add_peer(peer_proc.md)
             await a.write(peer, [(src.ctypes.data, size)], [(peer_proc.addr, size)], timeout=30)
+            await peer_proc.call("zero")
             os.kill(peer_proc.pid, signal.SIGSTOP)
-            with pytest.raises(TransportError, match="timed out"):
+            with pytest.raises(WriteAbandoned, match="timed out") as err:
                 await a.write(peer, [(src.ctypes.data, size)], [(peer_proc.addr, size)], timeout=1.0)
-            deadline = time.monotonic() + 10
-            while a.open_handles and time.monotonic() < deadline:  # the poller cancels it in the background
-                await asyncio.sleep(0.05)
-            assert a.open_handles == 0 and a.inflight_bytes == 0
+            await asyncio.sleep(0.5)
+            assert a.open_handles == 1 and not err.value.settled.done(), "a running WRITE was released"
+            assert a.inflight_bytes == 0 and a.stats.abandoned == 1
             os.kill(peer_proc.pid, signal.SIGCONT)
+            assert await asyncio.wait_for(asyncio.shield(err.value.settled), 30) == "DONE"
+            assert a.open_handles == 0
+            assert await peer_proc.sha(0, size) == _sha(src)  # it did go on after we gave up
         counts = collections.Counter(map(id, released))
         assert len(counts) == a.stats.posts == 2 and set(counts.values()) == {1}, counts
     finally:

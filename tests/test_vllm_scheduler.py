@@ -261,6 +261,12 @@ def test_extra_config_defaults_are_the_engines_and_build_their_configs():
     assert s.sender_config("h", 2).side_channel == side == s.receiver_config().side_channel
     assert s.receiver_config() == ReceiverConfig(side, transfer_timeout_s=9.0, staging_slot_bytes=2 << 20)
     assert s.transport_config("agent").progress_delay_us == 1000
+    # a cut link: UCX's TCP user timeout, and decode's hold on a lost prefill rank that follows from it
+    link = ConnectorSettings.from_extra_config({"tcp_user_timeout_s": 3, "heartbeat_interval_s": 0.5})
+    assert link.transport_config("agent").tcp_user_timeout_s == 3.0
+    assert link.transport_config("agent").ucx_config() == {"TCP_USER_TIMEOUT": "3000ms"}
+    assert link.receiver_config().lost_source_hold_s == 3 + 0.5 + 1
+    assert ConnectorSettings.from_extra_config({"tcp_user_timeout_s": None}).transport_config("a").ucx_config() == {}
 
 
 def test_kv_both_is_refused(m3_dir):

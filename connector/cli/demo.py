@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from connector.cli.args import add_common, parse_side
+from connector.cli.args import add_common, parse_node, parse_side
 from connector.core.errors import CliError
 
 
@@ -43,6 +43,10 @@ def _add_run_args(p: argparse.ArgumentParser, layer_ms: float | None = 2.0) -> N
     p.add_argument("--staging-mb", type=int, default=0,
                    help="per-rank staging buffer in MiB: scattered blocks move as gathered chunks (0 = off)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds any one step may take")
+    for side in ("prefill", "decode"):
+        p.add_argument(f"--{side}-node", metavar="host=H[,netns=N][,dev=D][,tls=T]",
+                       help=f"run the {side} ranks there (default: 127.0.0.1 in this namespace)" +
+                            ("; decode connects to this host" if side == "prefill" else ""))
 
 
 def _scenario(args: argparse.Namespace, **over: Any):
@@ -56,7 +60,8 @@ def _scenario(args: argparse.Namespace, **over: Any):
                   decode=parse_side(getattr(args, "decode", "tp=1,pp=1"), model, "--decode"),
                   tokens=args.tokens, block_size=args.block_size, layer_ms=args.layer_ms or 0.0,
                   device=args.device, run_blocks=args.run_blocks, timeout_s=args.timeout,
-                  staging_mb=args.staging_mb)
+                  staging_mb=args.staging_mb, prefill_node=parse_node(args.prefill_node, "--prefill-node"),
+                  decode_node=parse_node(args.decode_node, "--decode-node"))
     fields.update(over)
     prefix = fields.get("prefix_tokens", 0)
     if prefix % args.block_size or not 0 <= prefix < args.tokens:

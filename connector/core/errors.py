@@ -12,6 +12,7 @@
         ControlError       the side channel: rejected handshake, closed or dead peer, timeout
           FrameError         a frame that cannot be accepted (too large, unknown version, malformed)
         TransportError     a NIXL WRITE, post or peer operation
+          WriteAbandoned     a WRITE given up on while NIXL still runs it (its memory is in use until `settled`)
         StagedWriteError   a staged chunk that did not land
         TransferFailed     a transfer decode gives up on (which prefill rank, and why)
         ServerError        a `vllm serve` process (connector.pd) that would not start or died
@@ -71,6 +72,15 @@ class FrameError(ControlError):
 
 class TransportError(PeerError, RuntimeError):
     """A transfer or peer operation failed. The message names the peer/transfer and the fix."""
+
+
+class WriteAbandoned(TransportError):
+    """A WRITE given up on (timeout) while NIXL still runs it. NIXL cannot cancel it: its source and destination
+    memory stay in use until `settled` (an asyncio future) is done; free or reuse neither before."""
+
+    def __init__(self, message: str, settled: object) -> None:
+        super().__init__(message)
+        self.settled = settled
 
 
 class StagedWriteError(PeerError, RuntimeError):

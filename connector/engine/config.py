@@ -49,5 +49,16 @@ class ReceiverConfig:
     """A transfer with no completion from every source by then fails (vLLM's kv_load_failure_policy applies)."""
     stop_timeout_s: float = 60.0
     """After an abort or failure, how long to wait for every prefill rank to confirm it writes nothing more."""
+    lost_source_hold_s: float = 13.0
+    """A prefill rank whose side channel was lost before it confirmed it writes nothing more: how long decode keeps
+    asking it (over new connections) before its blocks are handed back anyway. Must exceed prefill's
+    tcp_user_timeout_s plus one heartbeat interval: by then UCX has ended any WRITE stuck on a dead link (the
+    default is 10 + 2 + 1 s)."""
     staging_slot_bytes: int = 16 * 1024 * 1024
     """With a staging buffer: the slot each prefill rank connection gets (a staged chunk is at most this)."""
+
+
+def lost_source_hold_s(tcp_user_timeout_s: float | None, heartbeat_interval_s: float) -> float:
+    """`ReceiverConfig.lost_source_hold_s` for a prefill whose transport uses `tcp_user_timeout_s`: a WRITE stuck on
+    a dead link has ended by then. Without a user timeout the kernel decides (`net.ipv4.tcp_retries2`): 120 s."""
+    return (tcp_user_timeout_s if tcp_user_timeout_s is not None else 120.0) + heartbeat_interval_s + 1.0

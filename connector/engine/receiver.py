@@ -4,12 +4,21 @@ completion from each. Framework-agnostic asyncio on the process's one event loop
 A prefill engine is known by the address of its rank (0, 0); the other ranks listen where
 `connector.protocol.addressing` says. Rank (0, 0)'s Hello tells the prefill layout, from which the plan, and so the
 sources of this rank, follow.
+
+Blocks are handed back only once every source writes nothing more into them. A source says so (Complete, Stopped,
+Abort, RegisterError) over its side channel. When that connection is lost instead (a cut link, a silent peer),
+NIXL's WRITEs on prefill may still be running and land later: decode cannot stop them (it gets no NIXL error, and
+dropping its side of the connection does not stop them either; measured). So it asks again over a new connection
+(`_confirm_stopped`) until the source answers, is gone (connection refused: its process, and with it its
+connections, died), or `lost_source_hold_s` has passed, by which time UCX's TCP user timeout on prefill has ended
+every WRITE still stuck on the dead link.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -91,7 +100,14 @@ class StreamReceiver:
         self._engines: dict[PrefillAddress, _Engine] = {}
         self._connecting: dict[PrefillAddress, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._pending: dict[str, _Pending] = {}
+        self._confirming: dict[tuple[int, Rank], asyncio.Task] = {}
+        """Lost sources being asked whether they still write (`_confirm_stopped`)."""
         self._tasks = OwnedTasks(f"decode rank {me.rank}")
+
+    @property
+    def busy(self) -> dict[str, int]:
+        """Transfers still waiting, and lost prefill ranks still being asked whether they write (0 and 0: idle)."""
+        return {"pending": len(self._pending), "confirming": len(self._confirming)}
 
     async def aclose(self) -> None:
         """Close every side-channel connection; every reader task is cancelled and awaited."""
@@ -100,9 +116,9 @@ class StreamReceiver:
         await self._tasks.aclose()
 
     # ---- connections -----------------------------------------------------------------------------------------
-    async def _connect(self, address: PrefillAddress, port: int) -> ControlConnection:
+    async def _connect(self, address: PrefillAddress, port: int, timeout: float | None = None) -> ControlConnection:
         side = self.config.side_channel
-        return await connect(address.host, port, self.hello, timeout=side.handshake_timeout_s,
+        return await connect(address.host, port, self.hello, timeout=timeout or side.handshake_timeout_s,
                              heartbeat_interval_s=side.heartbeat_interval_s, dead_after_s=side.dead_after_s,
                              heartbeat_ids=lambda p=port: self._wanted_from(address, p))
 
@@ -152,7 +168,9 @@ class StreamReceiver:
         await self._tasks.cancel(readers, timeout_s=10.0)
         for conn in engine.conns.values():
             await conn.aclose(reason)
-        # The connections are closed, so no more staged chunk can arrive for these slots.
+        for src, conn in engine.conns.items():
+            self._confirm_later(engine, src, conn)  # (a source some transfer still waits on keeps its slot)
+        # The others confirmed they stopped, so no more staged chunk can arrive for these slots.
         slots, engine.slots = engine.slots, {}
         for slot in slots.values():
             self._staged.slots.give_back(slot)
@@ -181,9 +199,9 @@ class StreamReceiver:
         reason = conn.close_reason or "connection closed"
         for pend in list(self._pending.values()):
             if pend.engine is engine and src in pend.completes:
-                # A dead prefill process writes nothing more, so it counts as stopped.
+                # Failed now; stopped only once confirmed (see the module docstring).
                 pend.source_failed(src, TransferFailed(f"prefill rank {src} at {conn.address} went away before "
-                                                       f"completing {pend.transfer_id!r}: {reason}"), stopped=True)
+                                                       f"completing {pend.transfer_id!r}: {reason}"), stopped=False)
         await self._drop_engine(engine, f"prefill rank {src} went away")
 
     def _waiting(self, src: Rank, msg: Complete | RegisterError | Abort | Stopped) -> _Pending | None:
@@ -310,7 +328,7 @@ class StreamReceiver:
             if src not in pend.stopped or pend.stopped[src].done():
                 continue
             if conn.is_closed:
-                pend.stopped[src].set_result(None)
+                self._confirm_later(pend.engine, src, conn)
                 continue
             try:
                 await conn.send(Abort(pend.transfer_id, reason))
@@ -323,3 +341,61 @@ class StreamReceiver:
                 late = sorted(src for src, f in pend.stopped.items() if not f.done())
                 log.error("transfer %s: prefill ranks %s did not confirm they stopped writing within %.0f s; "
                           "handing the blocks back anyway", pend.transfer_id, late, self.config.stop_timeout_s)
+
+    # ---- sources lost before they confirmed -------------------------------------------------------------------
+    def _waiting_on(self, engine: _Engine, src: Rank) -> list[_Pending]:
+        """Transfers through `engine` (those connections, not a later one to the same address) still waiting for
+        `src` to stop."""
+        return [p for p in self._pending.values() if p.engine is engine and src in p.stopped
+                and not p.stopped[src].done()]
+
+    def _confirm_later(self, engine: _Engine, src: Rank, lost: ControlConnection) -> None:
+        """Start `_confirm_stopped` for `src` if a transfer waits on it and none runs; it takes the source's slot."""
+        key = (id(engine), src)  # (the task holds `engine`, so its id stays unique meanwhile)
+        if key in self._confirming or not self._waiting_on(engine, src):
+            return
+        slot = engine.slots.pop(src, None)
+        self._confirming[key] = self._tasks.spawn(self._confirm_stopped(engine, src, lost, slot),
+                                                  name=f"confirm {src}")
+
+    async def _confirm_stopped(self, engine: _Engine, src: Rank, lost: ControlConnection, slot: int | None) -> None:
+        """Ask prefill rank `src` over new connections, until `lost_source_hold_s`, to confirm it writes nothing
+        more for the transfers still waiting on it (Abort -> Stopped, which it answers once no WRITE of the
+        transfer runs). Then they count as stopped, and the source's staging slot is free again."""
+        hold_s, address, port = self.config.lost_source_hold_s, engine.address, engine.port_of(src)
+        deadline = time.monotonic() + hold_s
+        why = f"no answer within lost_source_hold_s={hold_s:g} s"
+        try:
+            while self._waiting_on(engine, src) and (left := deadline - time.monotonic()) > 0:
+                try:
+                    conn = await self._connect(address, port, min(left, self.config.side_channel.handshake_timeout_s))
+                except ControlError as exc:
+                    if isinstance(exc.__cause__, ConnectionRefusedError):
+                        why = "its process is gone (connection refused)"
+                        break
+                    await asyncio.sleep(min(1.0, max(0.0, deadline - time.monotonic())))  # unreachable: again
+                    continue
+                async with conn:
+                    if conn.peer.agent_name != lost.peer.agent_name:
+                        why = f"it restarted (agent {conn.peer.agent_name}, was {lost.peer.agent_name})"
+                        break
+                    try:
+                        await self._ask_stopped(conn, engine, src, deadline)
+                    except (ControlError, TimeoutError):
+                        continue  # lost again, or the hold is over
+        finally:
+            for pend in self._waiting_on(engine, src):
+                log.warning("transfer %s: prefill rank %s counts as stopped: %s", pend.transfer_id, src, why)
+                pend.stopped[src].set_result(None)
+            if slot is not None:
+                self._staged.slots.give_back(slot)
+            self._confirming.pop((id(engine), src), None)
+
+    async def _ask_stopped(self, conn: ControlConnection, engine: _Engine, src: Rank, deadline: float) -> None:
+        for pend in self._waiting_on(engine, src):
+            await conn.send(Abort(pend.transfer_id, "decode lost its connection; confirm nothing more is written"))
+        while (waiting := {p.transfer_id: p for p in self._waiting_on(engine, src)}):
+            msg = await conn.recv(max(0.0, deadline - time.monotonic()))
+            if isinstance(msg, (Stopped, Complete, Abort, RegisterError)) and msg.transfer_id in waiting:
+                log.info("transfer %s: prefill rank %s confirmed it writes nothing more", msg.transfer_id, src)
+                waiting[msg.transfer_id].stopped[src].set_result(None)

@@ -15,7 +15,7 @@ from collections import defaultdict, deque
 from typing import Any, Callable
 
 from connector.core.descriptors import Descriptors, batch_descriptors
-from connector.core.errors import InputError
+from connector.core.errors import InputError, WriteAbandoned
 from connector.core.layout import blocks_for
 from connector.core.plan import fold_ranges
 from connector.engine.config import SenderConfig
@@ -272,6 +272,7 @@ class StreamSender:
         if dest is None:
             await self._send_quiet(conn, stopped)  # nothing was ever written there
         else:
+            dest.conn = conn  # answer where asked: decode may ask again over a new connection after losing one
             self._stop_dest(req, dest, stopped)
         if req is not None:
             if req.expected is None:
@@ -391,6 +392,8 @@ class StreamSender:
             if req.expected is not None:
                 req.expected.discard(dest.key)
             self._check_finished(req, ok=False)
+            if isinstance(exc, WriteAbandoned):  # NIXL still reads the source blocks (and writes decode's): the
+                await asyncio.wait([exc.settled])  # batch stays in flight, the blocks held, Abort unsent, till it ends
             return
         finally:
             dest.writing.difference_update(layers)
@@ -492,7 +495,6 @@ class StreamSender:
     async def wait_finished(self, transfer_id: str, timeout: float) -> bool:
         req = self.requests.get(transfer_id)
         if req is None:
-            info = self.finished_info.get(transfer_id)
-            return info is not None and info.ok
+            return (info := self.finished_info.get(transfer_id)) is not None and info.ok
         async with asyncio.timeout(timeout):
             return await asyncio.shield(req.finished)

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from connector.core.errors import StagedWriteError, StagingError
+from connector.core.errors import StagedWriteError, StagingError, WriteAbandoned
 from connector.core.staging_ranges import Slots, check_destinations, chunks, split_long
 from connector.engine.rank import LocalRank
 from connector.protocol.messages import Scatter, Scattered
@@ -63,9 +63,13 @@ class StagedWriter:
                 async with self._local:
                     packed = self.me.staging_addr + np.cumsum(lens) - lens  # the chunk's ranges, back to back
                     await asyncio.to_thread(copy_ranges, local[a:b, 0], packed, lens, self.me.staging.device)
-                    self.on_write(await self.transport.write(
-                        peer_agent, [(self.me.staging_addr, n)], [(remote_base, n)], mem_type=self.me.mem_type,
-                        local_device=self.me.staging_device, remote_device=remote_device, timeout=self.timeout_s))
+                    try:
+                        self.on_write(await self.transport.write(
+                            peer_agent, [(self.me.staging_addr, n)], [(remote_base, n)], mem_type=self.me.mem_type,
+                            local_device=self.me.staging_device, remote_device=remote_device, timeout=self.timeout_s))
+                    except WriteAbandoned as exc:  # NIXL still reads the staging buffer: no gather may refill it
+                        await asyncio.wait([exc.settled])
+                        raise
                 await self._scatter(key, conn, transfer_id, n, remote[a:b, :2])
             sent += 1
         return sent

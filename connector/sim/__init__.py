@@ -6,7 +6,8 @@ is simulated (deterministic cache content written layer by layer, then verified 
   spec          RankSpec: what one simulated rank is (plain data, pickled to its worker process)
   rank          SimRank: one rank as an object (loop thread, transport, cache, engine), in any process
   rank_process  a SimRank as an OS process driven over a pipe (the demo's workers)
-  cluster       the processes of one run (Scenario -> DemoResult)
+  cluster       the processes of one run (Scenario -> DemoResult), on loopback or each side in a namespace
+  netns         two "nodes" on one machine: network namespaces, a veth pair, entering one from a fresh process
   bench         raw NIXL vs connector bulk vs connector stream; raw_nixl is its raw baseline
 
 No vllm here (tests/test_layers.py holds this)."""

@@ -1,4 +1,5 @@
-"""Multi-process demo: one OS process per prefill rank and per decode rank, real NIXL between them on 127.0.0.1.
+"""Multi-process demo: one OS process per prefill rank and per decode rank, real NIXL between them, on 127.0.0.1 or
+with each side on a "node" of its own (a network namespace: `Scenario.prefill_node` / `decode_node`).
 
 The parent only coordinates over pipes (which request, which chunk, when a PP stage may start); all KV bytes move
 prefill -> decode through NIXL WRITEs posted by the stream engine. Decode ranks verify every byte they hold.
@@ -16,9 +17,11 @@ from typing import Any, Literal
 
 from connector.core.layout import ModelLayout, ParallelLayout, blocks_for
 from connector.core.plan import Rank
+from connector.engine.config import SideChannelConfig
+from connector.protocol.addressing import PrefillAddress
 from connector.sim import rank_process
 from connector.sim.env import apply_env, free_port_range
-from connector.sim.spec import RankSpec
+from connector.sim.spec import Placement, RankSpec
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +45,11 @@ class Scenario:
     requests: int = 1
     timeout_s: float = 120.0
     seed: int = 0
+    prefill_node: Placement = Placement()   # where the prefill ranks run; its host is the side-channel address
+    decode_node: Placement = Placement()
+    side_channel: SideChannelConfig = SideChannelConfig()
+    tcp_user_timeout_s: float | None = RankSpec.__dataclass_fields__["tcp_user_timeout_s"].default
+    write_timeout_s: float | None = None   # None: timeout_s
 
     @property
     def num_blocks(self) -> int:
@@ -53,7 +61,10 @@ class Scenario:
         return RankSpec(side=side, rank=rank, model=self.model, prefill=self.prefill, decode=self.decode,
                         block_size=self.block_size, num_blocks=self.num_blocks, device=self.device,
                         run_blocks=self.run_blocks, staging_mb=self.staging_mb, base_port=base_port, run_id=run_id,
-                        timeout_s=self.timeout_s, log_level=logging.getLogger().level or logging.WARNING)
+                        timeout_s=self.timeout_s, log_level=logging.getLogger().level or logging.WARNING,
+                        placement=self.prefill_node if side == "prefill" else self.decode_node,
+                        side_channel=self.side_channel, tcp_user_timeout_s=self.tcp_user_timeout_s,
+                        write_timeout_s=self.write_timeout_s)
 
 
 @dataclass
@@ -113,6 +124,11 @@ class Cluster:
                 proc.start()
                 child.close()
                 table[rank] = (proc, parent)
+
+    @property
+    def prefill_address(self) -> PrefillAddress:
+        """Where decode finds prefill rank (0, 0)'s side channel."""
+        return PrefillAddress(self.sc.prefill_node.host, self.base_port)
 
     def all(self) -> list[tuple[tuple[str, tuple[int, int]], Any, Any]]:
         return [(("prefill", r), p, c) for r, (p, c) in self.prefill.items()] + \
@@ -201,7 +217,7 @@ class Cluster:
             first_post=min(posts) if posts else max(ends), last_complete=max(out[4] for out in decode_out))
 
     def _register(self, tid: str, seed: int) -> None:
-        addr = f"127.0.0.1:{self.base_port}"
+        addr = str(self.prefill_address)
         self.registered = {}
         for rank, (_p, conn) in self.decode.items():
             reply = self.ask(conn, ("receive", tid, self.sc.tokens, self.sc.prefix_tokens, addr, seed),

@@ -36,7 +36,9 @@ def free_port_range(count: int, attempts: int = 50) -> int:
     raise RuntimeError(f"no {count} consecutive free ports on 127.0.0.1 after {attempts} attempts")
 
 
-def apply_env() -> None:
-    """Set the ENV_DEFAULTS this process has not set itself (call before NIXL loads)."""
+def apply_env(overrides: tuple[tuple[str, str], ...] = ()) -> None:
+    """Set `overrides`, then the ENV_DEFAULTS this process has not set itself (call before NIXL loads)."""
+    for key, value in overrides:
+        os.environ[key] = value
     for key, value in ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)

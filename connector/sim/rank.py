@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from connector.engine.config import ReceiverConfig, SenderConfig
+from connector.engine.config import ReceiverConfig, SenderConfig, lost_source_hold_s
 from connector.engine.rank import LocalRank
 from connector.engine.receiver import StreamReceiver
 from connector.engine.sender import StreamSender
@@ -38,7 +38,7 @@ class SimRank:
         try:
             self.loop.start()
             name = f"{spec.run_id}-{spec.side}-{spec.rank[0]}-{spec.rank[1]}-{os.getpid()}"
-            self.transport = Transport(TransportConfig(name=name))
+            self.transport = Transport(TransportConfig(name=name, tcp_user_timeout_s=spec.tcp_user_timeout_s))
             self.loop.run(self.transport.open(), 60)
             self.bufs = RankBuffers(spec.model, spec.parallel, spec.rank, spec.block_size, spec.num_blocks,
                                     spec.device)
@@ -59,8 +59,11 @@ class SimRank:
                          spec.block_size, mem_type=spec.mem_type, staging=self.staging)
 
     def sender(self, config: SenderConfig | None = None) -> StreamSender:
-        """A started StreamSender on this rank (its side channel on `config.port`, by default the spec's)."""
-        config = config or SenderConfig(port=self.spec.port, write_timeout_s=self.spec.timeout_s)
+        """A started StreamSender on this rank (its side channel on `config.host:config.port`, by default the
+        spec's placement and port)."""
+        spec = self.spec
+        config = config or SenderConfig(host=spec.placement.host, port=spec.port, side_channel=spec.side_channel,
+                                        write_timeout_s=spec.write_timeout_s or spec.timeout_s)
         sender = StreamSender(self.me(), self.transport, config, self.loop.loop)
         self.engine = sender
         self.loop.run(sender.start(), 30)
@@ -71,7 +74,9 @@ class SimRank:
         spec = self.spec
         if config is None:
             slot_bytes = max(1, spec.staging_mb << 20) // (spec.prefill.pp * spec.prefill.tp)
-            config = ReceiverConfig(transfer_timeout_s=spec.timeout_s, staging_slot_bytes=slot_bytes)
+            config = ReceiverConfig(
+                side_channel=spec.side_channel, transfer_timeout_s=spec.timeout_s, staging_slot_bytes=slot_bytes,
+                lost_source_hold_s=lost_source_hold_s(spec.tcp_user_timeout_s, spec.side_channel.heartbeat_interval_s))
         self.engine = StreamReceiver(self.me(), self.transport, config)
         return self.engine
 

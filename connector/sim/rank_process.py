@@ -18,6 +18,7 @@ from typing import Any
 
 from connector.core.layout import blocks_for
 from connector.core.plan import Rank
+from connector.sim import netns
 from connector.sim.env import apply_env
 from connector.sim.spec import RankSpec
 
@@ -25,7 +26,14 @@ from connector.sim.spec import RankSpec
 def run(conn: Any, spec: RankSpec) -> None:
     """Process entry point: open the rank, say ("ready", ...), answer the parent's commands until "quit". A
     failure to start, or of a command, goes back to the parent as ("error", text), never a silent hang."""
-    apply_env()
+    try:
+        if spec.placement.netns:
+            netns.enter(spec.placement.netns)  # first: before any thread, and before UCX lists the interfaces
+    except (OSError, RuntimeError) as exc:
+        conn.send(("error", f"{spec.side} rank {spec.rank} could not enter network namespace "
+                            f"{spec.placement.netns!r}: {exc}"))
+        return
+    apply_env(spec.placement.env)
     logging.basicConfig(level=spec.log_level, format=f"%(asctime)s {spec.side}{tuple(spec.rank)} "
                                                      f"%(levelname)s %(name)s: %(message)s")
     from connector.sim.rank import SimRank  # noqa: PLC0415 - torch and NIXL load only after apply_env()
@@ -74,7 +82,14 @@ class PrefillCommands:
         self.blocks: dict[str, list[list[int]]] = {}
 
     def handlers(self) -> dict[str, Any]:
-        return {"start": self.start, "chunk": self.chunk, "finish": self.finish, "raw": self.raw}
+        return {"start": self.start, "chunk": self.chunk, "finish": self.finish, "raw": self.raw, "state": self.state}
+
+    def state(self) -> tuple:
+        """What this rank still holds: requests, NIXL handles and bytes in flight, and the transport's counters."""
+        t = self.rank.transport
+        return ("state", {"requests": len(self.sender.requests), "open_handles": t.open_handles,
+                          "inflight_bytes": t.inflight_bytes, "abandoned": t.stats.abandoned,
+                          "reconnects": t.stats.reconnects, "sends_failed": self.sender.stats.sends_failed})
 
     def start(self, tid: str, tokens: int, index: int) -> tuple:
         # Each TP rank of a stage uses the same block ids, as vLLM's scheduler gives all ranks one block table.
@@ -146,7 +161,21 @@ class DecodeCommands:
         self.used: list[list[int]] = [[], []]
 
     def handlers(self) -> dict[str, Any]:
-        return {"receive": self.receive, "collect": self.collect}
+        return {"receive": self.receive, "collect": self.collect, "state": self.state, "digest": self.digest}
+
+    def state(self) -> tuple:
+        return ("state", self.receiver.busy)
+
+    def digest(self) -> tuple:
+        """A hash of every byte of this rank's cache (to tell that nothing landed meanwhile)."""
+        import hashlib  # noqa: PLC0415
+
+        import torch  # noqa: PLC0415 - loaded already (SimRank)
+
+        h = hashlib.sha256()
+        for tensor in self.rank.bufs.tensors:
+            h.update(tensor.reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
+        return ("digest", h.hexdigest())
 
     async def _timed_receive(self, *args: Any) -> tuple[Any, float]:
         result = await self.receiver.receive(*args)
@@ -174,3 +203,4 @@ class DecodeCommands:
         problems += bufs.verify_prefix_untouched(block_ids, first_token) if first_token else []
         problems += bufs.untouched(self.used)
         return ("collected", problems, result.bytes_written, result.descriptors, done_at, result.staged_chunks)
+

@@ -9,7 +9,30 @@ from typing import Literal
 
 from connector.core.layout import ModelLayout, ParallelLayout
 from connector.core.plan import Rank
+from connector.engine.config import SideChannelConfig
 from connector.protocol.addressing import side_channel_port
+from connector.transport.nixl.agent import TransportConfig  # (numpy; NIXL itself loads with the first agent)
+
+LOOPBACK = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one side's rank processes run: one machine's loopback by default, or a "node" of their own (a network
+    namespace, connector.sim.netns) with UCX told to use its interface over TCP."""
+
+    host: str = LOOPBACK
+    """The side's address. Prefill ranks listen on it for decode's side channel; decode connects to it."""
+    netns: str | None = None
+    """Network namespace the rank processes enter before NIXL loads (None: the parent's)."""
+    env: tuple[tuple[str, str], ...] = ()
+    """Environment the rank processes set before NIXL loads, over connector.sim.env's defaults. Across namespaces:
+    UCX_NET_DEVICES=<the node's interface> and UCX_TLS=tcp (UCX otherwise moves the bytes through shared memory)."""
+
+    @classmethod
+    def node(cls, host: str, netns: str, device: str) -> "Placement":
+        """A side on its own node: `netns`, with UCX over TCP on `device` (an interface inside it)."""
+        return cls(host, netns, (("UCX_NET_DEVICES", device), ("UCX_TLS", "tcp")))
 
 
 @dataclass(frozen=True)
@@ -34,6 +57,13 @@ class RankSpec:
     run_id: str = "sim"
     timeout_s: float = 120.0
     log_level: int = logging.WARNING
+    placement: Placement = Placement()
+    """Where this rank runs (its side's placement)."""
+    side_channel: SideChannelConfig = SideChannelConfig()
+    tcp_user_timeout_s: float | None = TransportConfig.__dataclass_fields__["tcp_user_timeout_s"].default
+    """connector.transport.nixl.TransportConfig.tcp_user_timeout_s."""
+    write_timeout_s: float | None = None
+    """SenderConfig.write_timeout_s; None: timeout_s."""
 
     @property
     def parallel(self) -> ParallelLayout:

@@ -14,7 +14,7 @@ import msgspec
 from msgspec import Meta
 
 from connector.core.errors import ConfigError
-from connector.engine.config import ReceiverConfig, SenderConfig, SideChannelConfig
+from connector.engine.config import ReceiverConfig, SenderConfig, SideChannelConfig, lost_source_hold_s
 from connector.transport.nixl import TransportConfig
 
 Positive = Annotated[float, Meta(gt=0)]
@@ -40,6 +40,10 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     write_timeout_s: Positive = _SENDER.write_timeout_s
     heartbeat_interval_s: Positive = _SIDE.heartbeat_interval_s
     dead_after_s: Positive = _SIDE.dead_after_s
+    tcp_user_timeout_s: Positive | None = _TRANSPORT["tcp_user_timeout_s"]
+    """UCX over TCP: a WRITE whose data stays unacknowledged this long (a cut link) fails, whatever the kernel's
+    tcp_retries2; decode keeps a lost prefill rank's blocks this long plus a heartbeat interval and 1 s. None: the
+    kernel decides (many minutes with its defaults)."""
     progress_delay_us: PositiveInt = _TRANSPORT["progress_delay_us"]
     """NIXL progress-thread poll delay (never 0: 0 spins a core)."""
     staging_mb: Annotated[int, Meta(ge=0)] = 0
@@ -74,11 +78,13 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
 
     def receiver_config(self) -> ReceiverConfig:
         return ReceiverConfig(side_channel=self.side_channel(), transfer_timeout_s=self.transfer_timeout_s,
-                              staging_slot_bytes=self.staging_slot_mb << 20)
+                              staging_slot_bytes=self.staging_slot_mb << 20,
+                              lost_source_hold_s=lost_source_hold_s(self.tcp_user_timeout_s, self.heartbeat_interval_s))
 
     def transport_config(self, name: str) -> TransportConfig:
         return TransportConfig(name=name, max_inflight_bytes=self.max_inflight_bytes,
-                               posts_per_second=self.posts_per_second, progress_delay_us=self.progress_delay_us)
+                               posts_per_second=self.posts_per_second, progress_delay_us=self.progress_delay_us,
+                               tcp_user_timeout_s=self.tcp_user_timeout_s)
 
 
 def default_host() -> str:

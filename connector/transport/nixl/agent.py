@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from connector.core.errors import ConfigError, TransportError
+from connector.core.errors import ConfigError, TransportError, WriteAbandoned
 from connector.transport.nixl.glue import as_descs, make_agent, memory_region, nixl_errors, pair_check
 from connector.transport.nixl.poller import Poller, Xfer
 
@@ -46,6 +46,11 @@ class TransportConfig:
     """Worker threads that post transfers (on DRAM the copy itself runs in the posting thread)."""
     ucx_error_handling_mode: str = "peer"
     """UCX error handling; "peer" keeps peer-failure detection."""
+    tcp_user_timeout_s: float | None = 10.0
+    """UCX over TCP: how long sent data may stay unacknowledged before the connection is closed and every WRITE on
+    it ends with an error (UCX_TCP_USER_TIMEOUT, the socket's TCP_USER_TIMEOUT). Without it a WRITE across a cut
+    link neither finishes nor fails until the kernel's `net.ipv4.tcp_retries2` gives up (15, the default: many
+    minutes). A link back within it loses nothing. None: the system's behaviour."""
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -58,6 +63,14 @@ class TransportConfig:
             raise ConfigError("posts_per_second must be > 0 or None")
         if self.ucx_error_handling_mode not in ("peer", "none"):
             raise ConfigError("ucx_error_handling_mode must be 'peer' or 'none'")
+        if self.tcp_user_timeout_s is not None and self.tcp_user_timeout_s <= 0:
+            raise ConfigError(f"tcp_user_timeout_s must be > 0 or None, not {self.tcp_user_timeout_s}")
+
+    def ucx_config(self) -> dict[str, str]:
+        """UCX settings of this agent's backend (see glue.make_agent)."""
+        if self.tcp_user_timeout_s is None:
+            return {}
+        return {"TCP_USER_TIMEOUT": f"{max(1, round(self.tcp_user_timeout_s * 1000))}ms"}
 
 
 @dataclass(frozen=True)
@@ -79,6 +92,10 @@ class TransportStats:
     bytes_written: int = 0
     errors: int = 0
     timeouts: int = 0
+    abandoned: int = 0
+    """WRITEs given up on (timeout, cancel) while NIXL still ran them."""
+    reconnects: int = 0
+    """Peers whose NIXL connection failed and was made again from their metadata."""
     peak_inflight_bytes: int = 0
 
 
@@ -147,6 +164,11 @@ class Transport:
             burst = max(1, int(pps * 0.1))  # windows of ~100 ms: smooth, without per-post sleeps
             self._throttle = Throttler(rate_limit=burst, period=burst / pps, retry_interval=min(0.01, 0.5 / pps))
         self._peers: set[str] = set()
+        self._peer_metadata: dict[str, bytes] = {}
+        self._failed_peers: set[str] = set()
+        """Peers whose NIXL connection ended in an error: the next WRITE to one connects again first (a failed UCX
+        endpoint fails every later request at once). Guarded by `_peer_lock`."""
+        self._peer_lock = threading.Lock()
         self._regs: list[tuple[Any, Any]] = []  # (nixlRegDList, the object kept alive while registered)
         self._hlock = threading.Lock()
         self._handles: set[Any] = set()
@@ -166,7 +188,7 @@ class Transport:
             self._agent = await loop.run_in_executor(
                 self._executor,
                 lambda: make_agent(cfg.name, progress_delay_us=cfg.progress_delay_us,
-                                   ucx_error_handling_mode=cfg.ucx_error_handling_mode))
+                                   ucx_error_handling_mode=cfg.ucx_error_handling_mode, ucx_config=cfg.ucx_config()))
             self._errors = nixl_errors()
         except BaseException as exc:
             self._executor.shutdown(wait=False)
@@ -281,6 +303,7 @@ class Transport:
                                  f"{exc}; send the live peer's current Transport.metadata (not our own)") from exc
         name = name.decode() if isinstance(name, (bytes, bytearray)) else str(name)
         self._peers.add(name)
+        self._peer_metadata[name] = bytes(metadata)
         if time.monotonic() - started > 1.0:  # a peer's handshake timeout runs meanwhile: say where the time went
             log.warning("transport %r: loading peer %s took %.1f s", self.config.name, name, time.monotonic() - started)
         return name
@@ -290,6 +313,9 @@ class Transport:
         if peer not in self._peers:
             return
         self._peers.discard(peer)
+        self._peer_metadata.pop(peer, None)
+        with self._peer_lock:
+            self._failed_peers.discard(peer)
         try:
             self._live_agent().remove_remote_agent(peer)
         except self._errors as exc:
@@ -317,8 +343,10 @@ class Transport:
                     local_device: int = 0, remote_device: int = 0, timeout: float = 30.0) -> WriteTiming:
         """WRITE local[i] -> remote[i] on `peer` (pairs of (addr, nbytes), or Nx2/Nx3 integer arrays). Returns, with
         its timing, when the transfer is complete.
-        ValueError (nothing posted) on mismatched descriptors; TransportError on failure, timeout, unknown peer.
-        `timeout` covers admission, throttling, posting and completion."""
+        ValueError (nothing posted) on mismatched descriptors; TransportError on failure, timeout, unknown peer;
+        WriteAbandoned (a TransportError) when it timed out or was cancelled while NIXL still runs it: the memory on
+        both sides stays in use until its `settled` future is done. `timeout` covers admission, throttling, posting
+        and completion."""
         if mem_type not in ("DRAM", "VRAM"):
             raise ValueError(f"mem_type must be 'DRAM' or 'VRAM', not {mem_type!r}")
         ld = as_descs(local, local_device)
@@ -329,44 +357,55 @@ class Transport:
             return WriteTiming(0.0, 0.0)
         what = (f"WRITE of {ld.shape[0]} descriptor(s) / {nbytes} B ({mem_type}) from {self.config.name!r} "
                 f"to peer {peer!r}")
+        xfer = Xfer(asyncio.get_running_loop())
         try:
             async with asyncio.timeout(timeout):
                 await self._gate.acquire(nbytes)
                 try:
-                    state, timing = await self._post_and_wait(agent, peer, ld, rd, mem_type, what)
+                    state, timing = await self._post_and_wait(agent, peer, ld, rd, mem_type, what, xfer)
                 finally:
                     self._gate.release(nbytes)
         except TimeoutError:
             self.stats.timeouts += 1
-            raise TransportError(f"{what} timed out after {timeout:g} s; the peer may be dead or stuck "
-                                 "(check it, or raise `timeout` for very large writes)") from None
+            self._raise_if_abandoned(xfer, f"{what} timed out after {timeout:g} s")
+            raise TransportError(f"{what} timed out after {timeout:g} s before it was posted; the peer may be dead "
+                                 "or stuck (check it, or raise `timeout` for very large writes)") from None
+        except asyncio.CancelledError:
+            if xfer.abandoned and not xfer.future.done():
+                self.stats.abandoned += 1
+            raise
         if state != "DONE":
             self.stats.errors += 1
-            raise TransportError(f"{what} failed with state {state}; the peer may have died or disconnected "
-                                 "-- re-handshake (remove_peer + add_peer with fresh metadata) before retrying")
+            raise TransportError(f"{what} failed with state {state}; the peer may have died or the link to it "
+                                 "failed -- the next WRITE to it connects again")
         self.stats.bytes_written += nbytes
         return timing
 
+    def _raise_if_abandoned(self, xfer: Xfer, why: str) -> None:
+        """After a timeout: if NIXL may still move this WRITE's bytes, say so, with the future to wait for."""
+        if xfer.abandoned and not xfer.future.done():
+            self.stats.abandoned += 1
+            raise WriteAbandoned(
+                f"{why}; NIXL still runs it, so its memory on both sides stays in use until it ends (over a cut TCP "
+                f"link within tcp_user_timeout_s={self.config.tcp_user_timeout_s})", settled=xfer.future) from None
+
     async def _post_and_wait(self, agent: Any, peer: str, ld: np.ndarray, rd: np.ndarray, mem_type: str,
-                             what: str) -> tuple[str, WriteTiming]:
+                             what: str, xfer: Xfer) -> tuple[str, WriteTiming]:
         if self._throttle is not None:
             await self._throttle.acquire()
         assert self._executor is not None
-        xfer = Xfer(asyncio.get_running_loop())
         try:
             cf = self._executor.submit(self._post, agent, peer, ld, rd, mem_type, xfer)
         except RuntimeError:  # executor shut down: aclose() is running
             raise TransportError(f"{what}: transport is closing") from None
+        xfer.future.add_done_callback(lambda f: self._note_outcome(peer, xfer, int(ld.shape[0])))
         try:
-            state = await asyncio.wrap_future(cf)
-            self.stats.posts += 1
-            self.stats.descriptors += int(ld.shape[0])
-            if state == "PROC":
-                state = await xfer.future
-            return state, WriteTiming(xfer.post_s, time.perf_counter() - xfer.started)
+            # shield: a timeout or cancel must not cancel the future, which also tells when the memory is free
+            state = await asyncio.shield(xfer.future)
         except asyncio.CancelledError:
-            xfer.abandoned = True  # not started: never posted; posted: the poller cancels/releases it
-            cf.cancel()
+            xfer.abandoned = True  # not started: never posted; posted: the poller drives it to its end
+            if cf.cancel() and not xfer.future.done():
+                xfer.future.set_result("not posted")
             raise
         except _Closed:
             raise TransportError(f"{what}: transport closed before it was posted") from None
@@ -374,13 +413,35 @@ class Transport:
             self.stats.errors += 1
             raise TransportError(f"{what} could not be posted: {exc!r}; the peer may have died or its metadata is "
                                  "stale -- re-handshake (remove_peer + add_peer with fresh metadata)") from exc
+        return state, WriteTiming(xfer.post_s, time.perf_counter() - xfer.started)
 
-    def _post(self, agent: Any, peer: str, ld: np.ndarray, rd: np.ndarray, mem_type: str, xfer: Xfer) -> str:
+    def _note_outcome(self, peer: str, xfer: Xfer, descriptors: int) -> None:
+        """A WRITE ended (on the loop). One that failed leaves its UCX endpoint failed: connect again next time."""
+        if xfer.handle is not None:
+            self.stats.posts += 1
+            self.stats.descriptors += descriptors
+        fut = xfer.future
+        failed = fut.cancelled() or fut.exception() is not None or fut.result() not in ("DONE", "not posted")
+        if failed and peer in self._peers:
+            with self._peer_lock:
+                self._failed_peers.add(peer)
+
+    def _post(self, agent: Any, peer: str, ld: np.ndarray, rd: np.ndarray, mem_type: str, xfer: Xfer) -> None:
         """Post worker thread: build descriptor lists, create and post the request. DONE/ERR: released here and
-        returned. PROC: handed to the poller, which resolves `xfer.future` and releases the handle."""
+        resolved. PROC: handed to the poller, which resolves `xfer.future` and releases the handle."""
+        try:
+            state = self._post_xfer(agent, peer, ld, rd, mem_type, xfer)
+        except BaseException as exc:  # noqa: BLE001 - goes to the waiter
+            xfer.fail(exc)
+            return
+        if state != "PROC":
+            xfer.resolve(state)
+
+    def _post_xfer(self, agent: Any, peer: str, ld: np.ndarray, rd: np.ndarray, mem_type: str, xfer: Xfer) -> str:
         if self._closing or xfer.abandoned:
             raise _Closed()
         xfer.started = time.perf_counter()
+        self._reconnect_if_failed(agent, peer)
         local = agent.get_xfer_descs(ld, mem_type)
         remote = agent.get_xfer_descs(rd, mem_type)
         handle = agent.initialize_xfer("WRITE", local, remote, peer)
@@ -399,25 +460,39 @@ class Transport:
         self._release(handle)
         return "ERR (transport closing)" if state == "PROC" else state
 
-    def _release(self, handle: Any, *, keep_if_active: bool = False) -> bool:
+    def _reconnect_if_failed(self, agent: Any, peer: str) -> None:
+        """(post thread) A peer whose last WRITE failed: drop its failed endpoint and load its metadata again, so
+        this WRITE gets a fresh connection. Safe for the memory: UCX ended every request of a failed endpoint."""
+        with self._peer_lock:
+            if peer not in self._failed_peers:
+                return
+            self._failed_peers.discard(peer)
+            metadata = self._peer_metadata.get(peer)
+            try:
+                agent.remove_remote_agent(peer)
+                if metadata is not None:
+                    agent.add_remote_agent(metadata)
+            except self._errors as exc:
+                self._failed_peers.add(peer)
+                raise TransportError(f"transport {self.config.name!r}: connecting again to peer {peer!r} after its "
+                                     f"connection failed: {exc!r}; is it alive and reachable?") from exc
+            self.stats.reconnects += 1
+        log.info("transport %s: connected again to peer %s after a failed WRITE", self.config.name, peer)
+
+    def _release(self, handle: Any) -> None:
         """The one place an xfer handle is released (any thread), so it is released once: taken out of the live
-        set first, so a second call finds nothing to do. NIXL refuses to release a transfer it cannot cancel; the
-        handle then stays live (`keep_if_active`: the poller tries again later, else it is retried at close) and
-        False is returned."""
+        set first, so a second call finds nothing to do. Only for transfers NIXL has ended (or at close): see
+        poller.py for why a running one is never released. A release NIXL refuses is retried at close."""
         with self._hlock:
             if handle not in self._handles:
-                return True
+                return
             self._handles.discard(handle)
         try:
             handle.release()
-            return True
-        except Exception as exc:  # noqa: BLE001 - still active: stays live
-            if not keep_if_active:
-                log.warning("transport %s: xfer handle release failed (%s); will retry at close", self.config.name,
-                            exc)
+        except Exception as exc:  # noqa: BLE001 - stays live, retried at close
+            log.warning("transport %s: xfer handle release failed (%s); will retry at close", self.config.name, exc)
             with self._hlock:
                 self._handles.add(handle)
-            return False
 
 
 class _Closed(Exception):

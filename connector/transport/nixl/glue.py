@@ -76,7 +76,8 @@ def clamp_every_agent(progress_delay_us: int) -> None:
     api.nixl_agent.__init__ = clamped_init
 
 
-def make_agent(name: str, *, progress_delay_us: int, ucx_error_handling_mode: str = "peer"):
+def make_agent(name: str, *, progress_delay_us: int, ucx_error_handling_mode: str = "peer",
+               ucx_config: dict[str, str] | None = None):
     """Create a `nixl_agent` with no backends, a progress thread that sleeps `progress_delay_us` between polls,
     thread-sync mode RW, then the UCX backend.
 
@@ -91,6 +92,10 @@ def make_agent(name: str, *, progress_delay_us: int, ucx_error_handling_mode: st
     serialise every post (and stall notification polling behind a copy); NONE leaves the agent's maps unguarded.
     The UCX worker itself is multi-threaded because the progress thread is on. Each xfer handle is only ever
     touched by one thread at a time (worker thread until posted, then the loop thread).
+
+    `ucx_config`: UCX settings for this agent's UCX context only (names without the `UCX_` prefix, e.g.
+    `TCP_USER_TIMEOUT`), passed as the UCX backend's `engine_config`. A `UCX_*` environment variable of the same
+    name takes precedence (NIXL applies these as defaults).
     """
     if progress_delay_us <= 0:
         raise ValueError("progress_delay_us must be > 0: 0 makes the NIXL progress thread spin a whole core")
@@ -111,6 +116,8 @@ def make_agent(name: str, *, progress_delay_us: int, ucx_error_handling_mode: st
             api.nixlBind = real
     params = dict(agent.get_plugin_params("UCX"))
     params["ucx_error_handling_mode"] = ucx_error_handling_mode
+    if ucx_config:
+        params["engine_config"] = ",".join(f"{key}={value}" for key, value in ucx_config.items())
     agent.create_backend("UCX", params)
     return agent
 

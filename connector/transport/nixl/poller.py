@@ -18,7 +18,11 @@ log = logging.getLogger(__name__)
 
 
 class Xfer:
-    """One posted WRITE, shared by the loop (future, abandoned) and the NIXL threads (handle)."""
+    """One WRITE, shared by the loop (future, abandoned) and the NIXL threads (handle).
+
+    `future` is resolved exactly once, and only when NIXL no longer touches the WRITE's memory: with the terminal
+    state ("DONE", "ERR ...") or "not posted", or with the exception posting raised. A writer that gives up
+    (timeout, cancel) stops waiting for it, but whoever owns the memory must wait for it before reusing it."""
 
     __slots__ = ("loop", "future", "abandoned", "handle", "started", "post_s")
 
@@ -33,9 +37,15 @@ class Xfer:
         """Seconds createXferReq + postXferReq took."""
 
     def resolve(self, state: str) -> None:
+        self._call(lambda: self.future.set_result(state))
+
+    def fail(self, exc: BaseException) -> None:
+        self._call(lambda: self.future.set_exception(exc))
+
+    def _call(self, settle: Callable[[], None]) -> None:
         def _set() -> None:
             if not self.future.done():
-                self.future.set_result(state)
+                settle()
 
         try:
             self.loop.call_soon_threadsafe(_set)
@@ -46,9 +56,13 @@ class Xfer:
 class Poller(threading.Thread):
     """Drives posted transfers to completion: polls the state of each pending one (50 us backoff to 1 ms while any
     is pending) and sleeps until the next `add` when none is. Every handle it was given goes to `release` (the
-    Transport's, the one owner of handle release) once it is finished or abandoned."""
+    Transport's, the one owner of handle release) once NIXL reports it finished, never before, also when its
+    writer gave up: releasing a transfer NIXL still runs does not stop it (UCX's cancel does not apply to RMA).
+    Measured across a cut veth with UCX over TCP: a WRITE released while stuck went on reading its source after
+    the link came back and landed 194 MB of newer content on the target. A transfer over a dead TCP link ends
+    with an error once UCX's TCP_USER_TIMEOUT (TransportConfig.tcp_user_timeout_s) expires."""
 
-    def __init__(self, agent: Any, errors: tuple[type[BaseException], ...], release: Callable[..., bool],
+    def __init__(self, agent: Any, errors: tuple[type[BaseException], ...], release: Callable[[Any], None],
                  name: str) -> None:
         super().__init__(name=f"nixl-poll-{name}", daemon=True)
         self._agent = agent
@@ -87,7 +101,7 @@ class Poller(threading.Thread):
         finally:
             with self._lock:
                 left, self._pending = self._pending, []
-            for x in left:  # shutting down: release (cancels in NIXL) and fail the waiters
+            for x in left:  # shutting down: the agent, and with it every connection, is destroyed next
                 self._release(x.handle)
                 x.resolve("ERR (transport closed)")
 
@@ -102,9 +116,6 @@ class Poller(threading.Thread):
                 state = self._agent.check_xfer_state(x.handle)
             except self._errors as exc:
                 state = f"ERR ({exc!r})"
-            if state == "PROC" and x.abandoned and self._release(x.handle, keep_if_active=True):
-                # the writer gave up (timeout) and NIXL cancelled it; if NIXL refuses, poll on until terminal
-                state = "ERR (abandoned)"
             if state != "PROC":
                 done.append(x)
                 self._release(x.handle)
