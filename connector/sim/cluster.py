@@ -42,6 +42,8 @@ class Scenario:
     requests: int = 1
     timeout_s: float = 120.0
     seed: int = 0
+    auth_token: str = ""               # the side channel's shared secret, on every rank
+    sender_config: Any = None          # prefill ranks' engine settings (connector.engine.config.SenderConfig)
 
     @property
     def num_blocks(self) -> int:
@@ -53,7 +55,8 @@ class Scenario:
         return RankSpec(side=side, rank=rank, model=self.model, prefill=self.prefill, decode=self.decode,
                         block_size=self.block_size, num_blocks=self.num_blocks, device=self.device,
                         run_blocks=self.run_blocks, staging_mb=self.staging_mb, base_port=base_port, run_id=run_id,
-                        timeout_s=self.timeout_s, log_level=logging.getLogger().level or logging.WARNING)
+                        timeout_s=self.timeout_s, log_level=logging.getLogger().level or logging.WARNING,
+                        auth_token=self.auth_token, sender_config=self.sender_config)
 
 
 @dataclass

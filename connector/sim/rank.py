@@ -6,12 +6,13 @@ Import it after `connector.sim.env.apply_env()` in a fresh process: it loads tor
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
 import torch
 
-from connector.engine.config import ReceiverConfig, SenderConfig
+from connector.engine.config import ReceiverConfig, SenderConfig, SideChannelConfig
 from connector.engine.rank import LocalRank
 from connector.engine.receiver import StreamReceiver
 from connector.engine.sender import StreamSender
@@ -60,7 +61,10 @@ class SimRank:
 
     def sender(self, config: SenderConfig | None = None) -> StreamSender:
         """A started StreamSender on this rank (its side channel on `config.port`, by default the spec's)."""
-        config = config or SenderConfig(port=self.spec.port, write_timeout_s=self.spec.timeout_s)
+        spec = self.spec
+        config = config or (dataclasses.replace(spec.sender_config, port=spec.port) if spec.sender_config else
+                            SenderConfig(port=spec.port, write_timeout_s=spec.timeout_s,
+                                         side_channel=SideChannelConfig(auth_token=spec.auth_token)))
         sender = StreamSender(self.me(), self.transport, config, self.loop.loop)
         self.engine = sender
         self.loop.run(sender.start(), 30)
@@ -71,7 +75,8 @@ class SimRank:
         spec = self.spec
         if config is None:
             slot_bytes = max(1, spec.staging_mb << 20) // (spec.prefill.pp * spec.prefill.tp)
-            config = ReceiverConfig(transfer_timeout_s=spec.timeout_s, staging_slot_bytes=slot_bytes)
+            config = ReceiverConfig(SideChannelConfig(auth_token=spec.auth_token), transfer_timeout_s=spec.timeout_s,
+                                    staging_slot_bytes=slot_bytes)
         self.engine = StreamReceiver(self.me(), self.transport, config)
         return self.engine
 

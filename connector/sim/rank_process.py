@@ -74,7 +74,17 @@ class PrefillCommands:
         self.blocks: dict[str, list[list[int]]] = {}
 
     def handlers(self) -> dict[str, Any]:
-        return {"start": self.start, "chunk": self.chunk, "finish": self.finish, "raw": self.raw}
+        return {"start": self.start, "chunk": self.chunk, "finish": self.finish, "raw": self.raw, "state": self.state}
+
+    def state(self) -> tuple:
+        """What this prefill rank holds for its peers (tests check it returns to its baseline after an attack)."""
+        async def read() -> dict[str, int]:
+            sender, server = self.sender, self.sender.server
+            return {"peers": len(sender.peers), "agents": len(self.rank.transport.peers),
+                    "connections": len(server.connections) if server else 0, "parked": sender.parked_count,
+                    "requests": len(sender.requests), "given_up": len(sender._given_up),
+                    "open_by_host": sum(server.guard.open.values()) if server else 0}
+        return ("state", self.rank.run(read(), 10))
 
     def start(self, tid: str, tokens: int, index: int) -> tuple:
         # Each TP rank of a stage uses the same block ids, as vLLM's scheduler gives all ranks one block table.

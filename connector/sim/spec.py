@@ -9,6 +9,7 @@ from typing import Literal
 
 from connector.core.layout import ModelLayout, ParallelLayout
 from connector.core.plan import Rank
+from connector.engine.config import SenderConfig
 from connector.protocol.addressing import side_channel_port
 
 
@@ -34,6 +35,10 @@ class RankSpec:
     run_id: str = "sim"
     timeout_s: float = 120.0
     log_level: int = logging.WARNING
+    auth_token: str = ""
+    """The side channel's shared secret (both sides of a run get the same)."""
+    sender_config: SenderConfig | None = None
+    """A prefill rank's engine settings (its port is this spec's); None = the defaults."""
 
     @property
     def parallel(self) -> ParallelLayout:

@@ -269,10 +269,17 @@ class Transport:
     def peers(self) -> frozenset[str]:
         return frozenset(self._peers)
 
-    def add_peer(self, metadata: bytes) -> str:
+    def add_peer(self, metadata: bytes, expected_name: str | None = None) -> str:
         """Load a peer's agent metadata (from our side channel) and connect; returns its agent name. Re-adding a
-        known peer is a no-op for NIXL; after the peer restarted, `remove_peer` it first."""
+        known peer is a no-op for NIXL; after the peer restarted, `remove_peer` it first. With `expected_name`, the
+        metadata must name that agent (checked before NIXL loads anything): a peer cannot pass off another
+        agent's metadata, or its own under another agent's name."""
         agent = self._live_agent()
+        if expected_name is not None:
+            named = metadata_agent_name(metadata)
+            if named != expected_name:
+                raise TransportError(f"peer metadata names NIXL agent {named!r} but the peer said it is "
+                                     f"{expected_name!r}: refusing to load it")
         started = time.monotonic()
         try:
             name = agent.add_remote_agent(bytes(metadata))
@@ -418,6 +425,22 @@ class Transport:
             with self._hlock:
                 self._handles.add(handle)
             return False
+
+
+def metadata_agent_name(metadata: bytes) -> str | None:
+    """The agent name NIXL 1.5 agent metadata starts with (`nixlSerDes|Agent` + u64 little-endian length + name), read
+    without loading anything; None if the bytes are not laid out that way."""
+    head = b"nixlSerDes|Agent"
+    if not metadata.startswith(head) or len(metadata) < len(head) + 8:
+        return None
+    length = int.from_bytes(metadata[len(head):len(head) + 8], "little")
+    start = len(head) + 8
+    if length > 4096 or len(metadata) < start + length:
+        return None
+    try:
+        return metadata[start:start + length].decode()
+    except UnicodeDecodeError:
+        return None
 
 
 class _Closed(Exception):
