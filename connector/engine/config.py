@@ -52,9 +52,12 @@ class SenderConfig:
     """While requests are active, how often the loop picks up hook calls (see `StreamSender.layer_ready`)."""
     released_memory_s: float = 600.0
     """How long a finished transfer id is remembered, so a late registration for it is refused clearly."""
+    given_up_keep_s: float = 2.0
+    """A request a decode engine aborted before registering keeps its KV this long after it finished (instead of
+    the lease), in case another engine registers it (so an unrelated peer's abort cannot deny a transfer)."""
     max_parked_per_connection: int = 4096
     """Registrations one decode connection may have waiting for prefill to start their request."""
-    max_parked_bytes_per_connection: int = 64 * 1024 * 1024
+    max_parked_bytes_per_connection: int = 16 * 1024 * 1024
     """Memory those waiting registrations may hold, per decode connection (estimated from their block ids)."""
 
 

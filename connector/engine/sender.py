@@ -161,10 +161,10 @@ class StreamSender(InboundMixin):
             return
         req = SendRequest(transfer_id, num_tokens, [], finished=self.loop.create_future())
         self.requests[transfer_id] = req
-        given_up_by = self._given_up.get(transfer_id)
+        req.given_up_by = self._given_up.get(transfer_id)
         if self._given_up.discard(transfer_id):
-            log.info("transfer %s: decode gave it up before prefill started; its KV is not kept", transfer_id)
-            req.expected, req.failed, req.owner = set(), True, given_up_by
+            log.info("transfer %s: decode engine %r gave it up before prefill started; its KV is kept only %g s",
+                     transfer_id, req.given_up_by, self.config.given_up_keep_s)
         for p in self._drop_parked(transfer_id):
             self._tasks.spawn(self._accept(p.conn, p.peer, p.register))
 
@@ -207,8 +207,13 @@ class StreamSender(InboundMixin):
             req.ready_tokens[layer] = max(req.ready_tokens.get(layer, 0), tokens)
         if global_layer is None and tokens >= req.num_tokens:
             req.final = True
-            req.lease_deadline = time.monotonic() + self.config.lease_s
+            req.lease_deadline = time.monotonic() + self._lease_of(req)
         self._pump(req)
+
+    def _lease_of(self, req: SendRequest) -> float:
+        """How long a finished request keeps its KV: the lease, or, if decode gave it up before registering, only
+        as long as a registration from another decode engine may still come (see sender_inbound)."""
+        return self.config.given_up_keep_s if req.given_up_by is not None else self.config.lease_s
 
     def _abort(self, transfer_id: str, reason: str) -> None:
         self._drop_parked(transfer_id)
@@ -371,7 +376,13 @@ class StreamSender(InboundMixin):
             await asyncio.sleep(1.0)
             now = time.monotonic()
             for req in list(self.requests.values()):
-                if req.final and now > req.lease_deadline:
+                if req.final and now > req.lease_deadline and req.given_up_by is not None and not req.dests:
+                    log.info("transfer %s: decode engine %r gave it up before registering and no other engine "
+                             "registered it within %g s; freeing its KV", req.transfer_id, req.given_up_by,
+                             self.config.given_up_keep_s)
+                    req.expected = set()
+                    self._check_finished(req, ok=False)
+                elif req.final and now > req.lease_deadline:
                     log.warning("%s", lease_expiry_note(req, self.config.lease_s))
                     for dest in req.dests.values():
                         if not dest.done:

@@ -1,9 +1,13 @@
 """What decode ranks tell a prefill rank (connector.engine.sender): registrations, aborts, heartbeats, staged-chunk
 answers. Each acts only on what the connection that sends it owns:
 
-- A transfer id belongs to the decode engine that first registers or aborts it (`SendRequest.owner`, or the
-  engine of its waiting registrations, or of its early abort). A registration from another engine is refused; an
-  abort or heartbeat from another engine changes nothing.
+- A transfer id belongs to the decode engine that first registers it (`SendRequest.owner`, or the engine of its
+  waiting registrations). A registration from another engine is refused; an abort or heartbeat from another engine
+  changes nothing.
+- An abort before any registration (decode gave up early) is pinned to the engine that sent it: the request then
+  keeps its KV only `given_up_keep_s` after it finished instead of the lease, and a registration from any engine
+  within that time is served. So an unrelated peer's abort cannot deny a transfer, and a decode that really gave
+  up does not hold prefill's blocks for the lease.
 - A destination (decode rank) is the registering connection's own: its block ids, its regions, its NIXL agent.
   Heartbeats extend a lease only for transfers with a destination on that connection.
 - Registrations are checked in full before anything is kept; one that waits for its request to start counts against
@@ -55,9 +59,7 @@ class InboundMixin:
         if req is not None and req.owner is not None:
             return req.owner
         parked = self._parked.get(transfer_id)
-        if parked:
-            return parked[0].peer.key[0]
-        return self._given_up.get(transfer_id)
+        return parked[0].peer.key[0] if parked else None
 
     async def _on_register(self, conn: ControlConnection, peer: PeerInfo, msg: Register) -> None:
         tid = msg.transfer_id
@@ -76,6 +78,7 @@ class InboundMixin:
             check_registration(msg, peer, self.me.rank, self.me.stage, self.me.block_size)
             self._check_owner(tid, peer)
             self._park(conn, peer, msg)
+            self._given_up.discard(tid)  # an early abort (maybe another engine's) does not bind this registration
         except InputError as exc:
             log.warning("refusing registration of %s from decode %s: %s", tid, peer.key, exc)
             await conn.send(RegisterError(tid, str(exc)))
@@ -146,27 +149,24 @@ class InboundMixin:
             await self._send_quiet(conn, stopped)  # nothing was ever written there
         else:
             self._stop_dest(req, dest, stopped)
-        if req is not None:
-            req.owner = req.owner or key[0]
-            if req.expected is None:
-                req.expected = set()
+        if req is not None and req.owner is not None:
             req.expected.discard(key)
             self._check_finished(req, ok=False)
         elif tid not in self._released:
             self._given_up_by_decode(tid, key[0])
 
     def _given_up_by_decode(self, transfer_id: str, engine: str) -> None:
-        """Decode gave the transfer up before prefill started it (concurrent flow, a client that left at once).
-        Remember that, pinned to the engine that said so, so the request, when it starts, computes without keeping
-        its KV for a decode that will not come (otherwise its blocks would wait out the lease)."""
+        """Decode gave the transfer up before registering it (concurrent flow, a client that left at once).
+        Remember that, pinned to the engine that said so: the request (now or when it starts) keeps its KV only
+        `given_up_keep_s` after it finished, not for the lease, unless some engine registers it meanwhile."""
         self._drain_inbox()  # a start already queued by the framework thread counts as started
         req = self.requests.get(transfer_id)
-        if req is not None:
-            req.owner = req.owner or engine
-            req.expected = set() if req.expected is None else req.expected
-            self._check_finished(req, ok=False)
-        else:
+        if req is None:
             self._given_up.add(transfer_id, engine)
+            return
+        req.given_up_by = engine
+        if req.final:
+            req.lease_deadline = min(req.lease_deadline, time.monotonic() + self.config.given_up_keep_s)
 
     async def _accept(self, conn: ControlConnection, peer: PeerInfo, reg: Register) -> None:
         key = peer.key
@@ -182,6 +182,10 @@ class InboundMixin:
             await self._send_quiet(conn, RegisterError(reg.transfer_id, str(exc)))
             return
         req.owner = key[0]
+        if req.given_up_by is not None:  # some engine gave it up early; this registration is served all the same
+            req.given_up_by = None
+            if req.final:
+                req.lease_deadline = time.monotonic() + self.config.lease_s
         req.dests[key] = Destination(key, conn, peer, peer.layer_routes, reg)
         if req.expected is None:
             req.expected = {(key[0], *r) for r in peer.accepted.plan.decode.ranks()}

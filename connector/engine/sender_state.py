@@ -60,8 +60,12 @@ class SendRequest:
     """Wall-clock time (time.time()) the first WRITE of this request was posted; 0 = none yet."""
     finished: asyncio.Future | None = None
     owner: str | None = None
-    """The decode engine this transfer belongs to: the first to register or abort it. Messages about it from other
-    engines are refused (Register) or ignored (Abort, Heartbeat)."""
+    """The decode engine this transfer belongs to: the first to register it. Registrations from other engines are
+    refused, their aborts and heartbeats change nothing."""
+    given_up_by: str | None = None
+    """A decode engine that aborted the transfer before any registration: the request keeps its KV only
+    `given_up_keep_s` after it finished (not the lease), for a registration from another engine (an unrelated
+    peer's abort must not deny a transfer)."""
 
 
 @dataclass

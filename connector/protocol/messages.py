@@ -46,9 +46,10 @@ History (one line per version; bump it for any change an older peer would misrea
      from its Hello to the new Auth message, sent only after prefill proved the token; Welcome ends the handshake;
      prefill's Hello carries no NIXL metadata and no regions. String and list fields have length limits.
 """
-DEFAULT_MAX_FRAME_BYTES = 16 * 1024 * 1024
+DEFAULT_MAX_FRAME_BYTES = 4 * 1024 * 1024
 """Largest body a receiver accepts after the handshake unless configured otherwise. The largest real messages are
-far below it: a Register for 1M tokens in 16-token blocks is ~0.6 MB per KV-cache group."""
+far below it: a Register for 1M tokens in 16-token blocks is ~0.33 MB per KV-cache group, a Scatter for a 16 MiB
+slot of 4 KiB ranges 64 KB. (A decoded frame of small integers takes ~8x its size in memory.)"""
 HANDSHAKE_MAX_FRAME_BYTES = 1024 * 1024
 """Largest body accepted before the peer has authenticated (Hello, Auth). Auth is the large one: a NIXL metadata
 blob and one Region per (pool, layer), some tens of KB for a 60-layer model."""

@@ -48,6 +48,7 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     max_peer_ranks: PositiveInt = _SIDE.max_peer_ranks
     max_parked_per_connection: PositiveInt = _SENDER.max_parked_per_connection
     max_parked_bytes_per_connection: PositiveInt = _SENDER.max_parked_bytes_per_connection
+    given_up_keep_s: Positive = _SENDER.given_up_keep_s
     lease_s: Positive = _SENDER.lease_s
     max_inflight_bytes: PositiveInt = _TRANSPORT["max_inflight_bytes"]
     """Backpressure: bytes posted to NIXL but not completed, per worker."""
@@ -96,7 +97,7 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
 
     def sender_config(self, host: str, port: int) -> SenderConfig:
         return SenderConfig(host=host, port=port, side_channel=self.side_channel(), lease_s=self.lease_s,
-                            write_timeout_s=self.write_timeout_s,
+                            write_timeout_s=self.write_timeout_s, given_up_keep_s=self.given_up_keep_s,
                             max_parked_per_connection=self.max_parked_per_connection,
                             max_parked_bytes_per_connection=self.max_parked_bytes_per_connection)
 
