@@ -17,6 +17,7 @@ import collections
 import concurrent.futures
 import contextlib
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -174,6 +175,7 @@ class Transport:
             raise TransportError(f"could not create NIXL agent {cfg.name!r} with the UCX backend: {exc}") from exc
         self._poller = Poller(self._agent, self._errors, self._release, cfg.name)
         self._poller.start()
+        _note_ucx_exposure()
         return self
 
     async def __aenter__(self) -> "Transport":
@@ -425,6 +427,15 @@ class Transport:
             with self._hlock:
                 self._handles.add(handle)
             return False
+
+
+def _note_ucx_exposure() -> None:
+    """UCX opens its own listener for each agent: on every interface, all of them advertised in the agent's metadata,
+    unless UCX_NET_DEVICES names the ones to use. Say so at start-up (README, Security)."""
+    if not os.environ.get("UCX_NET_DEVICES"):
+        log.warning("UCX_NET_DEVICES is not set: this process's NIXL agent (UCX) listens on every network interface "
+                    "of this host and advertises them to its peers; set UCX_NET_DEVICES to the interface(s) the "
+                    "KV transfers should use (e.g. mlx5_0:1, or lo on one machine)")
 
 
 def metadata_agent_name(metadata: bytes) -> str | None:
