@@ -10,10 +10,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import msgspec
+
 from connector.core.errors import ControlError, FrameError
 from connector.core.layout import Region
-from connector.protocol.messages import (HEADER, PROTOCOL_VERSION, Abort, Complete, Error, Heartbeat, Hello, Register,
-                                         RegisterAck, RegisterError, Reject, decode_frame, encode_body, encode_frame)
+from connector.protocol.auth import identity, new_nonce
+from connector.protocol.messages import (HEADER, PROTOCOL_VERSION, Abort, Auth, Complete, Error, Heartbeat, Hello,
+                                         Register, RegisterAck, RegisterError, Reject, Welcome, decode_frame,
+                                         encode_body, encode_frame)
 from connector.transport.control import ControlConnection, ControlServer, connect
 
 pytestmark = pytest.mark.timeout(20)
@@ -31,15 +35,24 @@ def regions() -> list[Region]:
     ]
 
 
-def hello(role: str = "decode", *, fingerprint: str = FP, auth_token: str = "", version: int = PROTOCOL_VERSION,
+def hello(role: str = "decode", *, fingerprint: str = FP, version: int = PROTOCOL_VERSION,
           engine: str = "eng") -> Hello:
+    """A rank's full Hello (memory included), as the engines build it: `connect` sends only what the protocol
+    needs."""
     return Hello(role=role, engine_id=f"{engine}-{role}", pp_rank=0, tp_rank=1, pp_size=1, tp_size=2,
                  fingerprint=fingerprint, block_size=64, agent_name=f"agent-{role}", agent_metadata=b"\x00\xffmeta",
-                 regions=regions(), auth_token=auth_token, version=version)
+                 regions=regions(), version=version)
+
+
+def as_received(h: Hello) -> Hello:
+    """`h` as the server's on_hello gets it (its memory from Auth, no nonce to compare)."""
+    return msgspec.structs.replace(h, nonce=b"", proof=b"")
 
 
 SAMPLES = [
-    hello(),
+    msgspec.structs.replace(identity(hello()), nonce=new_nonce()),
+    Auth(proof=b"p" * 32, agent_metadata=b"\x00meta", regions=regions(), staging_bytes=4096),
+    Welcome(),
     Reject("nope"),
     Register("t1", dst_pp=0, dst_tp=1, block_ids=[[1, 2, 3], [7]], first_token=64, num_tokens=1000),
     RegisterAck("t1"),
@@ -98,7 +111,7 @@ class App:
     def on_hello(self, peer: Hello) -> None:
         if peer.engine_id.startswith("banned"):
             raise ValueError(f"engine {peer.engine_id} is banned")
-        self.hellos.append(peer)
+        self.hellos.append(as_received(peer))
 
     async def on_message(self, conn: ControlConnection, msg) -> None:
         self.received.append(msg)
@@ -143,10 +156,13 @@ async def test_handshake_with_regions():
     async with server(app) as srv:
         assert srv.port > 0
         async with await connect("127.0.0.1", srv.port, hello(), timeout=2) as conn:
-            assert conn.peer == hello("prefill")
-            assert conn.peer.regions == regions() and conn.peer.regions[0].heads == (0, 4)
+            # least privilege: the server tells who it is, never its NIXL metadata or its memory's addresses
+            assert as_received(conn.peer) == identity(hello("prefill"))
+            assert conn.peer.agent_metadata == b"" and conn.peer.regions == []
+            # decode's memory reaches the server (in Auth, after the handshake checks)
             assert app.hellos == [hello()]
-            assert len(srv.connections) == 1
+            [server_side] = srv.connections
+            assert server_side.peer.regions == regions() and server_side.peer.regions[0].heads == (0, 4)
 
 
 async def test_register_ack_complete_and_heartbeat():
@@ -176,7 +192,7 @@ async def test_wrong_fingerprint_rejected_and_server_keeps_serving(caplog):
 
 @pytest.mark.parametrize("data, reason", [
     (HEADER.pack(3, PROTOCOL_VERSION) + b"\xc1\xc1\xc1", "malformed msgpack"),
-    (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", "exceeds the 67108864-byte limit"),
+    (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", "exceeds the 1048576-byte limit"),
     (encode_frame(Register("t", 0, 0, [], 0, 0)), "first frame is Register, expected Hello"),
 ])
 async def test_garbage_is_logged_and_closed(caplog, data, reason):
@@ -195,7 +211,7 @@ async def test_huge_length_closed_before_reading_body(caplog):
         reply, elapsed = await raw_exchange(srv.port, HEADER.pack(2**31 - 1, PROTOCOL_VERSION))
         assert elapsed < 2  # did not wait for 2 GiB (or the 10 s handshake timeout)
         assert isinstance(decode_frame(reply), Reject)
-        assert any("frame of 2147483647 bytes exceeds the 67108864-byte limit" in r.message for r in caplog.records)
+        assert any("frame of 2147483647 bytes exceeds the 1048576-byte limit" in r.message for r in caplog.records)
 
 
 async def test_unknown_version(caplog):
@@ -203,8 +219,8 @@ async def test_unknown_version(caplog):
     async with server(App()) as srv:
         reply, _ = await raw_exchange(srv.port, encode_frame(hello(), version=99))
         assert "protocol version 99" in decode_frame(reply).reason
-        with pytest.raises(ControlError, match="protocol version 2"):
-            await connect("127.0.0.1", srv.port, hello(version=2), timeout=2)
+        with pytest.raises(ControlError, match="protocol version 1, this side speaks 2"):
+            await connect("127.0.0.1", srv.port, hello(version=1), timeout=2)
         assert sum("closing 127.0.0.1:" in r.message for r in caplog.records) == 2
         await assert_still_serves(srv.port)
 
@@ -213,14 +229,16 @@ async def test_auth(caplog):
     caplog.set_level(logging.INFO, logger=LOG)
     app = App()
     async with server(app, auth_token="s3cret") as srv:
-        with pytest.raises(ControlError, match="bad auth token"):
-            await connect("127.0.0.1", srv.port, hello(auth_token="guess"), timeout=2)
+        with pytest.raises(ControlError, match="proof of the auth_token is wrong"):
+            await connect("127.0.0.1", srv.port, hello(), auth_token="guess", timeout=2)
         with pytest.raises(ControlError, match="bad auth token"):
             await connect("127.0.0.1", srv.port, hello(), timeout=2)
         assert any("bad auth token" in r.message for r in caplog.records)
-        async with await connect("127.0.0.1", srv.port, hello(auth_token="s3cret"), timeout=2) as conn:
-            assert conn.peer.auth_token == ""
-            assert [c.peer.auth_token for c in srv.connections] == [""]
+        async with await connect("127.0.0.1", srv.port, hello(), auth_token="s3cret", timeout=2) as conn:
+            assert len(conn.peer.proof) == 32 and [c.peer.proof for c in srv.connections] == [b""]
+    async with server(app) as srv:  # decode with a token refuses a prefill without one
+        with pytest.raises(ControlError, match="did not prove it knows the auth_token"):
+            await connect("127.0.0.1", srv.port, hello(), auth_token="s3cret", timeout=2)
 
 
 async def test_role_and_on_hello_rejections():
@@ -237,7 +255,7 @@ async def test_handshake_timeout(caplog):
     async with server(App(), handshake_timeout_s=0.3) as srv:
         reply, elapsed = await raw_exchange(srv.port, b"", timeout=3)
         assert reply == b"" and 0.25 < elapsed < 2
-        assert any("no Hello within the 0.3 s handshake timeout" in r.message for r in caplog.records)
+        assert any("no complete handshake within the 0.3 s handshake timeout" in r.message for r in caplog.records)
         await assert_still_serves(srv.port)
 
 
@@ -283,7 +301,7 @@ async def test_heartbeats_keep_connection_alive_and_server_drops_silent_client()
             silent = await connect("127.0.0.1", srv.port, hello(), timeout=2)
             await asyncio.sleep(0.8)
             assert not alive.is_closed
-            assert [c.peer for c in srv.connections] == [hello()]  # the silent one was dropped by the server
+            assert [as_received(c.peer) for c in srv.connections] == [hello()]  # the silent one was dropped
             with pytest.raises(ControlError, match="peer closed"):
                 await silent.recv(1)
             await silent.aclose()

@@ -394,7 +394,7 @@ async def test_close_is_idempotent_and_releases_everything() -> None:
 
 
 async def test_byte_gate_is_fifo_admits_oversize_alone_and_survives_cancel() -> None:
-    from connector.transport.nixl.agent import TransportStats, _ByteGate
+    from connector.transport.nixl.settings import ByteGate as _ByteGate, TransportStats
 
     stats = TransportStats()
     gate = _ByteGate(100, stats)

@@ -8,6 +8,7 @@
         StagingError       a staged chunk decode refuses (the text goes back to prefill)
         ConfigError        a setting or request parameter that cannot be used
         CliError           bad command-line input (exit code 2)
+        PeerRefused        a handshake the server refuses: an identity or agent already connected, a limit
       PeerError          the other side, or the path to it, failed: retrying against a healthy peer may work
         ControlError       the side channel: rejected handshake, closed or dead peer, timeout
           FrameError         a frame that cannot be accepted (too large, unknown version, malformed)
@@ -60,6 +61,11 @@ class ConfigError(InputError, ValueError):
 
 class CliError(InputError, ValueError):
     """Bad command-line input; printed as one line, exit code 2."""
+
+
+class PeerRefused(InputError, ValueError):
+    """A peer's handshake refused after its checks passed: its identity or NIXL agent is held by another live
+    connection, or a limit; the text goes back to the peer."""
 
 
 class ControlError(PeerError, RuntimeError):

@@ -6,18 +6,32 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from connector.transport.limits import ServerLimits
+
 
 @dataclass(frozen=True)
 class SideChannelConfig:
     """The TCP side channel between a prefill and a decode rank (connector.transport.control)."""
 
     auth_token: str = ""
-    """Shared secret both sides present in the handshake; empty = no authentication."""
+    """Shared secret both sides prove they hold in the handshake (challenge-response, never sent:
+    connector.protocol.auth); empty = no authentication (a warning is logged when prefill then listens on an address
+    other hosts can reach)."""
     handshake_timeout_s: float = 10.0
-    """Connecting and exchanging Hellos, each way."""
+    """Connecting and the whole handshake, each way."""
     heartbeat_interval_s: float = 2.0
     dead_after_s: float = 15.0
     """A peer silent for this long is treated as dead (a few heartbeat intervals)."""
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    """Prefill: PEM certificate and key; set both to serve the side channel over TLS (connector.transport.tls)."""
+    tls_ca_file: str = ""
+    """Decode: PEM CA bundle; set it to connect over TLS and verify prefill's certificate and host."""
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    """Prefill: connections, frame sizes, message rate and failed authentications (connector.transport.limits)."""
+    max_peer_ranks: int = 256
+    """The most ranks (tp_size x pp_size) a peer engine may claim; a larger claim is refused before any plan is
+    built (a plan's cost grows with the peer's ranks)."""
 
 
 @dataclass(frozen=True)
@@ -38,6 +52,13 @@ class SenderConfig:
     """While requests are active, how often the loop picks up hook calls (see `StreamSender.layer_ready`)."""
     released_memory_s: float = 600.0
     """How long a finished transfer id is remembered, so a late registration for it is refused clearly."""
+    given_up_keep_s: float = 2.0
+    """A request a decode engine aborted before registering keeps its KV this long after it finished (instead of
+    the lease), in case another engine registers it (so an unrelated peer's abort cannot deny a transfer)."""
+    max_parked_per_connection: int = 4096
+    """Registrations one decode connection may have waiting for prefill to start their request."""
+    max_parked_bytes_per_connection: int = 16 * 1024 * 1024
+    """Memory those waiting registrations may hold, per decode connection (estimated from their block ids)."""
 
 
 @dataclass(frozen=True)

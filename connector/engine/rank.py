@@ -63,11 +63,13 @@ class LocalRank:
     def staging_device(self) -> int:
         return (self.staging.device.index or 0) if self.staging is not None else 0
 
-    def hello(self, role: Role, transport: Any, auth_token: str = "") -> Hello:
-        """This rank's Hello; `transport` (a connector.transport.nixl.Transport) gives the NIXL agent's name and
-        metadata, so build it after every region is registered."""
+    def hello(self, role: Role, transport: Any) -> Hello:
+        """This rank's Hello, memory included; `transport` (a connector.transport.nixl.Transport) gives the NIXL
+        agent's name and metadata, so build it after every region is registered. (The handshake sends the memory
+        only where the protocol needs it: connector.protocol.auth.)"""
         return Hello(role=role, engine_id=self.engine_id, pp_rank=self.rank[0], tp_rank=self.rank[1],
                      pp_size=self.parallel.pp, tp_size=self.parallel.tp, fingerprint=self.model.fingerprint(),
                      block_size=self.block_size, agent_name=transport.name, agent_metadata=transport.metadata,
                      regions=list(self.regions), stages=[tuple(s) for s in self.parallel.stages],
-                     auth_token=auth_token, staging_addr=self.staging_addr, staging_device=self.staging_device)
+                     staging_addr=self.staging_addr, staging_device=self.staging_device,
+                     staging_bytes=self.staging_bytes)

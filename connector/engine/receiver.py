@@ -32,12 +32,14 @@ from connector.core.staging_ranges import allowed_ranges
 from connector.engine.config import ReceiverConfig
 from connector.engine.rank import LocalRank
 from connector.engine.staging import StagedReader
+from connector.engine.plans import PlanCache
 from connector.protocol.addressing import PrefillAddress
-from connector.protocol.handshake import accept_peer
-from connector.protocol.messages import (Abort, Complete, Error, Register, RegisterAck, RegisterError, Scatter,
-                                         Scattered, Stopped)
+from connector.protocol.handshake import accept_peer, check_peer_layout, layout_key
+from connector.protocol.messages import (MAX_TRANSFER_ID, Abort, Complete, Error, Register, RegisterAck,
+                                         RegisterError, Scatter, Scattered, Stopped)
 from connector.transport.control import ControlConnection, connect
 from connector.transport.loop import OwnedTasks
+from connector.transport.tls import client_context
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +98,9 @@ class StreamReceiver:
         ranks that have one too send scattered blocks as staged chunks (connector.engine.staging)."""
         self.me, self.config = me, config
         self._staged = StagedReader(me, config.staging_slot_bytes)
-        self.hello = me.hello("decode", transport, config.side_channel.auth_token)
+        self.hello = me.hello("decode", transport)
+        self._ssl = client_context(config.side_channel.tls_ca_file)
+        self._plans = PlanCache(me.model, self.hello)
         self._engines: dict[PrefillAddress, _Engine] = {}
         self._connecting: dict[PrefillAddress, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._pending: dict[str, _Pending] = {}
@@ -118,8 +122,9 @@ class StreamReceiver:
     # ---- connections -----------------------------------------------------------------------------------------
     async def _connect(self, address: PrefillAddress, port: int, timeout: float | None = None) -> ControlConnection:
         side = self.config.side_channel
-        return await connect(address.host, port, self.hello, timeout=timeout or side.handshake_timeout_s,
-                             heartbeat_interval_s=side.heartbeat_interval_s, dead_after_s=side.dead_after_s,
+        return await connect(address.host, port, self.hello, auth_token=side.auth_token, ssl_context=self._ssl,
+                             timeout=timeout or side.handshake_timeout_s, heartbeat_interval_s=side.heartbeat_interval_s,
+                             dead_after_s=side.dead_after_s,
                              heartbeat_ids=lambda p=port: self._wanted_from(address, p))
 
     def _wanted_from(self, address: PrefillAddress, port: int) -> list[str]:
@@ -135,7 +140,11 @@ class StreamReceiver:
             first = await self._connect(address, address.port)
             engine = None
             try:
-                engine = _Engine(address, accept_peer(first.peer, self.hello, self.me.model).plan)
+                # A prefill's claimed layout is checked before the plan is built, off the loop (a fake prefill
+                # claiming thousands of ranks must not stall this process).
+                check_peer_layout(first.peer, self.hello, self.me.model, self.config.side_channel.max_peer_ranks)
+                plan = await self._plans.plan_for(first.peer)
+                engine = _Engine(address, accept_peer(first.peer, self.hello, self.me.model, plan).plan)
                 # Every prefill rank, also those the plan routes nothing from to this rank: each must hear of
                 # every transfer to release its blocks at once (see StreamSender._validate).
                 for src in engine.plan.prefill.ranks():
@@ -145,6 +154,9 @@ class StreamReceiver:
                         raise LayoutError(f"{address.host}:{port} is prefill rank ({conn.peer.pp_rank},"
                                           f"{conn.peer.tp_rank}), expected {src}: ranks must listen on "
                                           f"port + pp * tp_size + tp")
+                    if layout_key(conn.peer) != layout_key(first.peer):
+                        raise LayoutError(f"{address.host}:{port} describes another prefill layout than rank (0, 0) "
+                                          f"does: all ranks of one prefill engine must run the same configuration")
                     accept_peer(conn.peer, self.hello, self.me.model, engine.plan)
                     engine.conns[src] = conn
                     slot = self._staged.slots.take()  # none left: this rank writes directly, which is always correct
@@ -262,6 +274,9 @@ class StreamReceiver:
         the transfer refuses at once rather than parking the registration until prefill starts it."""
         if transfer_id in self._pending:
             raise TransferFailed(f"transfer {transfer_id!r} is already being received on decode rank {self.me.rank}")
+        if len(transfer_id) > MAX_TRANSFER_ID:
+            raise TransferFailed(f"transfer id of {len(transfer_id)} characters is longer than the side channel's "
+                                 f"{MAX_TRANSFER_ID}: use a shorter id")
         try:
             engine = await self._engine(prefill)
         except ConnectorError as exc:  # a dead peer, or one whose layout does not fit ours

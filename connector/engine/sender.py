@@ -11,31 +11,34 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import defaultdict, deque
+from collections import deque
 from typing import Any, Callable
 
 from connector.core.descriptors import Descriptors, batch_descriptors
-from connector.core.errors import InputError, WriteAbandoned
+from connector.core.errors import WriteAbandoned
 from connector.core.layout import blocks_for
 from connector.core.plan import fold_ranges
 from connector.engine.config import SenderConfig
+from connector.engine.peers import PeerTable
 from connector.engine.rank import LocalRank
-from connector.engine.sender_state import (Destination, FinishedInfo, PeerInfo, RecentIds, SendRequest,
-                                          lease_expiry_note, validate_registration)
+from connector.engine.sender_inbound import InboundMixin
+from connector.engine.sender_state import (Destination, FinishedInfo, Parked, PeerInfo, RecentIds, SendRequest,
+                                          lease_expiry_note)
 from connector.engine.staging import StagedWriter
 from connector.engine.stats import SenderStats
-from connector.protocol.handshake import PeerKey, accept_peer, peer_key
-from connector.protocol.messages import (Abort, Complete, Heartbeat, Hello, Message, Register, RegisterAck,
-                                         RegisterError, Scattered, Stopped)
+from connector.protocol.handshake import PeerKey
+from connector.protocol.messages import Abort, Complete, RegisterError
 from connector.transport.control import ControlConnection, ControlServer
 from connector.transport.loop import OwnedTasks
+from connector.transport.tls import server_context
 
 log = logging.getLogger(__name__)
 
 
-class StreamSender:
+class StreamSender(InboundMixin):
     """One prefill rank. Thread-safe entry points (`start_request`, `begin_chunk`, `layer_ready`, `end_chunk`,
-    `abort`) return at once and hand the work to the event loop; everything else runs on the loop."""
+    `abort`) return at once and hand the work to the event loop; everything else runs on the loop. What decode ranks
+    send is handled in connector.engine.sender_inbound, the decode ranks themselves in connector.engine.peers."""
 
     def __init__(self, me: LocalRank, transport: Any, config: SenderConfig, loop: asyncio.AbstractEventLoop,
                  on_finished: Callable[[str, bool], None] | None = None) -> None:
@@ -48,18 +51,20 @@ class StreamSender:
         self.staged = (StagedWriter(transport, me, config.write_timeout_s, self.stats.record_write)
                        if me.staging is not None else None)
         self.requests: dict[str, SendRequest] = {}
-        self._parked: dict[str, list[tuple[ControlConnection, Register, float]]] = defaultdict(list)
+        self._parked: dict[str, list[Parked]] = {}
+        """Registrations that came before their request started, by transfer id (all of one decode engine)."""
         self._released = RecentIds(config.released_memory_s)
         self._given_up = RecentIds(config.released_memory_s)
-        """Transfers decode aborted before prefill started them -> when (forgotten after released_memory_s)."""
+        """Transfers decode aborted before prefill started them -> the engine that did (forgotten after
+        released_memory_s, or past the most ids it keeps)."""
         self.finished_info: dict[str, FinishedInfo] = {}
         """Finished transfers, kept as long as `_released` (stats, late waiters)."""
-        self._peers: dict[PeerKey, PeerInfo] = {}
         self._tasks = OwnedTasks(f"prefill rank {me.rank}")
         self._server: ControlServer | None = None
         self._inbox: deque = deque()
         self._wake = asyncio.Event()
         self.hello = me.hello("prefill", transport)
+        self._table = PeerTable(transport, self.hello, me.model, me.rank, config, on_release=self._peer_gone)
 
     @property
     def port(self) -> int:
@@ -68,8 +73,13 @@ class StreamSender:
 
     @property
     def peers(self) -> dict[PeerKey, PeerInfo]:
-        """Accepted decode ranks: their plan, regions and NIXL agent name."""
-        return self._peers
+        """Accepted decode ranks on live connections: their plan, regions and NIXL agent name."""
+        return self._table.by_key
+
+    @property
+    def parked_count(self) -> int:
+        """Registrations waiting for their request to start."""
+        return sum(len(entries) for entries in self._parked.values())
 
     # ---- lifetime -------------------------------------------------------------------------------------------
     async def start(self) -> int:
@@ -77,7 +87,9 @@ class StreamSender:
         side = self.config.side_channel
         self._server = ControlServer(
             self.hello, self._on_message, host=self.config.host, port=self.config.port,
-            auth_token=side.auth_token, on_hello=self._on_hello, handshake_timeout_s=side.handshake_timeout_s,
+            auth_token=side.auth_token, on_hello=self._table.admit, peek=self._table.peek,
+            handshake_timeout_s=side.handshake_timeout_s, limits=side.limits,
+            ssl_context=server_context(side.tls_cert_file, side.tls_key_file),
             heartbeat_interval_s=side.heartbeat_interval_s, dead_after_s=side.dead_after_s)
         await self._server.start()
         self._tasks.spawn(self._lease_loop())
@@ -88,10 +100,12 @@ class StreamSender:
         """Stop every task this sender runs (awaited), close the side channel, forget the decode ranks' agents."""
         await self._tasks.aclose()
         if self._server is not None:
-            await self._server.aclose()
-        for peer in self._peers.values():
-            await asyncio.to_thread(self.transport.remove_peer, peer.agent)  # NIXL calls stay off the loop
-        self._peers.clear()
+            await self._server.aclose()  # each connection's end releases its peer (agent removed off the loop)
+        await self._table.aclose()
+
+    @property
+    def server(self) -> ControlServer | None:
+        return self._server
 
     # ---- framework-thread entry points (return at once) -------------------------------------------------------
     # They only append to a deque (atomic under the GIL). Waking the loop costs a syscall and a GIL hand-off of
@@ -148,11 +162,12 @@ class StreamSender:
             return
         req = SendRequest(transfer_id, num_tokens, [], finished=self.loop.create_future())
         self.requests[transfer_id] = req
+        req.given_up_by = self._given_up.get(transfer_id)
         if self._given_up.discard(transfer_id):
-            log.info("transfer %s: decode gave it up before prefill started; its KV is not kept", transfer_id)
-            req.expected, req.failed = set(), True
-        for conn, reg, _at in self._parked.pop(transfer_id, []):
-            self._tasks.spawn(self._accept(conn, reg))
+            log.info("transfer %s: decode engine %r gave it up before prefill started; its KV is kept only %g s",
+                     transfer_id, req.given_up_by, self.config.given_up_keep_s)
+        for p in self._drop_parked(transfer_id):
+            self._tasks.spawn(self._accept(p.conn, p.peer, p.register))
 
     def _begin_chunk(self, transfer_id: str, block_ids: list[list[int]], computed_tokens: int) -> None:
         req = self.requests.get(transfer_id)
@@ -193,11 +208,16 @@ class StreamSender:
             req.ready_tokens[layer] = max(req.ready_tokens.get(layer, 0), tokens)
         if global_layer is None and tokens >= req.num_tokens:
             req.final = True
-            req.lease_deadline = time.monotonic() + self.config.lease_s
+            req.lease_deadline = time.monotonic() + self._lease_of(req)
         self._pump(req)
 
+    def _lease_of(self, req: SendRequest) -> float:
+        """How long a finished request keeps its KV: the lease, or, if decode gave it up before registering, only
+        as long as a registration from another decode engine may still come (see sender_inbound)."""
+        return self.config.given_up_keep_s if req.given_up_by is not None else self.config.lease_s
+
     def _abort(self, transfer_id: str, reason: str) -> None:
-        self._parked.pop(transfer_id, None)
+        self._drop_parked(transfer_id)
         req = self.requests.get(transfer_id)
         if req is None:
             return
@@ -209,127 +229,10 @@ class StreamSender:
         req.final, req.failed, req.expected = True, True, set()
         self._check_finished(req, ok=False)
 
-    # ---- registration ----------------------------------------------------------------------------------------
-    async def _on_hello(self, hello: Hello) -> None:
-        """Check a decode rank before it is accepted: its layout must be one our plan can serve."""
-        accepted = accept_peer(hello, self.hello, self.me.model)
-        key = accepted.key
-        # NIXL peer calls can wait behind a DRAM copy in progress: keep them off the loop.
-        old = self._peers.get(key)
-        if old is not None and old.accepted.hello.agent_metadata != hello.agent_metadata:
-            await asyncio.to_thread(self.transport.remove_peer, old.agent)  # that rank restarted
-        agent = await asyncio.to_thread(self.transport.add_peer, hello.agent_metadata)
-        self._peers[key] = PeerInfo(accepted, agent)
-
-    async def _on_message(self, conn: ControlConnection, msg: Message) -> None:
-        """Decode rank -> this rank, in order, one method per message."""
-        match msg:
-            case Register():
-                await self._on_register(conn, msg)
-            case Scattered():
-                if self.staged is not None:
-                    self.staged.on_scattered(peer_key(conn.peer), msg)
-            case Heartbeat():
-                self._on_heartbeat(msg)
-            case Abort():
-                await self._on_abort(conn, msg)
-            case _:
-                log.warning("prefill %s: unexpected %s from %s", self.me.rank, type(msg).__name__, conn.address)
-
-    async def _on_register(self, conn: ControlConnection, msg: Register) -> None:
-        if msg.after_prefill and msg.transfer_id not in self.requests:
-            self._drain_inbox()  # a start_request still queued from the framework thread counts
-        if msg.transfer_id not in self.requests and msg.transfer_id not in self._released:
-            if msg.after_prefill:
-                await conn.send(RegisterError(msg.transfer_id, (
-                    f"prefill rank {self.me.rank} has no transfer {msg.transfer_id!r} although decode got it from "
-                    f"prefill's response: this prefill instance was restarted since (its KV is gone) or the router "
-                    f"changed the kv_transfer_params")))
-                return
-            # Decode registers first (DESIGN.md step 2): keep it until prefill starts the request.
-            self._parked[msg.transfer_id].append((conn, msg, time.monotonic()))
-            conn.closed.add_done_callback(lambda _f, c=conn, t=msg.transfer_id: self._drop_parked(t, c))
-            await conn.send(RegisterAck(msg.transfer_id))
-            return
-        await self._accept(conn, msg)
-
-    def _on_heartbeat(self, msg: Heartbeat) -> None:
-        """Decode still waits for these transfers: their leases run on from now."""
-        deadline = time.monotonic() + self.config.lease_s
-        for tid in msg.transfer_ids:
-            req = self.requests.get(tid)
-            if req is not None and req.final:
-                req.lease_deadline = max(req.lease_deadline, deadline)
-
-    async def _on_abort(self, conn: ControlConnection, msg: Abort) -> None:
-        """Decode gave up: write nothing more there, and answer Stopped once no WRITE to it is in flight."""
-        req = self.requests.get(msg.transfer_id)
-        self._drop_parked(msg.transfer_id, conn)
-        key = peer_key(conn.peer)
-        log.info("transfer %s: decode %s aborted: %s", msg.transfer_id, key, msg.reason)
-        dest = req.dests.get(key) if req is not None else None
-        stopped = Stopped(msg.transfer_id, *self.me.rank)
-        if dest is None:
-            await self._send_quiet(conn, stopped)  # nothing was ever written there
-        else:
-            dest.conn = conn  # answer where asked: decode may ask again over a new connection after losing one
-            self._stop_dest(req, dest, stopped)
-        if req is not None:
-            if req.expected is None:
-                req.expected = set()
-            req.expected.discard(key)
-            self._check_finished(req, ok=False)
-        elif msg.transfer_id not in self._released:
-            self._given_up_by_decode(msg.transfer_id)
-
-    def _given_up_by_decode(self, transfer_id: str) -> None:
-        """Decode gave the transfer up before prefill started it (concurrent flow, a client that left at once).
-        Remember that, so the request, when it starts, computes without keeping its KV for a decode that will not
-        come (otherwise its blocks would wait out the lease)."""
-        self._drain_inbox()  # a start already queued by the framework thread counts as started
-        req = self.requests.get(transfer_id)
-        if req is not None:
-            req.expected = set() if req.expected is None else req.expected
-            self._check_finished(req, ok=False)
-        else:
-            self._given_up.add(transfer_id)
-
-    def _drop_parked(self, transfer_id: str, conn: ControlConnection) -> None:
-        left = [p for p in self._parked.get(transfer_id, []) if p[0] is not conn]
-        if left:
-            self._parked[transfer_id] = left
-        else:
-            self._parked.pop(transfer_id, None)
-
-    async def _accept(self, conn: ControlConnection, reg: Register) -> None:
-        key = peer_key(conn.peer)
-        try:
-            req, dest = self._validate(key, conn, reg)
-        except InputError as exc:
-            log.warning("refusing registration of %s from decode %s: %s", reg.transfer_id, key, exc)
-            await conn.send(RegisterError(reg.transfer_id, str(exc)))
-            return
-        req.dests[key] = dest
-        if req.expected is None:
-            req.expected = {(key[0], *r) for r in self._peers[key].accepted.plan.decode.ranks()}
-        conn.closed.add_done_callback(lambda f, r=req, k=key: self._dest_gone(r, k, f))
-        await conn.send(RegisterAck(reg.transfer_id))
-        self._pump(req)
-
-    def _validate(self, key: PeerKey, conn: ControlConnection, reg: Register) -> tuple[SendRequest, Destination]:
-        req, peer = self.requests.get(reg.transfer_id), self._peers.get(key)
-        layer_routes = validate_registration(req, reg, key, peer.accepted if peer else None, self.me.rank,
-                                             self.me.stage, self.me.block_size)
-        return req, Destination(key, conn, peer, layer_routes, reg)
-
-    def _dest_gone(self, req: SendRequest, key: PeerKey, closed: asyncio.Future) -> None:
-        dest = req.dests.get(key)
-        if dest is None or dest.done or self.requests.get(req.transfer_id) is not req:
-            return
-        log.warning("transfer %s: decode %s went away (%s); dropping it", req.transfer_id, key, closed.result())
-        dest.done = True
-        req.expected.discard(key)
-        self._check_finished(req, ok=False)
+    def _peer_gone(self, peer: PeerInfo) -> None:
+        """A decode rank's connection ended and its agent is removed (connector.engine.peers)."""
+        if self.staged is not None:
+            self.staged.forget(peer)
 
     # ---- writes ----------------------------------------------------------------------------------------------
     def _pump(self, req: SendRequest) -> None:
@@ -369,6 +272,7 @@ class StreamSender:
         during_compute = not req.final
         layers = [layer for layer, _ in batch]
         generation = req.generation
+        dest.peer.write_started()  # its agent stays loaded until this is done
         try:
             descs = self._batch_descriptors(req, dest, batch)
             if len(descs):
@@ -376,7 +280,7 @@ class StreamSender:
                 peer_hello, reg = dest.peer.accepted.hello, dest.register
                 if self.staged is not None and self.staged.usable(reg.staging_bytes, peer_hello.staging_addr):
                     staged = await self.staged.write(
-                        dest.key, dest.conn, dest.peer.agent, req.transfer_id, local, remote,
+                        dest.peer, dest.conn, dest.peer.agent, req.transfer_id, local, remote,
                         peer_hello.staging_addr + reg.staging_offset, peer_hello.staging_device, reg.staging_bytes,
                         stop=lambda: dest.done)
                     dest.staged_chunks += staged
@@ -396,6 +300,7 @@ class StreamSender:
                 await asyncio.wait([exc.settled])  # batch stays in flight, the blocks held, Abort unsent, till it ends
             return
         finally:
+            dest.peer.write_done()
             dest.writing.difference_update(layers)
             dest.batches_in_flight -= 1
             if dest.done:  # aborted or failed meanwhile: this may have been the last reader of the blocks
@@ -474,7 +379,13 @@ class StreamSender:
             await asyncio.sleep(1.0)
             now = time.monotonic()
             for req in list(self.requests.values()):
-                if req.final and now > req.lease_deadline:
+                if req.final and now > req.lease_deadline and req.given_up_by is not None and not req.dests:
+                    log.info("transfer %s: decode engine %r gave it up before registering and no other engine "
+                             "registered it within %g s; freeing its KV", req.transfer_id, req.given_up_by,
+                             self.config.given_up_keep_s)
+                    req.expected = set()
+                    self._check_finished(req, ok=False)
+                elif req.final and now > req.lease_deadline:
                     log.warning("%s", lease_expiry_note(req, self.config.lease_s))
                     for dest in req.dests.values():
                         if not dest.done:
@@ -483,11 +394,10 @@ class StreamSender:
                     self.stats.sends_expired += 1
                     self._check_finished(req, ok=False)  # released once no WRITE is in flight
             for tid, parked in list(self._parked.items()):
-                if now - parked[0][2] > self.config.lease_s:
-                    del self._parked[tid]
+                if now - parked[0].at > self.config.lease_s:
                     why = f"prefill rank {self.me.rank} never started {tid!r} within {self.config.lease_s:.0f} s"
-                    for conn, _reg, _at in parked:
-                        self._tasks.spawn(self._send_quiet(conn, RegisterError(tid, why)))
+                    for p in self._drop_parked(tid):
+                        self._tasks.spawn(self._send_quiet(p.conn, RegisterError(tid, why)))
             for tid in self._released.expire(now):
                 self.finished_info.pop(tid, None)
             self._given_up.expire(now)

@@ -12,17 +12,12 @@ from connector.core.descriptors import check_blocks
 from connector.core.errors import RegistrationError
 from connector.core.layout import blocks_for
 from connector.core.plan import Route
-from connector.protocol.handshake import AcceptedPeer, PeerKey
+from connector.engine.peers import PeerInfo
+from connector.protocol.handshake import PeerKey
 from connector.protocol.messages import Register
 
-
-@dataclass(frozen=True)
-class PeerInfo:
-    """An accepted decode rank (its Hello, the plan with this prefill layout, its regions) and the name its NIXL
-    agent was loaded as."""
-
-    accepted: AcceptedPeer
-    agent: str
+__all__ = ["Destination", "FinishedInfo", "Parked", "PeerInfo", "RecentIds", "SendRequest", "check_registration",
+           "check_against_request", "lease_expiry_note", "parked_cost"]
 
 
 @dataclass
@@ -31,7 +26,7 @@ class Destination:
 
     key: PeerKey
     conn: Any
-    """The ControlConnection to that decode rank."""
+    """The ControlConnection to that decode rank: WRITEs go to the agent loaded for it (`peer`), nowhere else."""
     peer: PeerInfo
     layer_routes: dict[int, list[Route]]
     register: Register
@@ -64,6 +59,27 @@ class SendRequest:
     first_write_at: float = 0.0
     """Wall-clock time (time.time()) the first WRITE of this request was posted; 0 = none yet."""
     finished: asyncio.Future | None = None
+    owner: str | None = None
+    """The decode engine this transfer belongs to: the first to register it. Registrations from other engines are
+    refused, their aborts and heartbeats change nothing."""
+    given_up_by: str | None = None
+    """A decode engine that aborted the transfer before any registration: the request keeps its KV only
+    `given_up_keep_s` after it finished (not the lease), for a registration from another engine (an unrelated
+    peer's abort must not deny a transfer)."""
+
+
+@dataclass
+class Parked:
+    """A registration that arrived before prefill started its request (checked already, except against the
+    request itself)."""
+
+    conn: Any
+    peer: PeerInfo
+    register: Register
+    at: float
+    """time.monotonic() it arrived (it waits at most the lease)."""
+    cost: int
+    """Estimated bytes it holds (parked_cost)."""
 
 
 @dataclass(frozen=True)
@@ -74,39 +90,51 @@ class FinishedInfo:
     """Wall-clock time (time.time()) of the first WRITE; 0 = none was posted."""
 
 
-def validate_registration(req: SendRequest | None, reg: Register, key: PeerKey, peer: AcceptedPeer | None,
-                          rank: tuple[int, int], stage: tuple[int, int], block_size: int) -> dict[int, list[Route]]:
-    """Check a decode registration before anything is written; returns the routes per global layer this prefill
-    rank sends that decode rank (possibly none). Raises RegistrationError / DescriptorError naming the problem."""
+def check_against_request(req: SendRequest | None, reg: Register, key: PeerKey, rank: tuple[int, int]) -> None:
+    """The checks that need prefill's request: it exists, this rank has not registered yet, the prompt fits."""
     tid = reg.transfer_id
     if req is None:
         raise RegistrationError(f"transfer id {tid!r} is unknown on prefill rank {rank}: it already "
                                 f"finished, expired or was aborted")
-    if (reg.dst_pp, reg.dst_tp) != key[1:]:
-        raise RegistrationError(f"registration names decode rank ({reg.dst_pp},{reg.dst_tp}) but arrived on "
-                                f"the connection of rank {key[1:]}")
     if key in req.dests:
         raise RegistrationError(f"decode rank {key} registered {tid!r} twice")
-    if peer is None:
-        raise RegistrationError(f"decode rank {key} has no accepted handshake")
     if not 0 < reg.num_tokens <= req.num_tokens:
         raise RegistrationError(f"{tid!r} has {req.num_tokens} prompt tokens on prefill but decode asks for "
                                 f"{reg.num_tokens}: the proxy sent different prompts")
+
+
+def check_registration(reg: Register, peer: PeerInfo, rank: tuple[int, int], stage: tuple[int, int],
+                       block_size: int) -> None:
+    """Every check of a registration that needs only the decode rank it came from, run before anything is kept
+    (also for one that waits for its request): its rank, layers, token range, block ids (each list no longer than
+    the decode cache, every needed block inside its region) and staging slot. Raises RegistrationError /
+    DescriptorError naming the problem."""
+    tid, key, layer_routes = reg.transfer_id, peer.key, peer.layer_routes
+    if (reg.dst_pp, reg.dst_tp) != key[1:]:
+        raise RegistrationError(f"registration names decode rank ({reg.dst_pp},{reg.dst_tp}) but arrived on "
+                                f"the connection of rank {key[1:]}: a rank registers only its own blocks")
+    if reg.num_tokens <= 0:
+        raise RegistrationError(f"registration of {tid!r} asks for {reg.num_tokens} tokens")
     if not (0 <= reg.first_token <= reg.num_tokens) or reg.first_token % block_size:
         raise RegistrationError(f"first_token {reg.first_token} must be a multiple of the block size "
                                 f"{block_size} within 0..{reg.num_tokens}")
     # Every decode rank registers with every prefill rank, also where the plan routes nothing between them
     # (e.g. replicated MLA pools come from one prefill TP rank): such a rank completes at once, so it never
     # holds its blocks waiting for a registration that would not come.
-    layer_routes = peer.plan.layer_routes(rank, key[1:])
-    routes = [r for rs in layer_routes.values() for r in rs]
     foreign = sorted(set(reg.layers) - set(layer_routes))
     if foreign:
         raise RegistrationError(f"registration of {tid!r} asks prefill rank {rank} (layers {stage[0]}-{stage[1] - 1}) "
-                                f"for layers {foreign} it does not send to decode rank {key[1:]}: "
+                                f"for layers {foreign[:20]} it does not send to decode rank {key[1:]}: "
                                 f"the two sides disagree on the layer split")
+    longest = max((len(ids) for ids in reg.block_ids), default=0)
+    if longest > peer.max_blocks:
+        raise RegistrationError(f"registration of {tid!r} lists {longest} block ids in one group; decode rank "
+                                f"{key[1:]}'s cache has {peer.max_blocks} blocks")
+    _check_staging(reg, peer)
+    routes = [r for rs in layer_routes.values() for r in rs]
+    regions = peer.accepted.regions
     blocks_needed = blocks_for(reg.num_tokens, block_size)
-    for g in sorted({peer.regions[(r.pool, r.layer)].group for r in routes}):
+    for g in sorted({regions[(r.pool, r.layer)].group for r in routes}):
         if g >= len(reg.block_ids):
             raise RegistrationError(f"registration of {tid!r} has {len(reg.block_ids)} block-id group(s) but "
                                     f"decode regions use group {g}")
@@ -117,9 +145,24 @@ def validate_registration(req: SendRequest | None, reg: Register, key: PeerKey, 
         if len(set(ids[:blocks_needed])) != blocks_needed:
             raise RegistrationError(f"group {g} block ids repeat: each token block needs its own block")
     for r in routes:  # every destination block inside its region (raises DescriptorError naming them)
-        region = peer.regions[(r.pool, r.layer)]
+        region = regions[(r.pool, r.layer)]
         check_blocks(region, reg.block_ids[region.group][:blocks_needed], f"decode {r.pool} layer {r.layer} ")
-    return layer_routes
+
+
+def _check_staging(reg: Register, peer: PeerInfo) -> None:
+    """The staging slot decode names must lie inside the staging buffer its Auth announced (or be none)."""
+    offset, nbytes, size = reg.staging_offset, reg.staging_bytes, peer.hello.staging_bytes
+    if nbytes == 0 and offset == 0:
+        return
+    if nbytes <= 0 or offset < 0 or not peer.hello.staging_addr or offset + nbytes > size:
+        raise RegistrationError(f"registration of {reg.transfer_id!r} names staging slot {offset}+{nbytes} B but "
+                                f"decode rank {peer.key[1:]} announced a staging buffer of {size} B: the slot must "
+                                f"lie inside it (or be 0+0 for direct WRITEs)")
+
+
+def parked_cost(reg: Register) -> int:
+    """Estimated memory a waiting registration holds: a Python int and its list slot per id (~40 B), plus change."""
+    return 48 * (sum(len(ids) for ids in reg.block_ids) + len(reg.layers)) + 256 + len(reg.transfer_id)
 
 
 def lease_expiry_note(req: SendRequest, lease_s: float) -> str:
@@ -133,17 +176,28 @@ def lease_expiry_note(req: SendRequest, lease_s: float) -> str:
 
 class RecentIds:
     """Transfer ids remembered for `keep_s` seconds (so a late message about one is answered clearly), then
-    forgotten: a bounded memory of what happened, not a growing one."""
+    forgotten: a bounded memory of what happened, not a growing one. At most `max_ids` (the oldest go first), each
+    with an optional value (e.g. which decode engine it concerns)."""
 
-    def __init__(self, keep_s: float) -> None:
-        self.keep_s = keep_s
-        self._at: dict[str, float] = {}
+    def __init__(self, keep_s: float, max_ids: int = 1 << 16) -> None:
+        self.keep_s, self.max_ids = keep_s, max_ids
+        self._at: dict[str, tuple[float, Any]] = {}
 
-    def add(self, transfer_id: str) -> None:
-        self._at[transfer_id] = time.monotonic()
+    def add(self, transfer_id: str, value: Any = None) -> None:
+        self._at.pop(transfer_id, None)  # (re)inserted last: the dict stays oldest-first
+        self._at[transfer_id] = (time.monotonic(), value)
+        while len(self._at) > self.max_ids:
+            del self._at[next(iter(self._at))]
 
     def __contains__(self, transfer_id: object) -> bool:
         return transfer_id in self._at
+
+    def __len__(self) -> int:
+        return len(self._at)
+
+    def get(self, transfer_id: str) -> Any:
+        entry = self._at.get(transfer_id)
+        return entry[1] if entry is not None else None
 
     def discard(self, transfer_id: str) -> bool:
         """Forget it now; True if it was there."""
@@ -151,7 +205,11 @@ class RecentIds:
 
     def expire(self, now: float) -> list[str]:
         """Forget (and return) the ids older than `keep_s`."""
-        old = [tid for tid, at in self._at.items() if now - at > self.keep_s]
+        old = []
+        for tid, (at, _value) in self._at.items():
+            if now - at <= self.keep_s:
+                break  # oldest first: the rest are younger
+            old.append(tid)
         for tid in old:
             del self._at[tid]
         return old

@@ -40,6 +40,10 @@ class StagedWriter:
     def usable(self, slot_bytes: int, peer_staging_addr: int) -> bool:
         return slot_bytes > 0 and peer_staging_addr != 0
 
+    def forget(self, key: Any) -> None:
+        """That destination's connection ended: drop its slot lock (nothing of it can wait any more)."""
+        self._slot_locks.pop(key, None)
+
     def on_scattered(self, key: Any, msg: Scattered) -> None:
         fut = self._waits.get((key, msg.transfer_id, msg.seq))
         if fut is not None and not fut.done():

@@ -1,15 +1,16 @@
-"""Checks on a peer's Hello before it is accepted: protocol version, auth, role and model fingerprint
-(`check_hello`, when the connection opens); then `accept_peer`: its parallel layout, its block size, the transfer plan
-between the two sides, and a region table that is exactly what the plan says that rank holds. Pure."""
+"""Checks on a peer's Hello before it is accepted: protocol version, role, model fingerprint and nonce
+(`check_hello`, when the connection opens; the proofs are connector.protocol.auth); `check_peer_layout`: sizes that
+can be this model's, before any plan is built; then `accept_peer`: its block size, the transfer plan between the two
+sides, and (for a decode rank) a region table that is exactly what the plan says that rank holds. Pure."""
 
 from __future__ import annotations
 
-import hmac
 from dataclasses import dataclass
 
 from connector.core.errors import ControlError, LayoutError
-from connector.core.layout import POOLS, ModelLayout, ParallelLayout, RankLayout, Region
+from connector.core.layout import POOLS, ModelLayout, ParallelLayout, RankLayout, Region, check_tp
 from connector.core.plan import TransferPlan, build_plan
+from connector.protocol.auth import MEMORY_FIELDS, check_nonce
 from connector.protocol.messages import PROTOCOL_VERSION, Hello
 
 PeerKey = tuple[str, int, int]
@@ -42,17 +43,58 @@ class AcceptedPeer:
 
 def accept_peer(peer: Hello, own: Hello, model: ModelLayout, plan: TransferPlan | None = None) -> AcceptedPeer:
     """Check a peer rank's Hello against this rank's `own` before a byte moves: the same block size, the plan
-    between the two layouts (built here from both Hellos unless `plan`, already built for another rank of the same
-    engine, is given), and a region table holding exactly the layers and heads the plan gives that rank. Raises
-    LayoutError naming the first mismatch."""
+    between the two layouts (built here from both Hellos unless `plan`, already built for the same pair of layouts,
+    is given: the engines pass one from their plan cache, built off the event loop), and for a decode rank a region
+    table holding exactly the layers and heads the plan gives it (a prefill rank sends no regions: decode never
+    addresses prefill's memory). Raises LayoutError naming the first mismatch."""
     who = f"{peer.role} rank ({peer.pp_rank},{peer.tp_rank}) of engine {peer.engine_id}"
     if peer.block_size != own.block_size:
         raise LayoutError(f"{who} uses block size {peer.block_size}, this {own.role} rank {own.block_size}: start "
                           f"both sides with the same block size")
     if plan is None:
-        theirs, mine = layout_of(peer, model), layout_of(own, model)
-        plan = build_plan(model, theirs, mine) if peer.role == "prefill" else build_plan(model, mine, theirs)
-    return AcceptedPeer(peer, plan, check_peer_regions(peer, plan, peer.role))
+        plan = plan_between(peer, own, model)
+    regions = check_peer_regions(peer, plan, peer.role) if peer.role == "decode" else {}
+    return AcceptedPeer(peer, plan, regions)
+
+
+def plan_between(peer: Hello, own: Hello, model: ModelLayout) -> TransferPlan:
+    """The plan between the two engines, from both Hellos (CPU-heavy for large layouts: run it off the loop)."""
+    theirs, mine = layout_of(peer, model), layout_of(own, model)
+    return build_plan(model, theirs, mine) if peer.role == "prefill" else build_plan(model, mine, theirs)
+
+
+def layout_key(hello: Hello) -> tuple[int, int, tuple[tuple[int, int], ...]]:
+    """What a plan depends on besides the model: the peer engine's tp size and stages (every rank of one engine
+    shares it, so a plan is built once per engine layout)."""
+    return (hello.tp_size, hello.pp_size, tuple(tuple(s) for s in hello.stages))
+
+
+def check_peer_layout(peer: Hello, own: Hello, model: ModelLayout, max_peer_ranks: int) -> None:
+    """Refuse sizes that cannot be this model's, or that exceed `max_peer_ranks`, before any plan is built (a plan
+    costs time in proportion to the peer's ranks). Raises LayoutError naming the field and the limit."""
+    who = f"{peer.role} {peer.engine_id} rank ({peer.pp_rank},{peer.tp_rank})"
+    if peer.block_size != own.block_size:
+        raise LayoutError(f"{who} uses block size {peer.block_size}, this {own.role} rank {own.block_size}: start "
+                          f"both sides with the same block size")
+    if not 1 <= peer.pp_size <= model.num_layers:
+        raise LayoutError(f"{who} claims pp_size={peer.pp_size}; this model has {model.num_layers} layers")
+    if not 1 <= peer.tp_size or peer.tp_size * peer.pp_size > max_peer_ranks:
+        raise LayoutError(f"{who} claims tp_size={peer.tp_size} x pp_size={peer.pp_size} ranks; this side accepts at "
+                          f"most {max_peer_ranks} (setting max_peer_ranks)")
+    if peer.pp_rank >= peer.pp_size or peer.tp_rank >= peer.tp_size:
+        raise LayoutError(f"{who} is outside its own layout (pp_size={peer.pp_size}, tp_size={peer.tp_size})")
+    for pool in model.pools.values():
+        if pool.layers:
+            check_tp(pool, peer.tp_size)
+    layout_of(peer, model)  # stages: one per PP rank, contiguous, covering the model
+
+
+def check_no_memory(hello: Hello, who: str) -> None:
+    """A Hello on the wire carries no memory (protocol 2): decode sends its memory in Auth, prefill never."""
+    sent = [name for name in MEMORY_FIELDS if getattr(hello, name)]
+    if sent:
+        raise ControlError(f"{who}'s Hello carries {sent}: protocol {PROTOCOL_VERSION} sends memory only in Auth, "
+                           f"after the handshake is authenticated")
 
 
 def layout_of(hello: Hello, model: ModelLayout) -> ParallelLayout:
@@ -85,12 +127,14 @@ def check_peer_regions(hello: Hello, plan: TransferPlan, side: str) -> dict[tupl
     return regions
 
 
-def check_hello(peer: Hello, own: Hello, auth_token: str = "") -> None:
-    """Raise ControlError naming the first incompatibility between `peer` and this side's `own` Hello."""
+def check_hello(peer: Hello, own: Hello) -> None:
+    """Raise ControlError naming the first incompatibility between `peer`'s Hello as it came off the wire and this
+    side's `own` Hello (the proofs are checked in connector.protocol.auth)."""
     if peer.version != PROTOCOL_VERSION:
-        raise ControlError(f"peer speaks protocol version {peer.version}, this side speaks {PROTOCOL_VERSION}")
-    if auth_token and not hmac.compare_digest(peer.auth_token.encode(), auth_token.encode()):
-        raise ControlError("bad auth token")
+        raise ControlError(f"peer speaks protocol version {peer.version}, this side speaks {PROTOCOL_VERSION}: run "
+                           f"the same sparse-kv-connector version on prefill and decode")
+    check_nonce(peer, f"{peer.role} {peer.engine_id}")
+    check_no_memory(peer, f"{peer.role} {peer.engine_id}")
     if peer.role == own.role:
         raise ControlError(f"peer role {peer.role!r} cannot talk to a {own.role!r} side; the two roles must differ")
     if peer.fingerprint != own.fingerprint:

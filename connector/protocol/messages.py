@@ -9,28 +9,70 @@ Frame on the wire:
 
 The 6-byte header is read first, so the length is checked against the receiver's limit and the version against
 PROTOCOL_VERSION before a single body byte is read. `Hello` also carries `version` so the application sees it.
+
+Handshake (connector.protocol.auth has the proofs, connector.transport.control the sockets):
+
+    decode  -> prefill   Hello    who I am (no memory addresses, no NIXL metadata) + a fresh nonce
+    prefill -> decode    Hello    who I am + a fresh nonce + proof (HMAC of the transcript, when a token is set)
+    decode  -> prefill   Auth     proof (HMAC of the transcript and of this message) + decode's NIXL metadata,
+                                  regions and staging buffer: sent only once prefill has proven the token
+    prefill -> decode    Welcome  (or Reject): the connection is open
+
+Static bounds (string and list lengths) are part of the types, so msgspec refuses an oversized field while
+decoding; what depends on the engine (layout sizes, block counts) is checked in connector.protocol.handshake and
+connector.engine.
 """
 
 from __future__ import annotations
 
 import struct
-from typing import Literal, Union
+from typing import Annotated, Literal, Union
 
 import msgspec
+from msgspec import Meta
 
 from connector.core.errors import FrameError
 from connector.core.layout import Region
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 """Wire protocol version; a frame or Hello with any other version is rejected.
 
 History (one line per version; bump it for any change an older peer would misread):
   1  Hello, Reject, Register, RegisterAck, RegisterError, Complete, Abort, Stopped, Heartbeat, Error. Staged transfers
      (Scatter, Scattered, and the staging fields of Hello, Register and Complete) came within version 1: the fields
      default to "no staging", and a prefill rank sends Scatter only to a decode rank whose Hello offered a buffer.
+  2  Mutual challenge-response authentication: Hello carries a nonce and (from prefill) an HMAC proof, never the
+     token (`auth_token` is gone); decode's memory (NIXL metadata, regions, staging buffer and its new size) moves
+     from its Hello to the new Auth message, sent only after prefill proved the token; Welcome ends the handshake;
+     prefill's Hello carries no NIXL metadata and no regions. String and list fields have length limits.
 """
-DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
-"""Largest body a receiver accepts unless configured otherwise."""
+DEFAULT_MAX_FRAME_BYTES = 4 * 1024 * 1024
+"""Largest body a receiver accepts after the handshake unless configured otherwise. The largest real messages are
+far below it: a Register for 1M tokens in 16-token blocks is ~0.33 MB per KV-cache group, a Scatter for a 16 MiB
+slot of 4 KiB ranges 64 KB. (A decoded frame of small integers takes ~8x its size in memory.)"""
+HANDSHAKE_MAX_FRAME_BYTES = 1024 * 1024
+"""Largest body accepted before the peer has authenticated (Hello, Auth). Auth is the large one: a NIXL metadata
+blob and one Region per (pool, layer), some tens of KB for a 60-layer model."""
+NONCE_BYTES = 32
+"""Length of each side's handshake nonce and of an HMAC-SHA256 proof."""
+
+MAX_ID = 256
+"""Longest engine id, agent name or fingerprint (characters)."""
+MAX_TRANSFER_ID = 512
+"""Longest transfer id (vLLM request ids are ~40-60 characters)."""
+MAX_LIST = 1 << 16
+"""Longest list of regions, stages, layers, block-id groups' ids or heartbeat ids."""
+MAX_GROUPS = 64
+"""Most KV-cache groups a registration may name."""
+MAX_BLOCKS = 1 << 20
+"""Most block ids in one group of a registration (prefill checks the real bound: the registered cache)."""
+
+EngineName = Annotated[str, Meta(max_length=MAX_ID)]
+TransferId = Annotated[str, Meta(max_length=MAX_TRANSFER_ID)]
+Reason = str
+"""Free text (exception messages, unbounded but for the frame limit: text does not grow when decoded)."""
+Count = Annotated[int, Meta(ge=0)]
+Proof = Annotated[bytes, Meta(max_length=NONCE_BYTES)]
 HEADER = struct.Struct(">IH")
 """Frame header: body length in bytes, protocol version."""
 
@@ -38,55 +80,77 @@ Role = Literal["prefill", "decode"]
 
 
 class Hello(msgspec.Struct, frozen=True, tag="hello", tag_field="type"):
-    """First frame each way. The connecting side sends its identity; the server answers with its own (auth_token "")."""
+    """First frame each way: who the rank is. On the wire it never carries memory (the fields from `agent_metadata`
+    to `staging_bytes` are empty): decode's go in `Auth` after prefill proved the token, prefill's are never sent.
+    In memory, a peer's Hello is completed with its Auth (`connector.protocol.auth.with_memory`)."""
 
     role: Role
-    engine_id: str
-    pp_rank: int
-    tp_rank: int
-    pp_size: int
-    tp_size: int
-    fingerprint: str
+    engine_id: EngineName
+    pp_rank: Count
+    tp_rank: Count
+    pp_size: Count
+    tp_size: Count
+    fingerprint: EngineName
     """`ModelLayout.fingerprint()`: both sides must agree on it exactly."""
-    block_size: int
+    block_size: Count
     """Tokens per KV-cache block."""
-    agent_name: str
+    agent_name: EngineName
     """NIXL agent name."""
     agent_metadata: bytes = b""
     """NIXL agent metadata (opaque; load with `add_remote_agent`, never unpickle)."""
-    regions: list[Region] = []
+    regions: Annotated[list[Region], Meta(max_length=MAX_LIST)] = []
     """Every (pool, global layer) this rank holds, with addresses."""
-    stages: list[tuple[int, int]] = []
+    stages: Annotated[list[tuple[int, int]], Meta(max_length=MAX_LIST)] = []
     """This side's PP stages, [start, end) global layers each: the peer builds its transfer plan from it."""
-    auth_token: str = ""
-    """Shared secret the server checks; empty when the server runs without auth."""
-    staging_addr: int = 0
+    staging_addr: Count = 0
     """Base address of this rank's NIXL-registered staging buffer (connector.engine.staging); 0 = it has none.
     Prefill reads decode's to aim its staged chunks; decode never reads prefill's."""
-    staging_device: int = 0
+    staging_device: Count = 0
     """Device index of that buffer."""
+    staging_bytes: Count = 0
+    """Size of that buffer: prefill refuses a registration whose staging slot lies outside it."""
+    nonce: Proof = b""
+    """NONCE_BYTES fresh random bytes, new for every connection (what makes a captured handshake useless)."""
+    proof: Proof = b""
+    """Prefill's: HMAC-SHA256 of the transcript under the shared token (connector.protocol.auth); empty without one."""
     version: int = PROTOCOL_VERSION
+
+
+class Auth(msgspec.Struct, frozen=True, tag="auth", tag_field="type"):
+    """Decode -> prefill, once prefill's Hello proved the token: decode's proof and its memory."""
+
+    proof: Proof = b""
+    """HMAC-SHA256 of the transcript and of this message's other fields under the token; empty without one."""
+    agent_metadata: Annotated[bytes, Meta(max_length=HANDSHAKE_MAX_FRAME_BYTES)] = b""
+    regions: Annotated[list[Region], Meta(max_length=MAX_LIST)] = []
+    staging_addr: Count = 0
+    staging_device: Count = 0
+    staging_bytes: Count = 0
+
+
+class Welcome(msgspec.Struct, frozen=True, tag="welcome", tag_field="type"):
+    """Prefill -> decode: the handshake passed every check; the connection is open."""
 
 
 class Reject(msgspec.Struct, frozen=True, tag="reject", tag_field="type"):
     """The server refuses a handshake; the connection closes after it."""
 
-    reason: str
+    reason: Reason
 
 
 class Register(msgspec.Struct, frozen=True, tag="register", tag_field="type"):
     """Decode -> prefill: write request `transfer_id` into these blocks."""
 
-    transfer_id: str
+    transfer_id: TransferId
     dst_pp: int
     dst_tp: int
-    block_ids: list[list[int]]
+    block_ids: Annotated[list[Annotated[list[int], Meta(max_length=MAX_BLOCKS)]], Meta(max_length=MAX_GROUPS)]
     """Decode block ids, one list per KV-cache group."""
     first_token: int
     """First prompt token decode wants (its prefix-cache hit count, in tokens)."""
     num_tokens: int
     """Prompt length in tokens."""
-    layers: list[int] = []
+    layers: Annotated[list[int], Meta(max_length=MAX_LIST)] = []
     """Global layers decode expects from this prefill rank (its plan); prefill refuses layers it does not hold."""
     staging_offset: int = 0
     staging_bytes: int = 0
@@ -97,18 +161,18 @@ class Register(msgspec.Struct, frozen=True, tag="register", tag_field="type"):
 
 
 class RegisterAck(msgspec.Struct, frozen=True, tag="register_ack", tag_field="type"):
-    transfer_id: str
+    transfer_id: TransferId
 
 
 class RegisterError(msgspec.Struct, frozen=True, tag="register_error", tag_field="type"):
-    transfer_id: str
-    reason: str
+    transfer_id: TransferId
+    reason: Reason
 
 
 class Complete(msgspec.Struct, frozen=True, tag="complete", tag_field="type"):
     """Prefill -> decode: rank (src_pp, src_tp) finished every WRITE of `transfer_id`."""
 
-    transfer_id: str
+    transfer_id: TransferId
     src_pp: int
     src_tp: int
     bytes_written: int
@@ -121,15 +185,15 @@ class Complete(msgspec.Struct, frozen=True, tag="complete", tag_field="type"):
 class Abort(msgspec.Struct, frozen=True, tag="abort", tag_field="type"):
     """Either side: drop `transfer_id` (free kept blocks / stop waiting)."""
 
-    transfer_id: str
-    reason: str
+    transfer_id: TransferId
+    reason: Reason
 
 
 class Stopped(msgspec.Struct, frozen=True, tag="stopped", tag_field="type"):
     """Prefill -> decode, answering an Abort: rank (src_pp, src_tp) will write nothing more for `transfer_id` and
     every WRITE it posted has completed, so decode may free or reuse the blocks."""
 
-    transfer_id: str
+    transfer_id: TransferId
     src_pp: int
     src_tp: int
 
@@ -138,7 +202,7 @@ class Scatter(msgspec.Struct, frozen=True, tag="scatter", tag_field="type"):
     """Prefill -> decode: the first `nbytes` of the staging slot this rank was given now hold a chunk of
     `transfer_id`; copy them to these destinations (packed little-endian int64 pairs: address, length, in order)."""
 
-    transfer_id: str
+    transfer_id: TransferId
     seq: int
     nbytes: int
     destinations: bytes
@@ -147,27 +211,27 @@ class Scatter(msgspec.Struct, frozen=True, tag="scatter", tag_field="type"):
 class Scattered(msgspec.Struct, frozen=True, tag="scattered", tag_field="type"):
     """Decode -> prefill: chunk `seq` is in place (ok) or was refused (nothing written); the slot is free again."""
 
-    transfer_id: str
+    transfer_id: TransferId
     seq: int
     ok: bool
-    reason: str = ""
+    reason: Reason = ""
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat", tag_field="type"):
     """Liveness. Decode lists the transfers it still wants, which extends their leases on prefill.
     An empty Heartbeat is liveness only and is not delivered to the application."""
 
-    transfer_ids: list[str] = []
+    transfer_ids: Annotated[list[TransferId], Meta(max_length=MAX_LIST)] = []
 
 
 class Error(msgspec.Struct, frozen=True, tag="error", tag_field="type"):
     """Generic failure report (bad frame, handler failure) while the connection can still speak."""
 
-    reason: str
+    reason: Reason
 
 
-Message = Union[Hello, Reject, Register, RegisterAck, RegisterError, Complete, Abort, Stopped, Scatter, Scattered,
-                Heartbeat, Error]
+Message = Union[Hello, Auth, Welcome, Reject, Register, RegisterAck, RegisterError, Complete, Abort, Stopped, Scatter,
+                Scattered, Heartbeat, Error]
 MESSAGE_TYPES: tuple[type, ...] = Message.__args__  # type: ignore[attr-defined]
 
 _encoder = msgspec.msgpack.Encoder()
@@ -201,7 +265,8 @@ def check_header(header: bytes, max_frame_bytes: int) -> int:
     if length > max_frame_bytes:
         raise FrameError(f"frame of {length} bytes exceeds the {max_frame_bytes}-byte limit")
     if version != PROTOCOL_VERSION:
-        raise FrameError(f"frame has protocol version {version}, this side speaks {PROTOCOL_VERSION}")
+        raise FrameError(f"frame has protocol version {version}, this side speaks {PROTOCOL_VERSION}: run the same "
+                         f"sparse-kv-connector version on prefill and decode")
     return length
 
 

@@ -50,6 +50,8 @@ class Scenario:
     side_channel: SideChannelConfig = SideChannelConfig()
     tcp_user_timeout_s: float | None = RankSpec.__dataclass_fields__["tcp_user_timeout_s"].default
     write_timeout_s: float | None = None   # None: timeout_s
+    auth_token: str = ""               # the side channel's shared secret, on every rank
+    sender_config: Any = None          # prefill ranks' engine settings (connector.engine.config.SenderConfig)
 
     @property
     def num_blocks(self) -> int:
@@ -64,7 +66,8 @@ class Scenario:
                         timeout_s=self.timeout_s, log_level=logging.getLogger().level or logging.WARNING,
                         placement=self.prefill_node if side == "prefill" else self.decode_node,
                         side_channel=self.side_channel, tcp_user_timeout_s=self.tcp_user_timeout_s,
-                        write_timeout_s=self.write_timeout_s)
+                        write_timeout_s=self.write_timeout_s,
+                        auth_token=self.auth_token, sender_config=self.sender_config)
 
 
 @dataclass

@@ -6,6 +6,7 @@ Import it after `connector.sim.env.apply_env()` in a fresh process: it loads tor
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -62,7 +63,9 @@ class SimRank:
         """A started StreamSender on this rank (its side channel on `config.host:config.port`, by default the
         spec's placement and port)."""
         spec = self.spec
-        config = config or SenderConfig(host=spec.placement.host, port=spec.port, side_channel=spec.side_channel,
+        if config is None and spec.sender_config is not None:
+            config = dataclasses.replace(spec.sender_config, host=spec.placement.host, port=spec.port)
+        config = config or SenderConfig(host=spec.placement.host, port=spec.port, side_channel=spec.side_channel_config,
                                         write_timeout_s=spec.write_timeout_s or spec.timeout_s)
         sender = StreamSender(self.me(), self.transport, config, self.loop.loop)
         self.engine = sender
@@ -75,7 +78,7 @@ class SimRank:
         if config is None:
             slot_bytes = max(1, spec.staging_mb << 20) // (spec.prefill.pp * spec.prefill.tp)
             config = ReceiverConfig(
-                side_channel=spec.side_channel, transfer_timeout_s=spec.timeout_s, staging_slot_bytes=slot_bytes,
+                side_channel=spec.side_channel_config, transfer_timeout_s=spec.timeout_s, staging_slot_bytes=slot_bytes,
                 lost_source_hold_s=lost_source_hold_s(spec.tcp_user_timeout_s, spec.side_channel.heartbeat_interval_s))
         self.engine = StreamReceiver(self.me(), self.transport, config)
         return self.engine

@@ -85,11 +85,18 @@ class PrefillCommands:
         return {"start": self.start, "chunk": self.chunk, "finish": self.finish, "raw": self.raw, "state": self.state}
 
     def state(self) -> tuple:
-        """What this rank still holds: requests, NIXL handles and bytes in flight, and the transport's counters."""
-        t = self.rank.transport
-        return ("state", {"requests": len(self.sender.requests), "open_handles": t.open_handles,
-                          "inflight_bytes": t.inflight_bytes, "abandoned": t.stats.abandoned,
-                          "reconnects": t.stats.reconnects, "sends_failed": self.sender.stats.sends_failed})
+        """What this rank holds: requests, peers and connections (tests check they return to their baseline after
+        an attack), NIXL handles and bytes in flight, and the transport's counters."""
+        async def read() -> dict[str, int]:
+            sender, server, t = self.sender, self.sender.server, self.rank.transport
+            return {"peers": len(sender.peers), "agents": len(t.peers),
+                    "connections": len(server.connections) if server else 0, "parked": sender.parked_count,
+                    "requests": len(sender.requests), "given_up": len(sender._given_up),
+                    "open_by_host": sum(server.guard.open.values()) if server else 0,
+                    "open_handles": t.open_handles, "inflight_bytes": t.inflight_bytes,
+                    "abandoned": t.stats.abandoned, "reconnects": t.stats.reconnects,
+                    "sends_failed": sender.stats.sends_failed}
+        return ("state", self.rank.run(read(), 10))
 
     def start(self, tid: str, tokens: int, index: int) -> tuple:
         # Each TP rank of a stage uses the same block ids, as vLLM's scheduler gives all ranks one block table.

@@ -3,15 +3,16 @@ imports nothing heavy."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Literal
 
 from connector.core.layout import ModelLayout, ParallelLayout
 from connector.core.plan import Rank
-from connector.engine.config import SideChannelConfig
+from connector.engine.config import SenderConfig, SideChannelConfig
 from connector.protocol.addressing import side_channel_port
-from connector.transport.nixl.agent import TransportConfig  # (numpy; NIXL itself loads with the first agent)
+from connector.transport.nixl.settings import TransportConfig  # (no numpy; NIXL itself loads with the first agent)
 
 LOOPBACK = "127.0.0.1"
 
@@ -64,6 +65,17 @@ class RankSpec:
     """connector.transport.nixl.TransportConfig.tcp_user_timeout_s."""
     write_timeout_s: float | None = None
     """SenderConfig.write_timeout_s; None: timeout_s."""
+    auth_token: str = ""
+    """The side channel's shared secret (both sides of a run get the same)."""
+    sender_config: SenderConfig | None = None
+    """A prefill rank's engine settings (its host and port are this spec's); None = the defaults."""
+
+    @property
+    def side_channel_config(self) -> SideChannelConfig:
+        """`side_channel` with this run's auth_token, when one is set."""
+        if not self.auth_token:
+            return self.side_channel
+        return dataclasses.replace(self.side_channel, auth_token=self.auth_token)
 
     @property
     def parallel(self) -> ParallelLayout:

@@ -1,7 +1,8 @@
 """Asyncio TCP side channel between prefill and decode ranks.
 
-What crosses the wire (messages, frames, the Hello checks) is `connector.protocol`. This module holds the sockets:
-the connection, the server and the client handshake. Lifetimes: a `ControlConnection` owns its reader and heartbeat
+What crosses the wire (messages, frames, the Hello checks, the proofs) is `connector.protocol`; the handshake's two
+halves over a socket are `connector.transport.handshake`, the server's limits `connector.transport.limits`. This
+module holds the connections and the server. Lifetimes: a `ControlConnection` owns its reader and heartbeat
 tasks and cancels them on `aclose()`; a `ControlServer` owns its connection tasks and closes them on exit. Every wait
 on a peer has a timeout.
 """
@@ -12,38 +13,31 @@ import asyncio
 import contextlib
 import inspect
 import logging
+import ssl
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
 
-import msgspec
-
 from connector.core.errors import ControlError, FrameError
-from connector.protocol.handshake import check_hello
-from connector.protocol.messages import (DEFAULT_MAX_FRAME_BYTES, HEADER, Error, Heartbeat, Hello, Message, Register,
-                                         RegisterError, Reject, check_header, decode_body, encode_frame)
+from connector.protocol.auth import with_memory
+from connector.protocol.messages import (DEFAULT_MAX_FRAME_BYTES, Auth, Error, Heartbeat, Hello, Message, Register,
+                                         RegisterError, Reject, Welcome, encode_frame)
+from connector.transport.handshake import (PeekHook, ServerHandshake, client_handshake, end_session, format_addr,
+                                           is_loopback, read_frame)
+
+__all__ = ["ControlConnection", "ControlServer", "connect", "format_addr", "read_frame"]
+from connector.transport.limits import AdmissionGuard, RateLimiter, ServerLimits
 
 log = logging.getLogger(__name__)
 
 MessageHandler = Callable[["ControlConnection", Message], Awaitable[None]]
-HelloHook = Callable[[Hello], "None | Awaitable[None]"]
+HelloHook = Callable[[Hello], Any]
+"""Called with a peer's authenticated Hello (memory included); raise to refuse it. What it returns (or awaits to)
+becomes `conn.session`; if that has an `aclose()`, the server awaits it once the connection has ended."""
+MAX_QUEUED = 1024
+"""Messages read from a peer and not yet handled; beyond it the reader waits (TCP slows the peer down)."""
 
 
 class _Closed:
     """Queue sentinel: the connection is closed."""
-
-
-def format_addr(addr: Any) -> str:
-    """`host:port` (IPv6 as `[host]:port`) from a socket peername."""
-    if isinstance(addr, tuple) and len(addr) >= 2:
-        host, port = addr[0], addr[1]
-        return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
-    return str(addr)
-
-
-async def read_frame(reader: asyncio.StreamReader, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Message:
-    """Read one frame. The header is checked (size, version) before the body is read.
-    Raises FrameError for a bad frame, asyncio.IncompleteReadError on EOF."""
-    length = check_header(await reader.readexactly(HEADER.size), max_frame_bytes)
-    return decode_body(await reader.readexactly(length))
 
 
 class ControlConnection:
@@ -58,9 +52,12 @@ class ControlConnection:
                  max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, send_timeout_s: float = 10.0,
                  heartbeat_interval_s: float | None = None, dead_after_s: float | None = None,
                  heartbeat_ids: Callable[[], Iterable[str]] | None = None,
-                 on_close: Callable[[str], None] | None = None) -> None:
+                 on_close: Callable[[str], None] | None = None, messages_per_s: float | None = None,
+                 session: Any = None) -> None:
         self.peer = peer
-        """The peer's Hello."""
+        """The peer's Hello (on the server: completed with the memory its Auth carried)."""
+        self.session = session
+        """What the server's `on_hello` made of this peer (e.g. the engine's record of it); None on a client."""
         self.address = format_addr(writer.get_extra_info("peername"))
         """Peer `host:port`."""
         self._reader, self._writer = reader, writer
@@ -72,6 +69,10 @@ class ControlConnection:
         self._on_close = on_close
         self._write_lock = asyncio.Lock()
         self._queue: asyncio.Queue[Message | _Closed] = asyncio.Queue()
+        self._room = asyncio.Event()
+        """Set while the queue has room for more messages (the reader waits for it)."""
+        self._room.set()
+        self._rate = RateLimiter(messages_per_s, f"peer {self.address}") if messages_per_s else None
         self.closed: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         """Resolves to the close reason once the connection is closed (never raises)."""
         self.close_reason: str | None = None
@@ -107,6 +108,7 @@ class ControlConnection:
         """Next message from the peer. Raises TimeoutError after `timeout` s, ControlError once closed."""
         async with asyncio.timeout(timeout):
             item = await self._queue.get()
+        self._room.set()
         if isinstance(item, _Closed):
             self._queue.put_nowait(item)  # every later recv sees it too
             raise ControlError(f"connection to {self.address} is closed: {self.close_reason}")
@@ -118,6 +120,7 @@ class ControlConnection:
     async def _iterate(self) -> AsyncIterator[Message]:
         while True:
             item = await self._queue.get()
+            self._room.set()
             if isinstance(item, _Closed):
                 self._queue.put_nowait(item)
                 return
@@ -168,16 +171,21 @@ class ControlConnection:
                 except TimeoutError:
                     self._shutdown(f"peer silent for more than {self._dead_after_s} s (dead_after)", logging.WARNING)
                     return
+                if self._rate is not None:
+                    await self._rate.take()
                 match msg:
                     case Heartbeat(transfer_ids=[]):
                         continue  # liveness only: reading it was the point
-                    case Hello() | Reject():
+                    case Hello() | Auth() | Welcome() | Reject():
                         await self._send_best_effort(Error(f"unexpected {type(msg).__name__} after the handshake"))
                         self._shutdown(f"protocol violation: {type(msg).__name__} after the handshake",
                                        logging.WARNING)
                         return
                     case _:
                         self._queue.put_nowait(msg)
+                        if self._queue.qsize() >= MAX_QUEUED:
+                            self._room.clear()
+                            await self._room.wait()
         except asyncio.IncompleteReadError:
             self._shutdown("peer closed the connection", logging.INFO)
         except FrameError as exc:
@@ -211,33 +219,25 @@ class ControlConnection:
                 await self._writer.drain()
 
 
-async def connect(host: str, port: int, hello: Hello, *, timeout: float = 10.0,
-                  max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, send_timeout_s: float = 10.0,
+async def connect(host: str, port: int, hello: Hello, *, auth_token: str = "", ssl_context: ssl.SSLContext | None = None,
+                  timeout: float = 10.0, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, send_timeout_s: float = 10.0,
                   heartbeat_interval_s: float | None = None, dead_after_s: float | None = None,
                   heartbeat_ids: Callable[[], Iterable[str]] | None = None,
                   on_close: Callable[[str], None] | None = None) -> ControlConnection:
-    """Open a connection, send `hello`, and wait (at most `timeout` s in all) for the peer's Hello.
-    Raises ControlError if the peer rejects us (with its reason), answers with something else, or is
-    incompatible (version, role, fingerprint)."""
+    """Open a connection and run the handshake (connector.protocol.messages) in at most `timeout` s: send who we are,
+    check the server's Hello (version, role, fingerprint, and with `auth_token` its proof), and only then send
+    `hello`'s memory (NIXL metadata, regions, staging buffer) with our proof, and wait for Welcome.
+    Raises ControlError if the peer rejects us (with its reason), fails a check, or answers with something else."""
     where = f"{host}:{port}"
     try:
         async with asyncio.timeout(timeout):
-            reader, writer = await asyncio.open_connection(host, port)
-    except (OSError, TimeoutError) as exc:
+            reader, writer = await asyncio.open_connection(host, port, ssl=ssl_context,
+                                                           server_hostname=host if ssl_context else None)
+    except (OSError, TimeoutError, ssl.SSLError) as exc:
         raise ControlError(f"cannot connect to {where}: {exc!r}") from exc
     try:
         async with asyncio.timeout(timeout):
-            writer.write(encode_frame(hello))
-            await writer.drain()
-            reply = await read_frame(reader, max_frame_bytes)
-        if isinstance(reply, Reject):
-            raise ControlError(f"{where} rejected the handshake: {reply.reason}")
-        if not isinstance(reply, Hello):
-            raise ControlError(f"{where} answered the Hello with {type(reply).__name__}: {reply!r}")
-        try:
-            check_hello(reply, hello)
-        except ControlError as exc:
-            raise ControlError(f"{where}: {exc}") from None
+            reply = await client_handshake(reader, writer, hello, auth_token, where)
     except BaseException as exc:
         writer.close()
         if isinstance(exc, TimeoutError):
@@ -256,39 +256,57 @@ class ControlServer:
     """Accepts side-channel connections. Use as `async with ControlServer(...) as server:`; `server.port` is the
     bound port (useful with port=0).
 
-    Per connection: the first frame must be a Hello within `handshake_timeout_s`; it is checked against `hello`
-    (version, auth, role, fingerprint) and passed to `on_hello` (raise to reject, the message is the reason);
-    the server answers with its own `hello` (auth_token blanked) and then awaits `on_message(conn, msg)` for each
-    further message, in order. A handler exception is logged and answered with RegisterError (for Register) or
-    Error; the connection stays up."""
+    Per connection: `limits` decide whether it may start (connections in all and per address, handshakes in
+    progress, addresses locked out after failed authentications). The handshake (connector.protocol.messages) runs
+    within `handshake_timeout_s` with frames of at most `limits.handshake_frame_bytes`: the peer's Hello is checked
+    against `hello` (version, role, fingerprint) and by `peek` (cheap checks), answered with our identity, a nonce and,
+    with `auth_token`, our proof; its Auth must carry a valid proof. Then `on_hello` gets the peer's Hello with its
+    memory (raise to reject, the message is the reason), and the server answers Welcome and awaits
+    `on_message(conn, msg)` for each further message, in order. A handler exception is logged and answered with
+    RegisterError (for Register) or Error; the connection stays up."""
 
     def __init__(self, hello: Hello, on_message: MessageHandler, *, host: str = "127.0.0.1", port: int = 0,
-                 auth_token: str = "", on_hello: HelloHook | None = None, handshake_timeout_s: float = 10.0,
-                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, send_timeout_s: float = 10.0,
+                 auth_token: str = "", on_hello: HelloHook | None = None, peek: PeekHook | None = None,
+                 handshake_timeout_s: float = 10.0, limits: ServerLimits | None = None,
+                 ssl_context: ssl.SSLContext | None = None, send_timeout_s: float = 10.0,
                  heartbeat_interval_s: float | None = None, dead_after_s: float | None = None,
                  heartbeat_ids: Callable[[], Iterable[str]] | None = None) -> None:
         self.hello = hello
         self.host = host
         self.port = port
         """The bound port once started."""
-        self._reply = msgspec.structs.replace(hello, auth_token="")
         self._on_message = on_message
         self._auth_token = auth_token
         self._on_hello = on_hello
         self._handshake_timeout_s = handshake_timeout_s
-        self._max_frame_bytes = max_frame_bytes
-        self._conn_kwargs = dict(max_frame_bytes=max_frame_bytes, send_timeout_s=send_timeout_s,
+        self.limits = limits or ServerLimits()
+        self.guard = AdmissionGuard(self.limits)
+        self._hs = ServerHandshake(hello, auth_token, self.limits, self.guard, peek)
+        self._ssl = ssl_context
+        self._conn_kwargs = dict(max_frame_bytes=self.limits.max_frame_bytes, send_timeout_s=send_timeout_s,
                                  heartbeat_interval_s=heartbeat_interval_s, dead_after_s=dead_after_s,
-                                 heartbeat_ids=heartbeat_ids)
+                                 heartbeat_ids=heartbeat_ids, messages_per_s=self.limits.messages_per_s)
         self._server: asyncio.Server | None = None
         self._handlers: set[asyncio.Task[Any]] = set()
         self.connections: set[ControlConnection] = set()
         """Handshaken connections that are still open."""
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._handle, self.host, self.port)
+        self._server = await asyncio.start_server(
+            self._handle, self.host, self.port, ssl=self._ssl,
+            ssl_handshake_timeout=self._handshake_timeout_s if self._ssl else None)
         self.port = self._server.sockets[0].getsockname()[1]
-        log.info("control server listening on %s:%d", self.host, self.port)
+        log.info("control server listening on %s:%d (%s, %s)", self.host, self.port,
+                 "auth token set" if self._auth_token else "no auth token", "TLS" if self._ssl else "no TLS")
+        if not self._auth_token and not is_loopback(self.host):
+            log.warning("the side channel listens on %s:%d, reachable from other hosts, WITHOUT an auth_token: any "
+                        "host that reaches it can connect as a decode rank, register transfers and receive their KV. "
+                        "Set the same auth_token on prefill and decode (and TLS: README, Security)", self.host,
+                        self.port)
+        elif self._auth_token and len(self._auth_token) < 16:
+            log.warning("the side channel's auth_token has %d characters: a short token can be guessed offline "
+                        "from one recorded handshake; use 32 random characters or more (openssl rand -hex 32)",
+                        len(self._auth_token))
 
     async def aclose(self) -> None:
         """Stop accepting, close every connection, cancel and await the connection tasks."""
@@ -316,11 +334,24 @@ class ControlServer:
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
+        peername = writer.get_extra_info("peername")
+        host = str(peername[0]) if isinstance(peername, tuple) else str(peername)
+        refused = self.guard.admit(host)
+        if refused is not None:
+            if not self.guard.locked_out(host) or self.guard.should_log_lockout(host):
+                log.warning("refusing a connection from %s: %s", format_addr(peername), refused)
+            writer.close()
+            return
         self._handlers.add(task)
+        session = None
         try:
-            conn = await self._handshake(reader, writer)
+            try:
+                conn = await self._handshake(reader, writer, host)
+            finally:
+                self.guard.handshake_done()
             if conn is None:
                 return
+            session = conn.session
             self.connections.add(conn)
             try:
                 await self._serve(conn)
@@ -330,43 +361,46 @@ class ControlServer:
         except asyncio.CancelledError:
             writer.close()
         except Exception:  # must never escape into asyncio's handler machinery
-            log.exception("control connection from %s failed", format_addr(writer.get_extra_info("peername")))
+            log.exception("control connection from %s failed", format_addr(peername))
             writer.close()
         finally:
+            self.guard.release(host)
             self._handlers.discard(task)
+            await end_session(session)
 
-    async def _handshake(self, reader: asyncio.StreamReader,
-                         writer: asyncio.StreamWriter) -> ControlConnection | None:
+    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                         host: str) -> ControlConnection | None:
         addr = format_addr(writer.get_extra_info("peername"))
-        reason, reply = None, None
+        reason, reply, session, peer = None, None, None, None
         try:
             async with asyncio.timeout(self._handshake_timeout_s):
-                first = await read_frame(reader, self._max_frame_bytes)
-            if not isinstance(first, Hello):
-                raise ControlError(f"first frame is {type(first).__name__}, expected Hello")
-            check_hello(first, self.hello, self._auth_token)
-            if self._on_hello is not None:
-                try:
-                    result = self._on_hello(first)
-                    if inspect.isawaitable(result):
-                        await result
-                except Exception as exc:
-                    raise ControlError(f"refused by on_hello: {exc}") from exc
-            writer.write(encode_frame(self._reply))
+                first, auth = await self._hs.run(reader, writer, host)
+            peer = with_memory(first, auth)
+            try:
+                session = self._on_hello(peer) if self._on_hello is not None else None
+                if inspect.isawaitable(session):
+                    session = await session
+            except Exception as exc:
+                raise ControlError(f"refused by on_hello: {exc}") from exc
+            writer.write(encode_frame(Welcome()))
             try:
                 async with asyncio.timeout(self._handshake_timeout_s):
                     await writer.drain()
             except TimeoutError:
-                raise ConnectionError(f"our Hello not sent within {self._handshake_timeout_s} s") from None
+                raise ConnectionError(f"our Welcome not sent within {self._handshake_timeout_s} s") from None
         except TimeoutError:
-            reason = f"no Hello within the {self._handshake_timeout_s} s handshake timeout"
+            reason = f"no complete handshake within the {self._handshake_timeout_s} s handshake timeout"
         except asyncio.IncompleteReadError as exc:
             reason = f"peer closed the connection during the handshake after {len(exc.partial)} bytes"
         except ControlError as exc:  # FrameError included
             reason, reply = str(exc), Reject(str(exc))
         except (ConnectionError, OSError) as exc:
             reason = f"connection lost during the handshake: {exc!r}"
+        except asyncio.CancelledError:  # the server is closing: what on_hello set up is undone all the same
+            await asyncio.shield(end_session(session))
+            raise
         if reason is not None:
+            await end_session(session)
             log.warning("closing %s: %s", addr, reason)
             if reply is not None:
                 with contextlib.suppress(Exception):
@@ -375,10 +409,9 @@ class ControlServer:
                         await writer.drain()
             writer.close()
             return None
-        log.info("control handshake with %s: %s engine %s pp%d/tp%d", addr, first.role, first.engine_id,
-                 first.pp_rank, first.tp_rank)
-        peer = msgspec.structs.replace(first, auth_token="")  # keep the secret out of logs and reprs
-        return ControlConnection(reader, writer, peer, **self._conn_kwargs)
+        log.info("control handshake with %s: %s engine %s pp%d/tp%d", addr, peer.role, peer.engine_id,
+                 peer.pp_rank, peer.tp_rank)
+        return ControlConnection(reader, writer, peer, session=session, **self._conn_kwargs)
 
     async def _serve(self, conn: ControlConnection) -> None:
         async for msg in conn:
@@ -393,3 +426,4 @@ class ControlServer:
                     await conn.send(answer)
                 except ControlError:
                     return
+

@@ -15,11 +15,12 @@ from msgspec import Meta
 
 from connector.core.errors import ConfigError
 from connector.engine.config import ReceiverConfig, SenderConfig, SideChannelConfig, lost_source_hold_s
+from connector.transport.limits import ServerLimits
 from connector.transport.nixl import TransportConfig
 
 Positive = Annotated[float, Meta(gt=0)]
 PositiveInt = Annotated[int, Meta(gt=0)]
-_SIDE, _SENDER, _RECEIVER = SideChannelConfig(), SenderConfig(), ReceiverConfig()
+_SIDE, _SENDER, _RECEIVER, _LIMITS = SideChannelConfig(), SenderConfig(), ReceiverConfig(), ServerLimits()
 _TRANSPORT = {f.name: f.default for f in dataclasses.fields(TransportConfig)}
 
 
@@ -30,6 +31,24 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     side_channel_port: Annotated[int, Meta(gt=0, lt=65536)] = 5600
     """Port of prefill rank (pp0, tp0); the others follow connector.protocol.addressing.side_channel_port."""
     auth_token: str = _SIDE.auth_token
+    """Shared secret both sides prove they hold (challenge-response; it never crosses the wire)."""
+    tls_cert_file: str = _SIDE.tls_cert_file
+    tls_key_file: str = _SIDE.tls_key_file
+    """Prefill: PEM certificate and key; both set = the side channel is served over TLS."""
+    tls_ca_file: str = _SIDE.tls_ca_file
+    """Decode: PEM CA bundle; set = connect over TLS and verify prefill's certificate and host."""
+    max_connections: PositiveInt = _LIMITS.max_connections
+    max_connections_per_host: PositiveInt = _LIMITS.max_connections_per_host
+    max_handshakes: PositiveInt = _LIMITS.max_handshakes
+    handshake_frame_bytes: Annotated[int, Meta(ge=4096)] = _LIMITS.handshake_frame_bytes
+    max_frame_bytes: Annotated[int, Meta(ge=65536)] = _LIMITS.max_frame_bytes
+    messages_per_s: Positive = _LIMITS.messages_per_s
+    max_auth_failures: PositiveInt = _LIMITS.max_auth_failures
+    auth_failure_window_s: Positive = _LIMITS.auth_failure_window_s
+    max_peer_ranks: PositiveInt = _SIDE.max_peer_ranks
+    max_parked_per_connection: PositiveInt = _SENDER.max_parked_per_connection
+    max_parked_bytes_per_connection: PositiveInt = _SENDER.max_parked_bytes_per_connection
+    given_up_keep_s: Positive = _SENDER.given_up_keep_s
     lease_s: Positive = _SENDER.lease_s
     max_inflight_bytes: PositiveInt = _TRANSPORT["max_inflight_bytes"]
     """Backpressure: bytes posted to NIXL but not completed, per worker."""
@@ -69,12 +88,22 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
                               f"{why or exc}") from None
 
     def side_channel(self) -> SideChannelConfig:
+        limits = ServerLimits(max_connections=self.max_connections,
+                              max_connections_per_host=self.max_connections_per_host,
+                              max_handshakes=self.max_handshakes, handshake_frame_bytes=self.handshake_frame_bytes,
+                              max_frame_bytes=self.max_frame_bytes, messages_per_s=self.messages_per_s,
+                              max_auth_failures=self.max_auth_failures,
+                              auth_failure_window_s=self.auth_failure_window_s)
         return SideChannelConfig(auth_token=self.auth_token, handshake_timeout_s=self.handshake_timeout_s,
-                                 heartbeat_interval_s=self.heartbeat_interval_s, dead_after_s=self.dead_after_s)
+                                 heartbeat_interval_s=self.heartbeat_interval_s, dead_after_s=self.dead_after_s,
+                                 tls_cert_file=self.tls_cert_file, tls_key_file=self.tls_key_file,
+                                 tls_ca_file=self.tls_ca_file, limits=limits, max_peer_ranks=self.max_peer_ranks)
 
     def sender_config(self, host: str, port: int) -> SenderConfig:
         return SenderConfig(host=host, port=port, side_channel=self.side_channel(), lease_s=self.lease_s,
-                            write_timeout_s=self.write_timeout_s)
+                            write_timeout_s=self.write_timeout_s, given_up_keep_s=self.given_up_keep_s,
+                            max_parked_per_connection=self.max_parked_per_connection,
+                            max_parked_bytes_per_connection=self.max_parked_bytes_per_connection)
 
     def receiver_config(self) -> ReceiverConfig:
         return ReceiverConfig(side_channel=self.side_channel(), transfer_timeout_s=self.transfer_timeout_s,

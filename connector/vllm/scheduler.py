@@ -12,6 +12,7 @@ from vllm.v1.request import RequestStatus
 
 from connector.core.errors import ConfigError, LayoutError
 from connector.protocol.addressing import PrefillAddress
+from connector.protocol.messages import MAX_TRANSFER_ID
 from connector.vllm.config import ConnectorSettings, default_host
 from connector.vllm.metadata import RecvSpec, SendSpec, SparseKVHandshake, SparseKVMetadata
 
@@ -31,6 +32,9 @@ def check_params(params: dict[str, Any], *, decode: bool) -> str:
         if not isinstance(tid, str) or not tid:
             what = "no transfer_id" if "transfer_id" not in params else f"an unusable transfer_id ({tid!r})"
             return f"kv_transfer_params has {what} (keys given: {given}): {ROUTER_HINT}"
+        if len(tid) > MAX_TRANSFER_ID:
+            return (f"kv_transfer_params transfer_id has {len(tid)} characters, more than the side channel's "
+                    f"{MAX_TRANSFER_ID}: use a shorter id (a UUID)")
     if decode:
         if "prefill_addr" not in params:
             return f"kv_transfer_params has no prefill_addr (keys given: {given}): {ROUTER_HINT}"

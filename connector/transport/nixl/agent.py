@@ -13,136 +13,21 @@ mode, which makes this sharing safe (see `glue.make_agent`). Control calls (`reg
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
-import contextlib
 import logging
+import os
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 
-from connector.core.errors import ConfigError, TransportError, WriteAbandoned
+from connector.core.errors import TransportError, WriteAbandoned
 from connector.transport.nixl.glue import as_descs, make_agent, memory_region, nixl_errors, pair_check
 from connector.transport.nixl.poller import Poller, Xfer
+from connector.transport.nixl.settings import ByteGate, TransportConfig, TransportStats, WriteTiming
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class TransportConfig:
-    name: str
-    """Agent name, unique per process (and among all peers)."""
-    progress_delay_us: int = 1000
-    """NIXL progress-thread poll delay. Never 0: 0 spins a whole core."""
-    max_inflight_bytes: int = 1 << 30
-    """Backpressure: bytes admitted but not completed, summed over all writes. A single larger write is admitted
-    alone when nothing else is in flight."""
-    posts_per_second: float | None = None
-    """Optional cap on WRITE posts per second (asyncio_throttle.Throttler); None = off."""
-    post_threads: int = 2
-    """Worker threads that post transfers (on DRAM the copy itself runs in the posting thread)."""
-    ucx_error_handling_mode: str = "peer"
-    """UCX error handling; "peer" keeps peer-failure detection."""
-    tcp_user_timeout_s: float | None = 10.0
-    """UCX over TCP: how long sent data may stay unacknowledged before the connection is closed and every WRITE on
-    it ends with an error (UCX_TCP_USER_TIMEOUT, the socket's TCP_USER_TIMEOUT). Without it a WRITE across a cut
-    link neither finishes nor fails until the kernel's `net.ipv4.tcp_retries2` gives up (15, the default: many
-    minutes). A link back within it loses nothing. None: the system's behaviour."""
-
-    def __post_init__(self) -> None:
-        if not self.name:
-            raise ConfigError("TransportConfig.name must be a non-empty agent name")
-        if self.progress_delay_us <= 0:
-            raise ConfigError("progress_delay_us must be > 0 (0 makes NIXL's progress thread spin a core)")
-        if self.max_inflight_bytes <= 0 or self.post_threads <= 0:
-            raise ConfigError("max_inflight_bytes and post_threads must be > 0")
-        if self.posts_per_second is not None and self.posts_per_second <= 0:
-            raise ConfigError("posts_per_second must be > 0 or None")
-        if self.ucx_error_handling_mode not in ("peer", "none"):
-            raise ConfigError("ucx_error_handling_mode must be 'peer' or 'none'")
-        if self.tcp_user_timeout_s is not None and self.tcp_user_timeout_s <= 0:
-            raise ConfigError(f"tcp_user_timeout_s must be > 0 or None, not {self.tcp_user_timeout_s}")
-
-    def ucx_config(self) -> dict[str, str]:
-        """UCX settings of this agent's backend (see glue.make_agent)."""
-        if self.tcp_user_timeout_s is None:
-            return {}
-        return {"TCP_USER_TIMEOUT": f"{max(1, round(self.tcp_user_timeout_s * 1000))}ms"}
-
-
-@dataclass(frozen=True)
-class WriteTiming:
-    """How long one NIXL WRITE took (what vLLM's NIXL connector records as post and transfer durations)."""
-
-    post_s: float
-    """Creating and posting it in the post thread (on DRAM the copy runs inside the post)."""
-    transfer_s: float
-    """From the start of the post until the WRITE completed."""
-
-
-@dataclass
-class TransportStats:
-    """Counters. `posts`/`descriptors` count WRITEs handed to NIXL; `bytes_written` counts completed bytes."""
-
-    posts: int = 0
-    descriptors: int = 0
-    bytes_written: int = 0
-    errors: int = 0
-    timeouts: int = 0
-    abandoned: int = 0
-    """WRITEs given up on (timeout, cancel) while NIXL still ran them."""
-    reconnects: int = 0
-    """Peers whose NIXL connection failed and was made again from their metadata."""
-    peak_inflight_bytes: int = 0
-
-
-class _ByteGate:
-    """FIFO admission by bytes: admits while `inflight + n <= cap`, or anything when nothing is in flight."""
-
-    def __init__(self, cap: int, stats: TransportStats) -> None:
-        self.cap = cap
-        self.inflight = 0
-        self._stats = stats
-        self._waiters: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
-
-    def _fits(self, n: int) -> bool:
-        return self.inflight == 0 or self.inflight + n <= self.cap
-
-    def _take(self, n: int) -> None:
-        self.inflight += n
-        if self.inflight > self._stats.peak_inflight_bytes:
-            self._stats.peak_inflight_bytes = self.inflight
-
-    async def acquire(self, n: int) -> None:
-        if not self._waiters and self._fits(n):
-            self._take(n)
-            return
-        entry = (n, asyncio.get_running_loop().create_future())
-        self._waiters.append(entry)
-        try:
-            await entry[1]
-        except BaseException:
-            if entry[1].done() and not entry[1].cancelled():
-                self.release(n)  # granted, then cancelled before we ran: give it back
-            else:
-                with contextlib.suppress(ValueError):
-                    self._waiters.remove(entry)
-                self._wake()
-            raise
-
-    def release(self, n: int) -> None:
-        self.inflight -= n
-        self._wake()
-
-    def _wake(self) -> None:
-        while self._waiters and self._fits(self._waiters[0][0]):
-            n, fut = self._waiters.popleft()
-            if not fut.done():
-                self._take(n)
-                fut.set_result(None)
 
 
 class Transport:
@@ -155,7 +40,7 @@ class Transport:
         self._errors: tuple[type[BaseException], ...] = ()
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._poller: Poller | None = None
-        self._gate = _ByteGate(config.max_inflight_bytes, self.stats)
+        self._gate = ByteGate(config.max_inflight_bytes, self.stats)
         self._throttle = None
         if config.posts_per_second is not None:
             from asyncio_throttle import Throttler  # noqa: PLC0415
@@ -196,6 +81,7 @@ class Transport:
             raise TransportError(f"could not create NIXL agent {cfg.name!r} with the UCX backend: {exc}") from exc
         self._poller = Poller(self._agent, self._errors, self._release, cfg.name)
         self._poller.start()
+        _note_ucx_exposure()
         return self
 
     async def __aenter__(self) -> "Transport":
@@ -291,10 +177,17 @@ class Transport:
     def peers(self) -> frozenset[str]:
         return frozenset(self._peers)
 
-    def add_peer(self, metadata: bytes) -> str:
+    def add_peer(self, metadata: bytes, expected_name: str | None = None) -> str:
         """Load a peer's agent metadata (from our side channel) and connect; returns its agent name. Re-adding a
-        known peer is a no-op for NIXL; after the peer restarted, `remove_peer` it first."""
+        known peer is a no-op for NIXL; after the peer restarted, `remove_peer` it first. With `expected_name`, the
+        metadata must name that agent (checked before NIXL loads anything): a peer cannot pass off another
+        agent's metadata, or its own under another agent's name."""
         agent = self._live_agent()
+        if expected_name is not None:
+            named = metadata_agent_name(metadata)
+            if named != expected_name:
+                raise TransportError(f"peer metadata names NIXL agent {named!r} but the peer said it is "
+                                     f"{expected_name!r}: refusing to load it")
         started = time.monotonic()
         try:
             name = agent.add_remote_agent(bytes(metadata))
@@ -493,6 +386,31 @@ class Transport:
             log.warning("transport %s: xfer handle release failed (%s); will retry at close", self.config.name, exc)
             with self._hlock:
                 self._handles.add(handle)
+
+
+def _note_ucx_exposure() -> None:
+    """UCX opens its own listener for each agent: on every interface, all of them advertised in the agent's metadata,
+    unless UCX_NET_DEVICES names the ones to use. Say so at start-up (README, Security)."""
+    if not os.environ.get("UCX_NET_DEVICES"):
+        log.warning("UCX_NET_DEVICES is not set: this process's NIXL agent (UCX) listens on every network interface "
+                    "of this host and advertises them to its peers; set UCX_NET_DEVICES to the interface(s) the "
+                    "KV transfers should use (e.g. mlx5_0:1, or lo on one machine)")
+
+
+def metadata_agent_name(metadata: bytes) -> str | None:
+    """The agent name NIXL 1.5 agent metadata starts with (`nixlSerDes|Agent` + u64 little-endian length + name), read
+    without loading anything; None if the bytes are not laid out that way."""
+    head = b"nixlSerDes|Agent"
+    if not metadata.startswith(head) or len(metadata) < len(head) + 8:
+        return None
+    length = int.from_bytes(metadata[len(head):len(head) + 8], "little")
+    start = len(head) + 8
+    if length > 4096 or len(metadata) < start + length:
+        return None
+    try:
+        return metadata[start:start + length].decode()
+    except UnicodeDecodeError:
+        return None
 
 
 class _Closed(Exception):

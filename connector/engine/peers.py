@@ -1,0 +1,161 @@
+"""The decode ranks a prefill rank serves, one per live side-channel connection.
+
+An identity (engine id, pp, tp) and a NIXL agent name belong to one live connection: a second claim waits a moment
+for the first connection to end (a restarted rank reconnecting before its old connection was noticed closed) and is
+refused if it does not. A peer's NIXL agent is loaded for its own connection only and removed when that connection
+ends, once no WRITE to it is in flight; its entry goes with it. So nothing here grows with peers that came and went.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Callable
+
+from connector.core.errors import PeerRefused
+from connector.core.layout import ModelLayout
+from connector.core.plan import Rank, Route
+from connector.engine.config import SenderConfig
+from connector.engine.plans import PlanCache
+from connector.protocol.handshake import AcceptedPeer, PeerKey, accept_peer, check_peer_layout, peer_key
+from connector.protocol.messages import Hello
+
+log = logging.getLogger(__name__)
+
+CLAIM_WAIT_S = 2.0
+"""How long a claim of an identity (or agent) still held waits for the holder's connection to end."""
+
+
+class PeerInfo:
+    """One accepted decode rank on one live connection (the `session` the side-channel server keeps for it): its
+    Hello, the plan between the two engines, its regions, its NIXL agent, and what it holds here."""
+
+    def __init__(self, table: "PeerTable", hello: Hello) -> None:
+        self.table = table
+        self.hello = hello
+        self.key: PeerKey = peer_key(hello)
+        self.accepted: AcceptedPeer | None = None
+        self.agent = ""
+        """Name its NIXL agent was loaded as ('' until loaded)."""
+        self.layer_routes: dict[int, list[Route]] = {}
+        """What this prefill rank sends that decode rank, by global layer (from the plan, once)."""
+        self.max_blocks = max((r.num_blocks for r in hello.regions), default=0)
+        """The most blocks any of its cache regions has: no block-id list of a registration can be longer."""
+        self.parked = 0
+        self.parked_bytes = 0
+        """Registrations of this connection waiting for their request to start, and their estimated memory."""
+        self.writes = 0
+        """WRITEs to this peer in flight: its agent is removed only once none is."""
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.closing = False
+        self.released = asyncio.Event()
+
+    def write_started(self) -> None:
+        self.writes += 1
+        self._idle.clear()
+
+    def write_done(self) -> None:
+        self.writes -= 1
+        if not self.writes:
+            self._idle.set()
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._idle.wait()
+            return True
+        except TimeoutError:
+            return False
+
+    async def aclose(self) -> None:
+        """The connection ended (the side-channel server calls this)."""
+        await self.table.release(self)
+
+
+class PeerTable:
+    def __init__(self, transport: Any, own: Hello, model: ModelLayout, rank: Rank, config: SenderConfig,
+                 on_release: Callable[[PeerInfo], None] = lambda info: None) -> None:
+        self.transport, self.own, self.model, self.rank, self.config = transport, own, model, rank, config
+        self.on_release = on_release
+        self.plans = PlanCache(model, own)
+        self.by_key: dict[PeerKey, PeerInfo] = {}
+        """Identities held by live (or closing) connections."""
+        self._agents: dict[str, PeerInfo] = {}
+
+    def peek(self, hello: Hello) -> None:
+        """Cheap checks of a first Hello, before anything is answered (raises LayoutError)."""
+        check_peer_layout(hello, self.own, self.model, self.config.side_channel.max_peer_ranks)
+
+    async def admit(self, hello: Hello) -> PeerInfo:
+        """Accept an authenticated decode rank for its connection: claim its identity and agent name, plan (off the
+        loop), check its regions, load its agent. Raises (the server refuses the handshake with the text)."""
+        self.peek(hello)
+        if hello.role != "decode":
+            raise PeerRefused(f"a {hello.role} rank cannot register with a prefill rank")
+        if hello.agent_name == self.own.agent_name:
+            raise PeerRefused(f"NIXL agent name {hello.agent_name!r} is this prefill rank's own")
+        await self._wait_for_holders(hello)
+        info = PeerInfo(self, hello)
+        self.by_key[info.key] = info
+        self._agents[hello.agent_name] = info
+        try:
+            plan = await self.plans.plan_for(hello)
+            info.accepted = accept_peer(hello, self.own, self.model, plan)
+            info.layer_routes = plan.layer_routes(self.rank, info.key[1:])
+            # NIXL calls can wait behind a DRAM copy in progress: off the loop. (Cancelled here, at shutdown only,
+            # the agent may still load; the transport removes every peer when it closes.)
+            info.agent = await asyncio.to_thread(self.transport.add_peer, hello.agent_metadata, hello.agent_name)
+        except BaseException:
+            self._forget(info)
+            info.released.set()
+            raise
+        return info
+
+    async def _wait_for_holders(self, hello: Hello) -> None:
+        """Return once neither the identity nor the agent name is held (the caller claims both at once, with no
+        await in between), waiting at most CLAIM_WAIT_S for holders to end; else refuse."""
+        key = peer_key(hello)
+        deadline = asyncio.get_running_loop().time() + CLAIM_WAIT_S
+        while True:
+            held = [(h, what) for h, what in ((self.by_key.get(key), f"decode rank {key}"),
+                                              (self._agents.get(hello.agent_name), f"NIXL agent {hello.agent_name!r}"))
+                    if h is not None]
+            if not held:
+                return
+            holder, what = held[0]
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await holder.released.wait()
+            except TimeoutError:
+                log.warning("refusing a second claim of %s: another live connection holds it", what)
+                raise PeerRefused(f"{what} is already connected on another live connection: an identity belongs to "
+                                  f"one connection (a restarted rank may reconnect once its old connection has "
+                                  f"closed, within dead_after_s)") from None
+
+    async def release(self, info: PeerInfo) -> None:
+        """Drop a peer whose connection ended: once no WRITE to it is in flight, remove its agent, then its entry."""
+        if info.closing:
+            await info.released.wait()
+            return
+        info.closing = True
+        try:
+            if not await info.wait_idle(self.config.write_timeout_s + 5.0):
+                log.error("decode %s: %d WRITE(s) still in flight %.0f s after its connection ended; removing its "
+                          "agent anyway", info.key, info.writes, self.config.write_timeout_s + 5.0)
+            if info.agent:
+                await asyncio.to_thread(self.transport.remove_peer, info.agent)
+        finally:
+            self._forget(info)
+            info.released.set()
+            self.on_release(info)
+
+    def _forget(self, info: PeerInfo) -> None:
+        if self.by_key.get(info.key) is info:
+            del self.by_key[info.key]
+        if self._agents.get(info.hello.agent_name) is info:
+            del self._agents[info.hello.agent_name]
+
+    async def aclose(self) -> None:
+        for info in list(self.by_key.values()):
+            await self.release(info)

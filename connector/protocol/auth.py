@@ -1,0 +1,99 @@
+"""Mutual challenge-response authentication of the side-channel handshake. Pure: no sockets, no clocks.
+
+Both sides hold the same `auth_token`; it never crosses the wire. Each side sends a fresh random nonce in its Hello.
+Prefill proves it knows the token with an HMAC-SHA256 over the transcript (both Hellos, nonces included, with its own
+proof left empty); decode checks that proof before it sends anything about its memory, then proves the token with an
+HMAC over the transcript and its Auth message. Because the transcript holds both nonces, a captured proof is useless
+on any other connection (the other side's nonce differs), and because it holds both identities (roles, engine ids,
+ranks, agent names, fingerprints) and decode's memory, a proof cannot be moved to another claim.
+
+What this does not do: hide or protect what follows the handshake. Without TLS an eavesdropper reads the messages
+and a man in the middle can rewrite them; `tls_cert_file` (connector.transport.tls) closes that gap.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+
+import msgspec
+
+from connector.core.errors import ControlError
+from connector.protocol.messages import NONCE_BYTES, PROTOCOL_VERSION, Auth, Hello, encode_body
+
+DOMAIN = b"sparse-kv-connector side channel v%d\x00" % PROTOCOL_VERSION
+"""Prefix of every transcript: a proof made for another protocol or version never verifies here."""
+MEMORY_FIELDS = ("agent_metadata", "regions", "staging_addr", "staging_device", "staging_bytes")
+"""The Hello fields that describe a rank's memory: sent only in Auth, and only by decode."""
+
+
+def new_nonce() -> bytes:
+    return secrets.token_bytes(NONCE_BYTES)
+
+
+def identity(hello: Hello) -> Hello:
+    """`hello` as it goes on the wire: no memory and no proof."""
+    return msgspec.structs.replace(hello, agent_metadata=b"", regions=[], staging_addr=0, staging_device=0,
+                                   staging_bytes=0, proof=b"")
+
+
+def memory_of(hello: Hello, proof: bytes = b"") -> Auth:
+    """The Auth that carries `hello`'s memory."""
+    return Auth(proof=proof, **{name: getattr(hello, name) for name in MEMORY_FIELDS})
+
+
+def with_memory(hello: Hello, auth: Auth) -> Hello:
+    """A peer's Hello completed with the memory its Auth carried (what the server keeps as `conn.peer`)."""
+    return msgspec.structs.replace(hello, proof=b"", **{name: getattr(auth, name) for name in MEMORY_FIELDS})
+
+
+def transcript(client: Hello, server: Hello) -> bytes:
+    """What both proofs cover: the two Hellos as sent (nonces included), proofs left out."""
+    return DOMAIN + encode_body(identity(client)) + b"\x00" + encode_body(identity(server))
+
+
+def _mac(token: str, label: bytes, data: bytes) -> bytes:
+    return hmac.new(token.encode(), label + data, hashlib.sha256).digest()
+
+
+def server_proof(token: str, client: Hello, server: Hello) -> bytes:
+    """Prefill's proof: HMAC(token, "prefill" + transcript)."""
+    return _mac(token, b"prefill\x00", transcript(client, server))
+
+
+def client_proof(token: str, client: Hello, server: Hello, auth: Auth) -> bytes:
+    """Decode's proof: HMAC(token, "decode" + transcript + SHA-256 of its Auth without the proof), so the memory
+    that comes with it cannot be swapped."""
+    memory = hashlib.sha256(encode_body(msgspec.structs.replace(auth, proof=b""))).digest()
+    return _mac(token, b"decode\x00", transcript(client, server) + memory)
+
+
+def check_nonce(hello: Hello, who: str) -> None:
+    if len(hello.nonce) != NONCE_BYTES:
+        raise ControlError(f"{who} sent a {len(hello.nonce)}-byte nonce, expected {NONCE_BYTES}: it runs an older or "
+                           f"foreign side-channel protocol")
+
+
+def check_server_proof(token: str, client: Hello, server: Hello) -> None:
+    """Decode's check of prefill. Raises ControlError unless `server.proof` is right; without a token, nothing to
+    check."""
+    if not token:
+        return
+    if not server.proof:
+        raise ControlError("prefill did not prove it knows the auth_token (it runs without one): set the same "
+                           "auth_token on prefill, or none on decode")
+    if not hmac.compare_digest(server.proof, server_proof(token, client, server)):
+        raise ControlError("prefill's proof of the auth_token is wrong: the two sides have different tokens (or "
+                           "this is not the prefill you meant to reach); nothing about decode's memory was sent")
+
+
+def check_client_proof(token: str, client: Hello, server: Hello, auth: Auth) -> None:
+    """Prefill's check of decode. Raises ControlError("bad auth token ...") unless `auth.proof` is right."""
+    if not token:
+        return
+    if not auth.proof:
+        raise ControlError("bad auth token: this prefill requires auth_token and the peer sent no proof (set the same "
+                           "auth_token on decode)")
+    if not hmac.compare_digest(auth.proof, client_proof(token, client, server, auth)):
+        raise ControlError("bad auth token: the peer's proof does not match (set the same auth_token on both sides)")

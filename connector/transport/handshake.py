@@ -1,0 +1,130 @@
+"""The side channel's handshake over a socket (the messages and proofs are connector.protocol): the client's half
+(`client_handshake`) and the server's (`ServerHandshake`), and reading one frame. Used by
+connector.transport.control, which owns the connections."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+from typing import Any, Callable
+
+import msgspec
+
+from connector.core.errors import ControlError
+from connector.protocol.auth import (check_client_proof, check_server_proof, client_proof, identity, memory_of,
+                                     new_nonce, server_proof)
+from connector.protocol.handshake import check_hello
+from connector.protocol.messages import (DEFAULT_MAX_FRAME_BYTES, HANDSHAKE_MAX_FRAME_BYTES, HEADER, Auth, Hello,
+                                         Message, Reject, Welcome, check_header, decode_body, encode_frame)
+from connector.transport.limits import AdmissionGuard, ServerLimits
+
+log = logging.getLogger(__name__)
+
+PeekHook = Callable[[Hello], None]
+"""Called with a peer's first Hello before anything is answered (cheap checks only); raise to refuse it."""
+
+
+def format_addr(addr: Any) -> str:
+    """`host:port` (IPv6 as `[host]:port`) from a socket peername."""
+    if isinstance(addr, tuple) and len(addr) >= 2:
+        host, port = addr[0], addr[1]
+        return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+    return str(addr)
+
+
+async def read_frame(reader: asyncio.StreamReader, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Message:
+    """Read one frame. The header is checked (size, version) before the body is read.
+    Raises FrameError for a bad frame, asyncio.IncompleteReadError on EOF."""
+    length = check_header(await reader.readexactly(HEADER.size), max_frame_bytes)
+    return decode_body(await reader.readexactly(length))
+
+
+async def client_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, hello: Hello,
+                            auth_token: str, where: str) -> Hello:
+    """The client's half of the handshake; returns the server's Hello."""
+    ours = msgspec.structs.replace(identity(hello), nonce=new_nonce())
+    writer.write(encode_frame(ours))
+    await writer.drain()
+    reply = _expect(await read_frame(reader, HANDSHAKE_MAX_FRAME_BYTES), Hello, where)
+    try:
+        check_hello(reply, hello)
+        check_server_proof(auth_token, ours, reply)  # before a byte about our memory leaves
+    except ControlError as exc:
+        raise ControlError(f"{where}: {exc}") from None
+    auth = memory_of(hello)
+    if auth_token:
+        auth = msgspec.structs.replace(auth, proof=client_proof(auth_token, ours, reply, auth))
+    writer.write(encode_frame(auth))
+    await writer.drain()
+    _expect(await read_frame(reader, HANDSHAKE_MAX_FRAME_BYTES), Welcome, where)
+    return reply
+
+
+def _expect(msg: Message, kind: type, where: str) -> Any:
+    if isinstance(msg, Reject):
+        raise ControlError(f"{where} rejected the handshake: {msg.reason}")
+    if not isinstance(msg, kind):
+        raise ControlError(f"{where} answered the handshake with {type(msg).__name__} where {kind.__name__} was "
+                           f"due: {msg!r}"[:2000])
+    return msg
+
+
+def is_loopback(host: str) -> bool:
+    """True for 127.0.0.0/8, ::1 and "localhost" (what only this machine can reach)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+class ServerHandshake:
+    """The server's half: Hello in (checked, then `peek`), our identity with a fresh nonce and our proof out, Auth in
+    (its proof checked; a failure is counted against the source address and answered late)."""
+
+    def __init__(self, hello: Hello, auth_token: str, limits: ServerLimits, guard: AdmissionGuard,
+                 peek: PeekHook | None) -> None:
+        self.hello, self.auth_token, self.limits, self.guard, self.peek = hello, auth_token, limits, guard, peek
+        self.identity = identity(hello)
+        """What we tell peers about ourselves: least privilege, never our NIXL metadata or addresses."""
+
+    async def run(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str) -> tuple[Hello, Auth]:
+        """Hello in, our Hello out, Auth in: the peer's Hello and Auth once its proof (if we need one) is right."""
+        limit = self.limits.handshake_frame_bytes
+        first = await read_frame(reader, limit)
+        if not isinstance(first, Hello):
+            raise ControlError(f"first frame is {type(first).__name__}, expected Hello")
+        check_hello(first, self.hello)
+        if self.peek is not None:
+            try:
+                self.peek(first)
+            except Exception as exc:
+                raise ControlError(f"refused: {exc}") from exc
+        ours = msgspec.structs.replace(self.identity, nonce=new_nonce())
+        if self.auth_token:
+            ours = msgspec.structs.replace(ours, proof=server_proof(self.auth_token, first, ours))
+        writer.write(encode_frame(ours))
+        await writer.drain()
+        auth = await read_frame(reader, limit)
+        if not isinstance(auth, Auth):
+            raise ControlError(f"second frame is {type(auth).__name__}, expected Auth")
+        try:
+            check_client_proof(self.auth_token, first, ours, auth)
+        except ControlError:
+            self.guard.auth_failed(host)
+            await asyncio.sleep(self.limits.auth_failure_delay_s)  # every guess costs the guesser this much
+            raise
+        return first, auth
+
+
+async def end_session(session: Any) -> None:
+    """Await `session.aclose()` if it has one (the engine's cleanup of a peer), logging rather than raising."""
+    close = getattr(session, "aclose", None)
+    if close is None:
+        return
+    try:
+        await close()
+    except Exception:  # noqa: BLE001 - cleanup of one peer must not take the server down
+        log.exception("ending the session of a side-channel peer failed")
