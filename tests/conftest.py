@@ -4,10 +4,24 @@ the test ends (loop threads, NIXL agents and engines in this process; worker pro
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
 from connector.core.hf_config import load_model
+
+
+@pytest.fixture(autouse=True)
+def _vllm_env_kept():
+    """vLLM settings in os.environ stay as they were before each test. Building a VllmConfig for MiniMax-M3 in this
+    process sets VLLM_USE_BREAKABLE_CUDAGRAPH=1 (vLLM's auto-enable, config/vllm.py); every `vllm serve` the
+    real-engine tests start later inherits this environment, and a Llama engine with that flag behaves otherwise
+    (no plain functions from eager_break_during_capture; PP workers assert on missing intermediate tensors)."""
+    before = {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}
+    yield
+    for key in [k for k in os.environ if k.startswith("VLLM_") and k not in before]:
+        del os.environ[key]
+    os.environ.update(before)
 
 
 @pytest.fixture(scope="session")

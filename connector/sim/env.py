@@ -4,7 +4,8 @@ loopback ports for their side channels."""
 from __future__ import annotations
 
 import os
-import socket
+
+from connector.transport.ports import free_ports
 
 ENV_DEFAULTS = {
     "UCX_NET_DEVICES": "lo",          # loopback only; otherwise UCX advertises every interface
@@ -13,27 +14,9 @@ ENV_DEFAULTS = {
 }
 
 
-def free_port_range(count: int, attempts: int = 50) -> int:
+def free_port_range(count: int) -> int:
     """A base port with `count` consecutive free ports on 127.0.0.1 (prefill rank (pp,tp) gets base+pp*tp_size+tp)."""
-    for _ in range(attempts):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
-        if base + count >= 65535:
-            continue
-        socks = []
-        try:
-            for i in range(count):
-                s = socket.socket()
-                s.bind(("127.0.0.1", base + i))
-                socks.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no {count} consecutive free ports on 127.0.0.1 after {attempts} attempts")
+    return free_ports(count, "127.0.0.1")
 
 
 def apply_env(overrides: tuple[tuple[str, str], ...] = ()) -> None:
