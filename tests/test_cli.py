@@ -8,6 +8,16 @@ import sys
 
 import pytest
 
+from connector.core.hf_config import PRESETS
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
 
 def run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "connector", *args], capture_output=True, text=True, timeout=120)
@@ -73,3 +83,70 @@ def test_unknown_model_is_one_line_exit_2(tmp_path):
         out = run("plan", "--model", model, "--prefill", "tp=1,pp=1", "--decode", "tp=1,pp=1")
         assert out.returncode == 2, out.stderr
         assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def _huge_layers(tmp_path):
+    config = json.loads((PRESETS["qwen3-8b"]).read_text())
+    config["num_hidden_layers"] = 1_000_000_000
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return str(tmp_path)
+
+
+M3 = ("--model", "minimax-m3")
+QWEN = ("--model", "qwen3-8b")
+BAD_INPUTS = [
+    # (arguments, needle in the error line); a model path of None is replaced by a config with 1e9 layers
+    (("demo", *QWEN, "--chunks", "0"), "--chunks: 0 is out of range"),
+    (("demo", *QWEN, "--chunks", "-1"), "--chunks: -1 is out of range"),
+    (("demo", *QWEN, "--tokens", "100", "--chunks", "101"), "--chunks 101: each chunk needs a token; give 1..100"),
+    (("bench", *QWEN, "--tokens", "1000000000"), "--tokens: 1000000000 is out of range"),
+    (("bench", *QWEN, "--tokens", "16000000"), "GiB of memory is available: use fewer --tokens"),
+    (("demo", *QWEN, "--tokens", "1e9"), "--tokens: '1e9' is not an integer"),
+    (("demo", *QWEN, "--tokens", "0"), "--tokens: 0 is out of range"),
+    (("demo", *QWEN, "--block-size", "1e8"), "--block-size: '1e8' is not an integer"),
+    (("demo", *QWEN, "--block-size", "100000000"), "--block-size: 100000000 is out of range"),
+    (("demo", *QWEN, "--requests", "0"), "--requests: 0 is out of range"),
+    (("demo", *QWEN, "--requests", "10000", "--tokens", "1000000"), "GiB of memory is available"),
+    (("demo", *QWEN, "--staging-mb", "-1"), "--staging-mb: -1 is out of range"),
+    (("demo", *QWEN, "--staging-mb", "1048576"), "GiB of memory is available: use fewer --tokens"),
+    (("demo", *QWEN, "--timeout", "0"), "--timeout: 0 is out of range"),
+    (("demo", *QWEN, "--timeout", "inf"), "--timeout: inf is out of range"),
+    (("bench", *QWEN, "--repeats", "0"), "--repeats: 0 is out of range"),
+    (("demo", *QWEN, "--layer-ms", "1e12"), "--layer-ms: 1e12 is out of range"),
+    (("demo", *QWEN, "--layer-ms", "-1"), "--layer-ms: -1 is out of range"),
+    (("demo", *QWEN, "--layer-ms", "nan"), "--layer-ms: nan is out of range"),
+    (("demo", *QWEN, "--layer-ms", "5000"), "--layer-ms 5000 x 36 layers is 180 s of compute per chunk, over --timeout"),
+    (("demo", *QWEN, "--run-blocks", "0"), "--run-blocks: 0 is out of range"),
+    (("demo", *QWEN, "--prefix-tokens", "-16"), "--prefix-tokens: -16 is out of range"),
+    (("demo", *QWEN, "--prefix-tokens", "1024"), "--prefix-tokens 1024 must be a multiple of --block-size 16 below"),
+    (("demo", *QWEN, "--prefill", "tp=128"), "--prefill tp=128,pp=1 is 128 ranks; at most 64"),
+    (("demo", *QWEN, "--prefill-node", "host=a b"), "--prefill-node host='a b': use letters"),
+    (("demo", *QWEN, "--decode-node", "host=10.0.0.2,netns=no-such-ns-8b"), "netns=no-such-ns-8b: no such network"),
+    (("demo", *QWEN, "--decode-node", "dev=eth0,dev=eth1"), "dev is given twice"),
+    (("plan", *M3, "--prefill", "tp=1048576", "--decode", "tp=1"), "--prefill tp=1048576,pp=1 is 1048576 ranks"),
+    (("plan", *M3, "--prefill", "tp=1,pp=61", "--decode", "tp=1"), "pp=61 is larger than the model's 60 layers"),
+    (("plan", *M3, "--prefill", "tp=1", "--decode", "tp=0"), "--decode: tp=0 must be at least 1"),
+    (("plan", "--model", None, "--prefill", "tp=1", "--decode", "tp=1"),
+     'field "num_hidden_layers" is 1000000000 (dense GQA config): set it to an integer 1..1024'),
+    (("bench-pd", "--requests", "0"), "--requests: 0 is out of range"),
+    (("bench-pd", "--warmup", "-1"), "--warmup: -1 is out of range"),
+    (("bench-pd", "--max-tokens", "0"), "--max-tokens: 0 is out of range"),
+    (("bench-pd", "--prompt-tokens", "1,x"), "--prompt-tokens '1,x': give integers"),
+    (("bench-pd", "--prompt-tokens", "5000"), "--prompt-tokens [5000]: each must be 2..4080"),
+    (("demo", *QWEN, "--mode", "fast"), "argument --mode: invalid choice: 'fast'"),
+]
+if not _cuda_available():
+    BAD_INPUTS.append((("demo", *QWEN, "--device", "cuda"), "--device cuda: CUDA is not available"))
+
+
+@pytest.mark.parametrize("args, needle", BAD_INPUTS, ids=[" ".join(a[:1] + a[3:]) for a, _ in BAD_INPUTS])
+def test_every_bad_cli_input_is_one_line_exit_2_at_once(args, needle, tmp_path):
+    """Each refused before any process or NIXL agent starts: exit 2, one `error:` line naming the value, no
+    traceback, and quickly (a hang fails the 20 s timeout)."""
+    args = tuple(_huge_layers(tmp_path) if a is None else a for a in args)
+    out = subprocess.run([sys.executable, "-m", "connector", *args], capture_output=True, text=True, timeout=20)
+    assert out.returncode == 2, (out.returncode, out.stderr[-2000:])
+    lines = out.stderr.strip().splitlines()
+    assert "Traceback" not in out.stderr and len(lines) == 1, out.stderr[-2000:]
+    assert lines[0].startswith("error: ") and needle in lines[0], lines[0]
+    assert out.stdout == ""

@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import os
+import re
 from typing import Any
 
+from connector.cli.checks import MAX_RANKS, check_ranks
 from connector.core.errors import CliError, LayoutError
-from connector.core.layout import ModelLayout, ParallelLayout
+from connector.core.layout import ModelLayout, ParallelLayout, check_tp
+
+NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+"""A host, namespace, interface or UCX transport name: no spaces, slashes or shell characters."""
 
 
-def parse_side(text: str, model: ModelLayout, flag: str) -> ParallelLayout:
-    """`tp=T,pp=P[,layers=a:b:c]` -> ParallelLayout (layers: a count per stage, like VLLM_PP_LAYER_PARTITION)."""
+def parse_side(text: str, model: ModelLayout, flag: str, most: int = MAX_RANKS) -> ParallelLayout:
+    """`tp=T,pp=P[,layers=a:b:c]` -> ParallelLayout (layers: a count per stage, like VLLM_PP_LAYER_PARTITION).
+    A tp x pp over `most` ranks, a pp over the layer count or a tp the KV heads do not allow is refused here, before
+    any plan is built."""
     fields: dict[str, str] = {}
     for item in text.split(","):
         key, sep, value = item.partition("=")
@@ -24,9 +32,14 @@ def parse_side(text: str, model: ModelLayout, flag: str) -> ParallelLayout:
     except ValueError:
         raise CliError(f"{flag} {text!r}: tp, pp and the layers counts must be integers, e.g. tp=4,pp=2,layers=30:30")
     try:
-        return ParallelLayout.build(model.num_layers, tp, pp, counts)
+        layout = ParallelLayout.build(model.num_layers, tp, pp, counts)
+        for pool in model.pools.values():
+            if pool.layers:
+                check_tp(pool, tp)
     except LayoutError as exc:
         raise CliError(f"{flag}: {exc}") from None
+    check_ranks(layout, flag, most)
+    return layout
 
 
 def add_common(sub: argparse.ArgumentParser) -> None:
@@ -47,9 +60,17 @@ def parse_node(text: str | None, flag: str) -> Any:
     fields: dict[str, str] = {}
     for item in text.split(","):
         key, sep, value = item.partition("=")
-        if not sep or key.strip() not in ("host", "netns", "dev", "tls") or not value.strip():
+        key, value = key.strip(), value.strip()
+        if not sep or key not in ("host", "netns", "dev", "tls") or not value:
             raise CliError(f"{flag} {text!r}: expected host=H[,netns=N][,dev=D][,tls=T], got {item!r}")
-        fields[key.strip()] = value.strip()
+        if key in fields:
+            raise CliError(f"{flag} {text!r}: {key} is given twice: give it once")
+        if not NAME.fullmatch(value):
+            raise CliError(f"{flag} {key}={value!r}: use letters, digits and . _ : - only (at most 64)")
+        fields[key] = value
+    if "netns" in fields and not os.path.exists(f"/run/netns/{fields['netns']}"):
+        raise CliError(f"{flag} netns={fields['netns']}: no such network namespace: create it "
+                       f"(`ip netns add {fields['netns']}`, see connector/sim/netns.py) or drop netns")
     env = [("UCX_NET_DEVICES", fields["dev"])] if "dev" in fields else []
     tls = fields.get("tls", "tcp" if env or "netns" in fields else "")
     env += [("UCX_TLS", tls)] if tls else []

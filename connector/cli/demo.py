@@ -8,7 +8,12 @@ import sys
 from typing import Any
 
 from connector.cli.args import add_common, parse_node, parse_side
+from connector.cli.checks import MAX_SIM_RANKS, check_device, check_memory, check_time, float_in, int_in
 from connector.core.errors import CliError
+
+MAX_TOKENS = 1 << 24
+MAX_BLOCK_SIZE = 1024
+MAX_REQUESTS = 10_000
 
 
 def add_subcommands(subs: Any) -> None:
@@ -19,30 +24,34 @@ def add_subcommands(subs: Any) -> None:
     demo.add_argument("--decode", default="tp=1,pp=1", metavar="tp=T,pp=P[,layers=a:b:c]")
     _add_run_args(demo)
     demo.add_argument("--mode", choices=["stream", "bulk"], default="stream")
-    demo.add_argument("--chunks", type=int, default=1, help="chunked prefill: forwards per prompt")
-    demo.add_argument("--prefix-tokens", type=int, default=0, help="decode prefix-cache hit, block-aligned")
+    demo.add_argument("--chunks", type=int_in(1, MAX_TOKENS), default=1,
+                      help="chunked prefill: forwards per prompt (at most --tokens)")
+    demo.add_argument("--prefix-tokens", type=int_in(0, MAX_TOKENS), default=0,
+                      help="decode prefix-cache hit, block-aligned")
     demo.add_argument("--late-register", action="store_true", help="decode registers after prefill finished")
-    demo.add_argument("--requests", type=int, default=1)
+    demo.add_argument("--requests", type=int_in(1, MAX_REQUESTS), default=1)
     demo.set_defaults(run=run_demo)
 
     bench = subs.add_parser("bench", help="raw NIXL vs connector bulk vs connector stream, one process pair")
     add_common(bench)
     _add_run_args(bench, layer_ms=None)
-    bench.add_argument("--repeats", type=int, default=5, help="runs of each kind; medians are reported")
+    bench.add_argument("--repeats", type=int_in(1, 1000), default=5, help="runs of each kind; medians are reported")
     bench.set_defaults(run=run_bench)
 
 
 def _add_run_args(p: argparse.ArgumentParser, layer_ms: float | None = 2.0) -> None:
-    p.add_argument("--tokens", type=int, default=1024 if layer_ms is not None else 4096)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--layer-ms", type=float, default=layer_ms,
+    p.add_argument("--tokens", type=int_in(1, MAX_TOKENS), default=1024 if layer_ms is not None else 4096)
+    p.add_argument("--block-size", type=int_in(1, MAX_BLOCK_SIZE), default=16)
+    p.add_argument("--layer-ms", type=float_in(0, 60_000), default=layer_ms,
                    help="simulated compute per layer" + ("" if layer_ms is not None else
                                                           " (default: 1.5x the measured per-layer transfer time)"))
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--run-blocks", type=int, default=1, help="allocate block ids in runs of this length")
-    p.add_argument("--staging-mb", type=int, default=0,
+    p.add_argument("--run-blocks", type=int_in(1, MAX_TOKENS), default=1,
+                   help="allocate block ids in runs of this length")
+    p.add_argument("--staging-mb", type=int_in(0, 1 << 20), default=0,
                    help="per-rank staging buffer in MiB: scattered blocks move as gathered chunks (0 = off)")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds any one step may take")
+    p.add_argument("--timeout", type=float_in(0, 86_400, lo_open=True), default=120.0,
+                   help="seconds any one step may take")
     for side in ("prefill", "decode"):
         p.add_argument(f"--{side}-node", metavar="host=H[,netns=N][,dev=D][,tls=T]",
                        help=f"run the {side} ranks there (default: 127.0.0.1 in this namespace)" +
@@ -50,14 +59,15 @@ def _add_run_args(p: argparse.ArgumentParser, layer_ms: float | None = 2.0) -> N
 
 
 def _scenario(args: argparse.Namespace, **over: Any):
-    from connector.sim.cluster import Scenario
+    """The run's Scenario, after every check that needs the model: ranks, chunks, prefix, time, device and memory
+    (nothing is started or allocated before they pass)."""
     from connector.core.hf_config import load_model
+    from connector.sim.cluster import Scenario
 
     model = load_model(args.model, args.kv_cache_dtype)
-    if args.tokens < 1 or args.block_size < 1:
-        raise CliError(f"--tokens {args.tokens} and --block-size {args.block_size} must be positive")
-    fields = dict(model=model, prefill=parse_side(getattr(args, "prefill", "tp=1,pp=1"), model, "--prefill"),
-                  decode=parse_side(getattr(args, "decode", "tp=1,pp=1"), model, "--decode"),
+    fields = dict(model=model,
+                  prefill=parse_side(getattr(args, "prefill", "tp=1,pp=1"), model, "--prefill", MAX_SIM_RANKS),
+                  decode=parse_side(getattr(args, "decode", "tp=1,pp=1"), model, "--decode", MAX_SIM_RANKS),
                   tokens=args.tokens, block_size=args.block_size, layer_ms=args.layer_ms or 0.0,
                   device=args.device, run_blocks=args.run_blocks, timeout_s=args.timeout,
                   staging_mb=args.staging_mb, prefill_node=parse_node(args.prefill_node, "--prefill-node"),
@@ -67,7 +77,13 @@ def _scenario(args: argparse.Namespace, **over: Any):
     if prefix % args.block_size or not 0 <= prefix < args.tokens:
         raise CliError(f"--prefix-tokens {prefix} must be a multiple of --block-size {args.block_size} "
                        f"below --tokens {args.tokens}")
-    return Scenario(**fields)
+    if fields.get("chunks", 1) > args.tokens:
+        raise CliError(f"--chunks {fields['chunks']}: each chunk needs a token; give 1..{args.tokens} (--tokens)")
+    check_time(model, fields["layer_ms"], args.timeout)
+    check_device(args.device)
+    sc = Scenario(**fields)
+    check_memory(model, sc.prefill, sc.decode, sc.num_blocks, sc.block_size, sc.staging_mb, sc.device)
+    return sc
 
 
 def run_demo(args: argparse.Namespace) -> int:

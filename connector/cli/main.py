@@ -8,12 +8,13 @@ import sys
 
 from connector.cli.args import add_common, parse_side
 from connector.cli.bench_pd import add_subcommand as add_bench_pd
+from connector.cli.checks import Parser
 from connector.cli.demo import add_subcommands
 from connector.core.errors import InputError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m connector", description=__doc__)
+    parser = Parser(prog="python -m connector", description=__doc__)
     subs = parser.add_subparsers(dest="command", required=True)
     plan = subs.add_parser("plan", help="print which prefill rank sends which (pool, layer, heads) to which decode rank")
     add_common(plan)

@@ -65,6 +65,13 @@ FP8_DS_MLA_DIMS = (512, 64)
 
 _MISSING = object()
 
+MAX_LAYERS = 1024
+"""Bounds on a config's sizes, far above any released model: a value beyond them is a typo or a hostile file, and
+refusing it keeps a layout (and every plan built from it) small."""
+MAX_HEADS = 1024
+MAX_DIM = 65536
+MAX_INT = 1 << 20
+
 
 def _one_line(msg: str) -> str:
     return msg.replace("\r", "\\r").replace("\n", "\\n")
@@ -96,14 +103,14 @@ class _Fields:
     def bad(self, key: str, value: Any, fix: str) -> LayoutError:
         return _fail(f'config {self.src} field "{key}" is {_show(value)} ({self.what}): {fix}')
 
-    def get_int(self, key: str, default: Any = _MISSING, minimum: int | None = 1) -> Any:
+    def get_int(self, key: str, default: Any = _MISSING, minimum: int = 1, maximum: int = MAX_INT) -> Any:
         value = self.data.get(key)
         if value is None:
             if default is _MISSING:
                 raise self.missing(key)
             return default
-        if isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum):
-            raise self.bad(key, value, "set it to an integer" + (f" >= {minimum}" if minimum is not None else ""))
+        if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+            raise self.bad(key, value, f"set it to an integer {minimum}..{maximum}")
         return value
 
     def get_int_list(self, key: str, default: Any = _MISSING) -> Any:
@@ -188,15 +195,15 @@ def _minimax_m3(top: _Fields, name: str, kv_cache_dtype: str, indexer_kv_dtype: 
         text = top.section("text_config", "MiniMax-M3 text config")
     else:
         text = _Fields(top.data, top.src, "MiniMax-M3 text config")
-    num_layers = text.get_int("num_hidden_layers")
-    kv_heads = text.get_int("num_key_value_heads")
-    head_dim = text.get_int("head_dim")
+    num_layers = text.get_int("num_hidden_layers", maximum=MAX_LAYERS)
+    kv_heads = text.get_int("num_key_value_heads", maximum=MAX_HEADS)
+    head_dim = text.get_int("head_dim", maximum=MAX_DIM)
     # vLLM reads it from the text config; SGLang also accepts it at the top level (model_config.py:172).
     sparse = text.section("sparse_attention_config", "MiniMax-M3 sparse_attention_config", fallback=top)
     freq = sparse.get_int_list("sparse_attention_freq")
     # vLLM never reads this list (no index value); missing entries mean K-only, as in vLLM.
     disable = sparse.get_int_list("sparse_disable_index_value", default=[])
-    index_dim = sparse.get_int("sparse_index_dim")
+    index_dim = sparse.get_int("sparse_index_dim", maximum=MAX_DIM)
     dtype = _resolved_dtype(model_dtype, text, top)
 
     # nvidia/model.py `_sparse_attention_layer_ids`: {i for i, f in enumerate(freq) if f != 0}; entries past the
@@ -257,12 +264,12 @@ def dsa_indexer_layers(num_layers: int, freq: int = 1, pattern: Any = None, offs
 
 def _dsa(top: _Fields, name: str, kv_cache_dtype: str, indexer_kv_dtype: str, model_dtype: str | None) -> ModelLayout:
     f = _Fields(top.data, top.src, "DeepSeek-V3.2/GLM DSA config")
-    num_layers = f.get_int("num_hidden_layers")
-    kv_lora_rank = f.get_int("kv_lora_rank")
-    rope_dim = f.get_int("qk_rope_head_dim")
-    index_head_dim = f.get_int("index_head_dim")
+    num_layers = f.get_int("num_hidden_layers", maximum=MAX_LAYERS)
+    kv_lora_rank = f.get_int("kv_lora_rank", maximum=MAX_DIM)
+    rope_dim = f.get_int("qk_rope_head_dim", maximum=MAX_DIM)
+    index_head_dim = f.get_int("index_head_dim", maximum=MAX_DIM)
     freq = f.get_int("index_topk_freq", default=1)
-    offset = f.get_int("index_skip_topk_offset", default=2, minimum=None)
+    offset = f.get_int("index_skip_topk_offset", default=2, minimum=-MAX_INT)
     pattern = f.data.get("index_topk_pattern")
     if pattern is not None and not (isinstance(pattern, str) or
                                     (isinstance(pattern, list) and all(isinstance(c, str) for c in pattern))):
@@ -299,11 +306,11 @@ def _dsa(top: _Fields, name: str, kv_cache_dtype: str, indexer_kv_dtype: str, mo
 def _dense(top: _Fields, name: str, kv_cache_dtype: str, indexer_kv_dtype: str, model_dtype: str | None) -> ModelLayout:
     f = _Fields(top.data, top.src, "dense GQA config")
     dtype = _resolved_dtype(model_dtype, f)
-    num_layers = f.get_int("num_hidden_layers")
-    heads = f.get_int("num_attention_heads")
-    kv_heads = f.get_int("num_key_value_heads", default=heads)
+    num_layers = f.get_int("num_hidden_layers", maximum=MAX_LAYERS)
+    heads = f.get_int("num_attention_heads", maximum=MAX_HEADS)
+    kv_heads = f.get_int("num_key_value_heads", default=heads, maximum=MAX_HEADS)
     if f.has("head_dim"):
-        head_dim = f.get_int("head_dim")
+        head_dim = f.get_int("head_dim", maximum=MAX_DIM)
     else:
         hidden = f.get_int("hidden_size")
         if hidden % heads:
