@@ -213,3 +213,20 @@ def test_every_public_exception_is_in_the_one_tree():
         assert issubclass(cls, branch) and not issubclass(cls, errors.InputError if branch is errors.PeerError
                                                            else errors.PeerError), cls
         assert issubclass(cls, ValueError if branch is errors.InputError else RuntimeError), cls
+
+
+def test_no_merge_conflict_markers():
+    """A merge left unresolved must not land (README.md once carried three such hunks)."""
+    import subprocess
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT.parent, capture_output=True, text=True).stdout.split()
+    if not files:
+        pytest.skip("not a git checkout")
+    marked = []
+    for name in files:
+        path = ROOT.parent / name
+        if path.suffix not in (".py", ".md", ".toml", ".sh", ".json", ".txt", ".cfg", ".yaml", ".yml") or not path.is_file():
+            continue
+        lines = path.read_text(errors="replace").splitlines()
+        if any(line.startswith(("<<<<<<< ", ">>>>>>> ")) for line in lines):
+            marked.append(name)
+    assert not marked, f"merge conflict markers in {marked}: resolve them"
