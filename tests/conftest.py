@@ -11,17 +11,19 @@ import pytest
 from connector.core.hf_config import load_model
 
 
-@pytest.fixture(autouse=True)
-def _vllm_env_kept():
-    """vLLM settings in os.environ stay as they were before each test. Building a VllmConfig for MiniMax-M3 in this
-    process sets VLLM_USE_BREAKABLE_CUDAGRAPH=1 (vLLM's auto-enable, config/vllm.py); every `vllm serve` the
-    real-engine tests start later inherits this environment, and a Llama engine with that flag behaves otherwise
-    (no plain functions from eager_break_during_capture; PP workers assert on missing intermediate tensors)."""
-    before = {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}
-    yield
-    for key in [k for k in os.environ if k.startswith("VLLM_") and k not in before]:
+VLLM_ENV_AT_START = {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}
+"""vLLM's settings in this process's environment before any test ran (this conftest loads before test modules)."""
+
+
+def restore_vllm_env() -> None:
+    """Put vLLM's settings in os.environ back as they were at the start. Building a VllmConfig for MiniMax-M3 in this
+    process (the vLLM 0.33 harness tests, some in module-scoped fixtures) sets VLLM_USE_BREAKABLE_CUDAGRAPH=1
+    (vLLM's auto-enable, config/vllm.py), and every `vllm serve` started afterwards inherits it: a Llama engine with
+    that flag behaves otherwise (eager_break_during_capture wraps; PP workers assert on missing intermediate
+    tensors). The real-engine fixtures call this before they start servers."""
+    for key in [k for k in os.environ if k.startswith("VLLM_") and k not in VLLM_ENV_AT_START]:
         del os.environ[key]
-    os.environ.update(before)
+    os.environ.update(VLLM_ENV_AT_START)
 
 
 @pytest.fixture(scope="session")

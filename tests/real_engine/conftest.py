@@ -22,6 +22,7 @@ import pytest
 from connector.pd.client import complete, completion_body
 from connector.pd.model import TinyLlama
 from connector.pd.servers import ServerSpec, VllmServer, free_port, sparse_kv_config, start_all
+from tests.conftest import restore_vllm_env
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_PYTHON = Path(os.environ.get("SPARSE_KV_ENGINE_PYTHON", str(ROOT / ".venv-cpu" / "bin" / "python")))
@@ -170,6 +171,7 @@ def fresh_salt() -> str:
 
 @pytest.fixture(scope="session")
 def engines(tmp_path_factory) -> Engines:
+    restore_vllm_env()  # the engines get the environment the session started with, not what vLLM 0.33 set since
     python = engine_python()
     root = Path(LOG_DIR) if LOG_DIR else tmp_path_factory.mktemp("real-engines")
     root.mkdir(parents=True, exist_ok=True)
