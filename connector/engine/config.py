@@ -7,6 +7,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+STAGING_MB_CUDA = 256
+"""Default staging buffer per worker when the KV cache is in GPU memory: staged chunks are the fast path there (one
+NIXL descriptor per chunk instead of one per block range; see the README's performance section)."""
+STAGING_MB_CPU = 256
+"""Default when the KV cache is in host memory. There the gather and the scatter are CPU copies that cost about as
+much as the descriptors they save; the bench on a 2-core box (README) decides which path is the default."""
+
+
+def default_staging_mb(cuda: bool) -> int:
+    """The staging buffer a worker gets unless configured (`staging_mb`; 0 turns staging off)."""
+    return STAGING_MB_CUDA if cuda else STAGING_MB_CPU
+
+
 @dataclass(frozen=True)
 class SideChannelConfig:
     """The TCP side channel between a prefill and a decode rank (connector.transport.control)."""
@@ -38,6 +51,17 @@ class SenderConfig:
     """While requests are active, how often the loop picks up hook calls (see `StreamSender.layer_ready`)."""
     released_memory_s: float = 600.0
     """How long a finished transfer id is remembered, so a late registration for it is refused clearly."""
+    staging_ring_slots: int = 4
+    """Staged chunks in flight per decode connection: decode's staging area for the connection is cut into this many
+    slots, so the gather of one chunk, the WRITE of the next and decode's scatter of a third overlap."""
+    stage_min_descriptors: int = 8
+    """A batch with fewer descriptors is written directly (a gather and a scatter cost more than they save)."""
+    stage_below_bytes: int | None = None
+    """A batch is staged when its descriptors average fewer bytes than this (scattered blocks); longer runs are
+    written directly. None: 4 MiB on VRAM (NIXL's per-descriptor cost dwarfs a device copy) and 64 KiB on DRAM
+    (where the copies themselves cost about as much as the descriptors they save; see the README's bench)."""
+    record_timeline: bool = False
+    """Keep each batch's post, write and landing times per transfer (the bench's timeline plot)."""
 
 
 @dataclass(frozen=True)
@@ -49,5 +73,7 @@ class ReceiverConfig:
     """A transfer with no completion from every source by then fails (vLLM's kv_load_failure_policy applies)."""
     stop_timeout_s: float = 60.0
     """After an abort or failure, how long to wait for every prefill rank to confirm it writes nothing more."""
-    staging_slot_bytes: int = 16 * 1024 * 1024
-    """With a staging buffer: the slot each prefill rank connection gets (a staged chunk is at most this)."""
+    staging_slot_bytes: int = 64 * 1024 * 1024
+    """With a staging buffer: the most of it one prefill rank connection gets as its staging area (prefill cuts it
+    into a ring of `SenderConfig.staging_ring_slots` chunks). A prefill engine with more ranks than the buffer holds
+    such areas for gets equal shares of the buffer."""

@@ -48,8 +48,8 @@ class _Engine:
     plan: TransferPlan
     conns: dict[Rank, ControlConnection] = field(default_factory=dict)
     readers: list[asyncio.Task] = field(default_factory=list)
-    slots: dict[Rank, int] = field(default_factory=dict)
-    """Staging slot offset per prefill rank connection (absent: that rank writes directly)."""
+    areas: dict[Rank, tuple[int, int]] = field(default_factory=dict)
+    """(offset, bytes) of the staging area per prefill rank connection (absent: that rank writes directly)."""
 
     def port_of(self, src: Rank) -> int:
         return self.address.port_of(src, self.plan.prefill.tp)
@@ -87,6 +87,7 @@ class StreamReceiver:
         ranks that have one too send scattered blocks as staged chunks (connector.engine.staging)."""
         self.me, self.config = me, config
         self._staged = StagedReader(me, config.staging_slot_bytes)
+        """The areas of this rank's staging buffer, one per prefill rank connection, and the staged chunks' scatter."""
         self.hello = me.hello("decode", transport, config.side_channel.auth_token)
         self._engines: dict[PrefillAddress, _Engine] = {}
         self._connecting: dict[PrefillAddress, asyncio.Lock] = defaultdict(asyncio.Lock)
@@ -131,9 +132,10 @@ class StreamReceiver:
                                           f"port + pp * tp_size + tp")
                     accept_peer(conn.peer, self.hello, self.me.model, engine.plan)
                     engine.conns[src] = conn
-                    slot = self._staged.slots.take()  # none left: this rank writes directly, which is always correct
-                    if slot is not None:
-                        engine.slots[src] = slot
+                    # none left: this rank writes directly, which is always correct
+                    area = self._staged.take_area(len(engine.plan.prefill.ranks()))
+                    if area is not None:
+                        engine.areas[src] = area
                     engine.readers.append(self._tasks.spawn(self._read(engine, src, conn), name=f"read {src}"))
             except BaseException:
                 await first.aclose("handshake checks failed")
@@ -145,17 +147,17 @@ class StreamReceiver:
 
     async def _drop_engine(self, engine: _Engine, reason: str) -> None:
         """Stop talking to that prefill engine: its readers are cancelled and awaited (all but the caller, when a
-        reader drops it on its way out), its connections closed, its staging slots given back."""
+        reader drops it on its way out), its connections closed, its staging areas given back."""
         if self._engines.get(engine.address) is engine:
             del self._engines[engine.address]
         readers, engine.readers = engine.readers, []
         await self._tasks.cancel(readers, timeout_s=10.0)
         for conn in engine.conns.values():
             await conn.aclose(reason)
-        # The connections are closed, so no more staged chunk can arrive for these slots.
-        slots, engine.slots = engine.slots, {}
-        for slot in slots.values():
-            self._staged.slots.give_back(slot)
+        # The connections are closed and their readers done, so no staged chunk lands in these areas any more.
+        areas, engine.areas = engine.areas, {}
+        for area in areas.values():
+            self._staged.give_back(area)
 
     async def _read(self, engine: _Engine, src: Rank, conn: ControlConnection) -> None:
         """Prefill rank `src` -> this rank, in order, one method per message, until the connection closes."""
@@ -210,30 +212,43 @@ class StreamReceiver:
             pend.source_failed(src, TransferFailed(f"prefill rank {src} {why}"), stopped=True)
 
     async def _on_scatter(self, engine: _Engine, src: Rank, conn: ControlConnection, msg: Scatter) -> None:
-        """Scatter a staged chunk from this source's slot (connector.engine.staging) and answer Scattered either
-        way: the slot is free again then."""
+        """Scatter a staged chunk from this source's staging area (connector.engine.staging) and answer Scattered
+        either way: its slot is free again then. In line: a Complete that follows on this connection is dispatched
+        only after every chunk before it is in place."""
         pend = self._pending.get(msg.transfer_id)
-        try:
-            if pend is None or src not in pend.completes or pend.completes[src].done():
-                raise StagingError(f"transfer {msg.transfer_id!r} is not being received from {src} here (aborted, "
-                                   f"failed or finished)")
-            slot = engine.slots.get(src)
-            if slot is None:
-                raise StagingError(f"prefill rank {src} was given no staging slot")
-            await self._staged.scatter(msg, slot, pend.allowed_ranges(self.hello.regions))
-            reply = Scattered(msg.transfer_id, msg.seq, True)
-        except StagingError as exc:
-            log.warning("refusing staged chunk %d of %s from prefill rank %s: %s", msg.seq, msg.transfer_id, src,
-                        exc)
-            reply = Scattered(msg.transfer_id, msg.seq, False, str(exc))
-        except Exception as exc:  # noqa: BLE001 - the copy failed: tell the sender, keep the connection
-            log.error("staged chunk %d of %s from prefill rank %s: scatter failed: %s", msg.seq, msg.transfer_id,
-                      src, exc)
-            reply = Scattered(msg.transfer_id, msg.seq, False, f"scatter failed on decode: {exc}")
+        if pend is None or src not in pend.completes or pend.completes[src].done():
+            # Aborted, failed or finished here: the chunks still in flight from prefill are expected; drop them.
+            log.debug("dropping staged chunk %d of %s from prefill rank %s: not being received", msg.seq,
+                      msg.transfer_id, src)
+            reply = Scattered(msg.transfer_id, msg.seq, False, f"transfer {msg.transfer_id!r} is not being received "
+                                                               f"from {src} here (aborted, failed or finished)")
+        else:
+            reply = await self._scatter(engine, src, pend, msg)
         try:
             await conn.send(reply)
         except ControlError as exc:
             log.warning("could not answer staged chunk %d of %s: %s", msg.seq, msg.transfer_id, exc)
+
+    async def _scatter(self, engine: _Engine, src: Rank, pend: _Pending, msg: Scatter) -> Scattered:
+        """Scatter one chunk of a transfer being received; a chunk refused or failed fails the transfer from this
+        source at once (prefill hears why in the answer, and stops)."""
+        try:
+            area = engine.areas.get(src)
+            if area is None:
+                raise StagingError(f"prefill rank {src} was given no staging area")
+            await self._staged.scatter(msg, area, pend.allowed_ranges(self.hello.regions))
+            return Scattered(msg.transfer_id, msg.seq, True)
+        except StagingError as exc:
+            log.warning("refusing staged chunk %d of %s from prefill rank %s: %s", msg.seq, msg.transfer_id, src,
+                        exc)
+            why = str(exc)
+        except Exception as exc:  # noqa: BLE001 - the copy failed: tell the sender, keep the connection
+            log.error("staged chunk %d of %s from prefill rank %s: scatter failed: %s", msg.seq, msg.transfer_id,
+                      src, exc)
+            why = f"scatter failed on decode: {exc}"
+        pend.source_failed(src, TransferFailed(f"decode refused staged chunk {msg.seq} of {msg.transfer_id!r} from "
+                                               f"prefill rank {src}: {why}"), stopped=False)
+        return Scattered(msg.transfer_id, msg.seq, False, why)
 
     # ---- transfers -------------------------------------------------------------------------------------------
     async def receive(self, transfer_id: str, prefill: PrefillAddress, block_ids: list[list[int]],
@@ -258,11 +273,10 @@ class StreamReceiver:
         try:
             async with asyncio.timeout(timeout or self.config.transfer_timeout_s):
                 for src, conn in engine.conns.items():
-                    slot = engine.slots.get(src)
+                    offset, nbytes = engine.areas.get(src, (0, 0))
                     await conn.send(Register(transfer_id, *self.me.rank, block_ids, first_token,
                                              num_tokens, layers=sorted(layers[src]),
-                                             staging_offset=slot or 0,
-                                             staging_bytes=self._staged.slots.slot_bytes if slot is not None else 0,
+                                             staging_offset=offset, staging_bytes=nbytes,
                                              after_prefill=after_prefill))
                 done = await asyncio.gather(*pend.completes.values())
         except TimeoutError:

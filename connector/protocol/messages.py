@@ -28,6 +28,10 @@ History (one line per version; bump it for any change an older peer would misrea
   1  Hello, Reject, Register, RegisterAck, RegisterError, Complete, Abort, Stopped, Heartbeat, Error. Staged transfers
      (Scatter, Scattered, and the staging fields of Hello, Register and Complete) came within version 1: the fields
      default to "no staging", and a prefill rank sends Scatter only to a decode rank whose Hello offered a buffer.
+     Later within version 1: Scatter names its rows block-wise (`rows`, replacing the address pairs of
+     `destinations`) and where in the connection's staging area the chunk lies (`slot_offset`), so prefill keeps
+     a ring of chunks in flight. A decode that predates it refuses such a chunk (its destinations do not add up),
+     writing nothing; direct WRITEs are unchanged.
 """
 DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
 """Largest body a receiver accepts unless configured otherwise."""
@@ -134,18 +138,32 @@ class Stopped(msgspec.Struct, frozen=True, tag="stopped", tag_field="type"):
     src_tp: int
 
 
+class StagedRows(msgspec.Struct, frozen=True, array_like=True):
+    """Rows of one region part in a staged chunk (connector.core.staging_ranges.Rows, decode's side): row k is
+    `row_bytes` long and goes to `addr + blocks[k] * stride`."""
+
+    addr: int
+    stride: int
+    row_bytes: int
+    blocks: bytes
+    """Decode block ids, packed little-endian int64."""
+
+
 class Scatter(msgspec.Struct, frozen=True, tag="scatter", tag_field="type"):
-    """Prefill -> decode: the first `nbytes` of the staging slot this rank was given now hold a chunk of
-    `transfer_id`; copy them to these destinations (packed little-endian int64 pairs: address, length, in order)."""
+    """Prefill -> decode, sent once the chunk's WRITE has completed: `nbytes` at `slot_offset` of the staging area
+    decode gave this connection hold chunk `seq` of `transfer_id`, its `rows` packed back to back in order; copy
+    them to their blocks and answer Scattered."""
 
     transfer_id: str
     seq: int
     nbytes: int
-    destinations: bytes
+    rows: list[StagedRows] = []
+    slot_offset: int = 0
 
 
 class Scattered(msgspec.Struct, frozen=True, tag="scattered", tag_field="type"):
-    """Decode -> prefill: chunk `seq` is in place (ok) or was refused (nothing written); the slot is free again."""
+    """Decode -> prefill: chunk `seq` is in place (ok) or was refused (nothing written); its slot is free again
+    (prefill's credit for it comes back)."""
 
     transfer_id: str
     seq: int

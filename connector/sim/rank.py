@@ -60,18 +60,17 @@ class SimRank:
 
     def sender(self, config: SenderConfig | None = None) -> StreamSender:
         """A started StreamSender on this rank (its side channel on `config.port`, by default the spec's)."""
-        config = config or SenderConfig(port=self.spec.port, write_timeout_s=self.spec.timeout_s)
+        config = config or SenderConfig(port=self.spec.port, write_timeout_s=self.spec.timeout_s, record_timeline=True)
         sender = StreamSender(self.me(), self.transport, config, self.loop.loop)
         self.engine = sender
         self.loop.run(sender.start(), 30)
         return sender
 
     def receiver(self, config: ReceiverConfig | None = None) -> StreamReceiver:
-        """A StreamReceiver on this rank; by default every prefill rank connection gets its own staging slot."""
+        """A StreamReceiver on this rank; by default the prefill ranks share its staging buffer equally."""
         spec = self.spec
         if config is None:
-            slot_bytes = max(1, spec.staging_mb << 20) // (spec.prefill.pp * spec.prefill.tp)
-            config = ReceiverConfig(transfer_timeout_s=spec.timeout_s, staging_slot_bytes=slot_bytes)
+            config = ReceiverConfig(transfer_timeout_s=spec.timeout_s, staging_slot_bytes=max(1, spec.staging_mb) << 20)
         self.engine = StreamReceiver(self.me(), self.transport, config)
         return self.engine
 
