@@ -67,10 +67,11 @@ class SimRank:
         return sender
 
     def receiver(self, config: ReceiverConfig | None = None) -> StreamReceiver:
-        """A StreamReceiver on this rank; by default the prefill ranks share its staging buffer equally."""
+        """A StreamReceiver on this rank; by default with the connector's own staging areas (ReceiverConfig), which
+        prefill ranks share equally when the buffer is smaller."""
         spec = self.spec
         if config is None:
-            config = ReceiverConfig(transfer_timeout_s=spec.timeout_s, staging_slot_bytes=max(1, spec.staging_mb) << 20)
+            config = ReceiverConfig(transfer_timeout_s=spec.timeout_s)  # the connector's default area
         self.engine = StreamReceiver(self.me(), self.transport, config)
         return self.engine
 
