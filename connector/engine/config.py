@@ -10,9 +10,12 @@ from dataclasses import dataclass, field
 STAGING_MB_CUDA = 256
 """Default staging buffer per worker when the KV cache is in GPU memory: staged chunks are the fast path there (one
 NIXL descriptor per chunk instead of one per block range; see the README's performance section)."""
-STAGING_MB_CPU = 256
-"""Default when the KV cache is in host memory. There the gather and the scatter are CPU copies that cost about as
-much as the descriptors they save; the bench on a 2-core box (README) decides which path is the default."""
+STAGING_MB_CPU = 0
+"""Default when the KV cache is in host memory: off. There the gather and the scatter are CPU copies (three copies of
+every byte instead of the one a direct WRITE makes), so staging trades descriptors for CPU time that prefill's own
+compute needs. Measured on a 2-core box (README's performance section): bulk transfers move at about the same rate
+either way (within the noise of a shared machine), but streaming during compute with staging made the simulated
+compute about 1.6x slower and the exposed time longer. `staging_mb` still turns it on for CPU memory."""
 
 
 def default_staging_mb(cuda: bool) -> int:
