@@ -21,17 +21,17 @@ import msgspec
 from connector.core.errors import FrameError
 from connector.core.layout import Region
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 """Wire protocol version; a frame or Hello with any other version is rejected.
 
 History (one line per version; bump it for any change an older peer would misread):
   1  Hello, Reject, Register, RegisterAck, RegisterError, Complete, Abort, Stopped, Heartbeat, Error. Staged transfers
      (Scatter, Scattered, and the staging fields of Hello, Register and Complete) came within version 1: the fields
      default to "no staging", and a prefill rank sends Scatter only to a decode rank whose Hello offered a buffer.
-     Later within version 1: Scatter names its rows block-wise (`rows`, replacing the address pairs of
-     `destinations`) and where in the connection's staging area the chunk lies (`slot_offset`), so prefill keeps
-     a ring of chunks in flight. A decode that predates it refuses such a chunk (its destinations do not add up),
-     writing nothing; direct WRITEs are unchanged.
+  2  Scatter names its rows block-wise (`rows`, replacing the address pairs of `destinations`) and where in the
+     connection's staging area the chunk lies (`slot_offset`), and is sent once the chunk's WRITE completed, so
+     prefill keeps a ring of chunks in flight; Register's staging fields give a connection an area, not one slot.
+     A version-1 peer would fail to decode such a Scatter mid-transfer: it is refused at the handshake instead.
 """
 DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024
 """Largest body a receiver accepts unless configured otherwise."""
