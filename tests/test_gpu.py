@@ -30,7 +30,7 @@ def test_m3_vram_streams_byte_exact(prefill, decode, chunks):
 
 @pytest.mark.parametrize("prefill, decode, chunks, run_blocks", [((1, 2), (1, 1), 1, 1), ((2, 1), (1, 2), 2, 4)])
 def test_m3_vram_staged_byte_exact(prefill, decode, chunks, run_blocks):
-    """Staging in VRAM: the indexed gather and scatter run on the GPU (connector.transport.device_copy.indexed_copy)."""
+    """Staging in VRAM: the block-wise gather and scatter run on the GPU (connector.transport.device_copy)."""
     model = load_model("minimax-m3")
     sc = Scenario(model=model, prefill=ParallelLayout.build(60, *prefill), decode=ParallelLayout.build(60, *decode),
                   tokens=1000, block_size=16, device="cuda", chunks=chunks, layer_ms=1.0, timeout_s=120,
@@ -40,18 +40,55 @@ def test_m3_vram_staged_byte_exact(prefill, decode, chunks, run_blocks):
     assert result.staged_chunks > 0
 
 
-def test_indexed_copy_on_the_gpu_is_byte_exact():
+def test_block_copies_on_the_gpu_are_byte_exact_on_a_side_stream():
+    """The CUDA gather (index_select) and scatter (index_copy_) of connector.transport.device_copy: many region parts
+    in one chunk, rows packed in order, nothing else written, and the copies ordered by their own stream's event
+    (a busy default stream is not waited for as a whole: no device-wide synchronize)."""
     import numpy as np
     import torch
 
-    from connector.transport.device_copy import copy_ranges
+    from connector.core.staging_ranges import Rows
+    from connector.transport.device_copy import BlockCopier
 
     rng = np.random.default_rng(0)
-    src = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device="cuda")
-    dst = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
-    starts = np.sort(rng.choice((1 << 20) // 256, 500, replace=False)) * 256
-    lens = rng.integers(1, 16, 500) * 16
-    packed = np.cumsum(lens) - lens
-    copy_ranges(src.data_ptr() + starts, dst.data_ptr() + packed, lens, src.device)
-    want = torch.cat([src[s:s + n] for s, n in zip(starts.tolist(), lens.tolist())])
-    assert torch.equal(dst[:int(lens.sum())], want) and int(dst[int(lens.sum()):].count_nonzero()) == 0
+    row, nb, sel = 16384, 64, 24
+    src = torch.randint(0, 256, (60, 2, nb, row), dtype=torch.uint8, device="cuda")
+    dst = torch.zeros_like(src)
+    stage = torch.zeros(60 * 2 * sel * row, dtype=torch.uint8, device="cuda")
+    s_ids, d_ids = rng.choice(nb, sel, replace=False), rng.choice(nb, sel, replace=False)
+    torch.cuda.synchronize()
+    copier = BlockCopier(src.device)
+    copier.gather([Rows(src[l, p].data_ptr(), row, row, s_ids) for l in range(60) for p in range(2)],
+                  stage.data_ptr())
+    assert torch.equal(stage.view(60, 2, sel, row), src[:, :, torch.from_numpy(s_ids).cuda()])
+    copier.scatter([Rows(dst[l, p].data_ptr(), row, row, d_ids) for l in range(60) for p in range(2)],
+                   stage.data_ptr())
+    d = torch.from_numpy(d_ids).cuda()
+    assert torch.equal(dst[:, :, d], src[:, :, torch.from_numpy(s_ids).cuda()])
+    untouched = torch.ones(nb, dtype=torch.bool, device="cuda")
+    untouched[d] = False
+    assert int(dst[:, :, untouched].count_nonzero()) == 0
+
+
+def test_block_copies_on_the_gpu_with_head_slices_and_odd_strides():
+    """Rows that are a head slice of a block (TP splits) and rows whose length is not a word multiple."""
+    import numpy as np
+    import torch
+
+    from connector.core.staging_ranges import Rows
+    from connector.transport.device_copy import BlockCopier
+
+    copier = BlockCopier("cuda")
+    for row, stride, offset in [(3000, 8192, 1024), (1234, 4096, 3), (64, 64, 0)]:
+        src = torch.randint(0, 256, (40 * stride,), dtype=torch.uint8, device="cuda")
+        dst = torch.zeros_like(src)
+        ids = np.array([5, 0, 39, 17], dtype=np.int64)
+        stage = torch.zeros(ids.size * row, dtype=torch.uint8, device="cuda")
+        copier.gather([Rows(src.data_ptr() + offset, stride, row, ids)], stage.data_ptr())
+        copier.scatter([Rows(dst.data_ptr() + offset, stride, row, ids)], stage.data_ptr())
+        for b in ids.tolist():
+            a = b * stride + offset
+            assert torch.equal(dst[a:a + row], src[a:a + row])
+        assert int(dst.count_nonzero()) <= int(src.count_nonzero()) and \
+            int((dst != 0).sum()) == sum(int((src[b * stride + offset:b * stride + offset + row] != 0).sum())
+                                         for b in ids.tolist())

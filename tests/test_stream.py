@@ -12,54 +12,66 @@ from tests.helpers import scenario
 pytestmark = pytest.mark.slow
 
 
+@pytest.fixture(params=[0, 8], ids=["direct", "staged"])
+def staging(request):
+    """Every layout both ways: direct WRITEs (staging off) and staged chunks (8 MiB buffers on every rank)."""
+    return request.param
+
+
 def check(sc: Scenario):
     result = run_scenario(sc)
     assert result.verified, result.problems
     assert result.bytes > 0 and result.descriptors > 0
+    if sc.staging_mb == 0:
+        assert result.staged_chunks == 0 and result.nixl_descriptors >= result.descriptors
+    else:  # scattered blocks went as gathered chunks, one NIXL descriptor each
+        assert 0 < result.staged_chunks <= result.nixl_descriptors < result.descriptors
     return result
 
 
-def test_m3_k_only_prefill_pp2_into_decode_pp1(m3):
-    check(scenario(m3, "tp=1,pp=2", "tp=1,pp=1"))
+def test_m3_k_only_prefill_pp2_into_decode_pp1(m3, staging):
+    check(scenario(m3, "tp=1,pp=2", "tp=1,pp=1", staging_mb=staging))
 
 
-def test_m3_with_index_v_uneven_splits_pp3_into_pp2(m3_index_v):
-    r = check(scenario(m3_index_v, "tp=1,pp=3,layers=2:7:3", "tp=1,pp=2,layers=5:7", tokens=77))
+def test_m3_with_index_v_uneven_splits_pp3_into_pp2(m3_index_v, staging):
+    r = check(scenario(m3_index_v, "tp=1,pp=3,layers=2:7:3", "tp=1,pp=2,layers=5:7", tokens=77, staging_mb=staging))
     assert r.ranks == {"prefill": 3, "decode": 2}
 
 
-def test_deepseek_fp8_sizes_pp2_into_pp2_different_split():
+def test_deepseek_fp8_sizes_pp2_into_pp2_different_split(staging):
     model = load_model("deepseek-v3.2", "fp8")
     assert model.pools["kv"].bytes_per_token == 656 and model.pools["index_k"].bytes_per_token == 132
-    check(scenario(model, "tp=1,pp=2,layers=20:41", "tp=1,pp=2,layers=40:21", tokens=64))
+    check(scenario(model, "tp=1,pp=2,layers=20:41", "tp=1,pp=2,layers=40:21", tokens=64, staging_mb=staging))
 
 
-def test_dense_tp2_into_tp1():
-    check(scenario(load_model("qwen3-8b"), "tp=2,pp=1", "tp=1,pp=1", tokens=48))
+def test_dense_tp2_into_tp1(staging):
+    check(scenario(load_model("qwen3-8b"), "tp=2,pp=1", "tp=1,pp=1", tokens=48, staging_mb=staging))
 
 
-def test_m3_tp1_into_tp2_with_pp(m3):
-    check(scenario(m3, "tp=1,pp=2", "tp=2,pp=1", tokens=40))
+def test_m3_tp1_into_tp2_with_pp(m3, staging):
+    check(scenario(m3, "tp=1,pp=2", "tp=2,pp=1", tokens=40, staging_mb=staging))
 
 
-def test_two_chunk_request_resends_the_partly_filled_block(m3_index_v):
+def test_two_chunk_request_resends_the_partly_filled_block(m3_index_v, staging):
     # 100 tokens in two chunks: the boundary (token 50) falls inside block 3 (tokens 48-63), which is sent
     # partly filled with chunk 1 and must be sent again, whole, with chunk 2. Half the layers get no hook.
-    check(scenario(m3_index_v, "tp=1,pp=2", "tp=1,pp=1", tokens=100, chunks=2, hook_layers="even"))
+    check(scenario(m3_index_v, "tp=1,pp=2", "tp=1,pp=1", tokens=100, chunks=2, hook_layers="even",
+                   staging_mb=staging))
 
 
-def test_registration_after_prefill_finished(m3_index_v):
-    r = check(scenario(m3_index_v, "tp=1,pp=2", "tp=1,pp=1", late_register=True))
+def test_registration_after_prefill_finished(m3_index_v, staging):
+    r = check(scenario(m3_index_v, "tp=1,pp=2", "tp=1,pp=1", late_register=True, staging_mb=staging))
     assert r.exposed_ms > 0  # nothing could go out during compute
 
 
-def test_decode_prefix_hit_is_not_overwritten(m3_index_v):
-    check(scenario(m3_index_v, "tp=2,pp=1", "tp=1,pp=1", tokens=100, prefix_tokens=32))
+def test_decode_prefix_hit_is_not_overwritten(m3_index_v, staging):
+    check(scenario(m3_index_v, "tp=2,pp=1", "tp=1,pp=1", tokens=100, prefix_tokens=32, staging_mb=staging))
 
 
 def test_bulk_mode_and_contiguous_runs_coalesce(m3_index_v):
-    scattered = check(scenario(m3_index_v, "tp=1,pp=1", "tp=1,pp=1", tokens=256, mode="bulk"))
-    runs = check(scenario(m3_index_v, "tp=1,pp=1", "tp=1,pp=1", tokens=256, mode="bulk", run_blocks=16))
+    scattered = check(scenario(m3_index_v, "tp=1,pp=1", "tp=1,pp=1", tokens=256, mode="bulk", staging_mb=0))
+    runs = check(scenario(m3_index_v, "tp=1,pp=1", "tp=1,pp=1", tokens=256, mode="bulk", run_blocks=16,
+                          staging_mb=0))
     # 16 blocks per layer part: scattered ids need ~one descriptor per block, runs of 16 exactly one per run
     assert runs.descriptors < scattered.descriptors / 4
 
@@ -73,7 +85,7 @@ def test_staged_chunks_through_small_slots_are_byte_exact(m3_index_v, prefill, d
     chunks; every byte is verified and nothing outside the registered blocks changes. Blocks in runs of 4 make
     descriptors that cross block boundaries on both sides."""
     kw = dict(tokens=200, chunks=2, hook_layers="even", run_blocks=run_blocks)
-    direct = check(scenario(m3_index_v, prefill, decode, **kw))
+    direct = check(scenario(m3_index_v, prefill, decode, staging_mb=0, **kw))
     staged = check(scenario(m3_index_v, prefill, decode, staging_mb=1, **kw))
     assert direct.staged_chunks == 0
     assert staged.staged_chunks > 4

@@ -34,8 +34,8 @@ def make_scenario(model, prefill="tp=1,pp=1", **kw) -> Scenario:
 def prefill_cluster_and_decode(m3, cluster, open_rank):
     """`make(prefill, layer_ms)`: prefill ranks as worker processes, and decode (0, 0) in this process."""
 
-    def make(prefill="tp=1,pp=1", layer_ms=0.0):
-        sc = make_scenario(m3, prefill, layer_ms=layer_ms)
+    def make(prefill="tp=1,pp=1", layer_ms=0.0, staging_mb=0):
+        sc = make_scenario(m3, prefill, layer_ms=layer_ms, staging_mb=staging_mb)
         prefills = cluster(sc, spawn=("prefill",))
         decode = open_rank(sc.rank_spec("decode", (0, 0), run_id="test"))
         receiver = decode.receiver(ReceiverConfig(SideChannelConfig(dead_after_s=3.0), transfer_timeout_s=20.0))
@@ -173,8 +173,10 @@ def test_decode_killed_mid_transfer_frees_the_sender_state(m3, cluster, open_ran
     assert prefill.transport.inflight_bytes == 0
 
 
-def test_decode_abort_waits_until_prefill_stopped_writing(prefill_cluster_and_decode):
-    sc, cluster, decode, receiver = prefill_cluster_and_decode(layer_ms=60.0)
+@pytest.mark.parametrize("staging_mb", [0, 4], ids=["direct", "staged"])
+def test_decode_abort_waits_until_prefill_stopped_writing(prefill_cluster_and_decode, staging_mb):
+    """Staged: chunks still in flight when decode aborts are dropped by decode, not scattered."""
+    sc, cluster, decode, receiver = prefill_cluster_and_decode(layer_ms=60.0, staging_mb=staging_mb)
     blocks = pick_blocks(TOKENS, BLOCK, decode.spec.num_blocks, seed=6)
     fut = decode.loop.submit(receiver.receive("t-abort-d", PrefillAddress("127.0.0.1", cluster.base_port), blocks, 0,
                                               TOKENS))
@@ -222,10 +224,12 @@ def test_decode_abort_before_registering_frees_prefill_without_waiting_for_the_l
     assert not any(bool(t.any()) for t in decode.bufs.tensors)
 
 
-def test_prefill_restart_after_preemption_resends_from_the_new_blocks(prefill_cluster_and_decode, open_rank):
+@pytest.mark.parametrize("staging_mb", [0, 4], ids=["direct", "staged"])
+def test_prefill_restart_after_preemption_resends_from_the_new_blocks(prefill_cluster_and_decode, open_rank,
+                                                                       staging_mb):
     """vLLM may preempt a prefill and recompute it into other blocks: what was streamed from the old blocks must
     not count, and decode must end up with the bytes of the recomputation."""
-    sc, cluster, decode, receiver = prefill_cluster_and_decode()
+    sc, cluster, decode, receiver = prefill_cluster_and_decode(staging_mb=staging_mb)
     prefill = open_rank(sc.rank_spec("prefill", (0, 0), run_id="test-2"))
     sender = prefill.sender(SenderConfig(port=cluster.base_port + 1))
     addr = PrefillAddress("127.0.0.1", cluster.base_port + 1)
@@ -249,6 +253,7 @@ def test_prefill_restart_after_preemption_resends_from_the_new_blocks(prefill_cl
     sender.end_chunk("t-preempt")
     fut.result(30)
     assert decode.bufs.verify(dst, 0, TOKENS) == []
+    assert (sender.stats.staged_chunks > 0) == bool(staging_mb)
 
 
 def test_decode_heartbeats_extend_the_lease(m3):
@@ -317,33 +322,38 @@ def test_sender_counts_bytes_streamed_during_compute_apart_from_the_sweep(m3):
         assert all(0 < p <= t for p, t in zip(stats.post_seconds, stats.transfer_seconds))
 
 
-def test_decode_refuses_a_staged_chunk_aimed_outside_its_blocks(m3):
+def test_decode_refuses_a_staged_chunk_aimed_outside_its_blocks(m3, monkeypatch):
     """Staging lets prefill name decode-side addresses in a side-channel message, so decode checks them: a chunk
-    whose destinations are not inside the blocks registered for the transfer is refused, nothing is written, and
-    the transfer fails on both sides with the reason."""
+    whose rows are not inside the blocks registered for the transfer is refused, nothing is written, and the
+    transfer fails on both sides with the reason."""
+    import msgspec
     import numpy as np
+
+    from connector.protocol.messages import Scatter
+    from connector.transport.control import ControlConnection
 
     with sender_and_receiver(m3, "evil", staging_mb=1) as (prefill, sender, port, decode, receiver):
         dst = pick_blocks(TOKENS, BLOCK, decode.spec.num_blocks, seed=32)
-        outside = next(b for b in range(decode.spec.num_blocks) if b not in dst[0])
-        region = decode.bufs.regions()[0]
-        real = sender.staged._scatter
+        outside = [b for b in range(decode.spec.num_blocks) if b not in dst[0] and b not in dst[1]]
+        real_send = ControlConnection.send
 
-        async def aimed_elsewhere(key, conn, tid, nbytes, destinations):
-            evil = np.array(destinations, dtype=np.int64)
-            evil[:, 0] = region.base_addr + outside * region.block_stride  # a block decode did not register
-            return await real(key, conn, tid, nbytes, evil)
+        async def aimed_elsewhere(conn, msg):
+            if isinstance(msg, Scatter):  # every row to a block decode did not register
+                msg = msgspec.structs.replace(msg, rows=[msgspec.structs.replace(
+                    r, blocks=np.array(outside[:len(r.blocks) // 8], dtype="<i8").tobytes()) for r in msg.rows])
+            return await real_send(conn, msg)
 
-        sender.staged._scatter = aimed_elsewhere
+        monkeypatch.setattr(ControlConnection, "send", aimed_elsewhere)
         blocks = pick_blocks(TOKENS, BLOCK, prefill.spec.num_blocks, seed=31)
         for layer in range(60):
             prefill.bufs.fill(layer, blocks, 0, TOKENS)
         sender.start_request("t-evil", TOKENS)
         sender.begin_chunk("t-evil", blocks, TOKENS)
         sender.end_chunk("t-evil")
-        with pytest.raises(TransferFailed, match="decode refused staged chunk .* outside the blocks registered"):
+        with pytest.raises(TransferFailed, match="refused staged chunk .* outside the blocks registered"):
             decode.loop.run(receiver.receive("t-evil", PrefillAddress("127.0.0.1", port), dst, 0, TOKENS), 30)
         assert prefill.loop.run(sender.wait_finished("t-evil", 10), 15) is False
+        assert sender.stats.staged_chunks > 0
         assert not any(bool(t.any()) for t in decode.bufs.tensors), "a refused chunk wrote into decode's cache"
 
 

@@ -232,7 +232,7 @@ def test_unknown_extra_config_key_is_a_clear_startup_error(m3_dir):
 
 @pytest.mark.parametrize("extra, needle", [
     ({"side_channel_port": True}, "['side_channel_port']=True is refused: Expected `int`, got `bool`"),
-    ({"staging_mb": 1.5}, "['staging_mb']=1.5 is refused: Expected `int`, got `float`"),
+    ({"staging_mb": 1.5}, "['staging_mb']=1.5 is refused: Expected `int | null`, got `float`"),
     ({"lease_s": 0}, "['lease_s']=0 is refused: Expected `float` > 0.0"),
     ({"side_channel_port": 70000}, "['side_channel_port']=70000 is refused: Expected `int` <= 65535"),
     ({"auth_token": 5}, "['auth_token']=5 is refused: Expected `str`, got `int`"),

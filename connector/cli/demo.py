@@ -35,7 +35,13 @@ def add_subcommands(subs: Any) -> None:
     bench = subs.add_parser("bench", help="raw NIXL vs connector bulk vs connector stream, one process pair")
     add_common(bench)
     _add_run_args(bench, layer_ms=None)
-    bench.add_argument("--repeats", type=int_in(1, 1000), default=5, help="runs of each kind; medians are reported")
+    bench.add_argument("--repeats", type=int_in(1, 1000), default=5, help="runs of each kind; medians (and p99) are reported")
+    bench.add_argument("--compute-tflops", type=float_in(0, 1e9, lo_open=True), default=400.0,
+                       help="prefill's sustained speed: each layer computes 2 x active parameters x tokens / layers "
+                            "FLOPs at this rate (default 400: an H200 at about 40%% of its bf16 peak); --layer-ms "
+                            "overrides it")
+    bench.add_argument("--plot", metavar="FILE.png", help="draw each layer's compute, post and landing times for a "
+                                                          "bulk and a streaming run (needs matplotlib)")
     bench.set_defaults(run=run_bench)
 
 
@@ -44,12 +50,13 @@ def _add_run_args(p: argparse.ArgumentParser, layer_ms: float | None = 2.0) -> N
     p.add_argument("--block-size", type=int_in(1, MAX_BLOCK_SIZE), default=16)
     p.add_argument("--layer-ms", type=float_in(0, 60_000), default=layer_ms,
                    help="simulated compute per layer" + ("" if layer_ms is not None else
-                                                          " (default: 1.5x the measured per-layer transfer time)"))
+                                                          " (default: from --compute-tflops)"))
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--run-blocks", type=int_in(1, MAX_TOKENS), default=1,
                    help="allocate block ids in runs of this length")
-    p.add_argument("--staging-mb", type=int_in(0, 1 << 20), default=0,
-                   help="per-rank staging buffer in MiB: scattered blocks move as gathered chunks (0 = off)")
+    p.add_argument("--staging-mb", type=int_in(0, 1 << 20), default=None,
+                   help="per-rank staging buffer in MiB: scattered blocks move as gathered chunks (0 = off; default: "
+                        "the connector's default for --device)")
     p.add_argument("--timeout", type=float_in(0, 86_400, lo_open=True), default=120.0,
                    help="seconds any one step may take")
     for side in ("prefill", "decode"):
@@ -82,7 +89,7 @@ def _scenario(args: argparse.Namespace, **over: Any):
     check_time(model, fields["layer_ms"], args.timeout)
     check_device(args.device)
     sc = Scenario(**fields)
-    check_memory(model, sc.prefill, sc.decode, sc.num_blocks, sc.block_size, sc.staging_mb, sc.device)
+    check_memory(model, sc.prefill, sc.decode, sc.num_blocks, sc.block_size, sc.staging, sc.device)
     return sc
 
 
@@ -99,9 +106,13 @@ def run_demo(args: argparse.Namespace) -> int:
     else:
         print(f"model {sc.model.name}: prefill tp={sc.prefill.tp} pp={sc.prefill.pp} -> decode tp={sc.decode.tp} "
               f"pp={sc.decode.pp}, {sc.tokens} tokens, block size {sc.block_size}, mode {sc.mode}, {sc.device}")
-        print(f"  {result.ranks['prefill']} prefill + {result.ranks['decode']} decode processes; "
-              f"{result.bytes / 2**20:.1f} MiB in {result.descriptors} descriptors at {result.transfer_gbps} GB/s")
-        print(f"  prefill compute {result.compute_ms} ms; exposed transfer after compute {result.exposed_ms} ms; "
+        print(f"  exposed after compute {result.exposed_ms} ms (prefill computed {result.compute_ms} ms); "
+              f"{result.streamed_pct}% of the bytes were in decode's blocks before compute ended")
+        staged = (f"{result.staged_chunks} staged chunks, " if result.staged_chunks else "") + \
+            f"{result.nixl_descriptors} NIXL descriptors posted"
+        print(f"  {result.bytes / 2**20:.1f} MiB ({result.descriptors} block ranges; {staged}, staging "
+              f"{result.staging_mb} MiB) at {result.transfer_gbps} GB/s while transferring; "
+              f"{result.ranks['prefill']} prefill + {result.ranks['decode']} decode processes; "
               f"layer_ready median {result.hook_us} us")
         print("  VERIFIED: every byte of every pool on every decode rank matches" if result.verified else
               "  FAILED:\n    " + "\n    ".join(result.problems[:20]))
@@ -111,7 +122,14 @@ def run_demo(args: argparse.Namespace) -> int:
 def run_bench(args: argparse.Namespace) -> int:
     from connector.sim.bench import bench
 
-    out = bench(_scenario(args), progress=sys.stderr.isatty() and not args.json, repeats=args.repeats)
+    compute = None
+    if args.layer_ms is None:
+        from connector.core.compute import active_params
+        from connector.core.hf_config import load_config
+
+        compute = (active_params(load_config(args.model)[0]), args.compute_tflops)
+    out = bench(_scenario(args), progress=sys.stderr.isatty() and not args.json, repeats=args.repeats,
+                compute=compute, plot=args.plot)
     if args.json:
         print(json.dumps(out))
     else:

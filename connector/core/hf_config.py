@@ -403,6 +403,12 @@ def load_model(spec: str, kv_cache_dtype: str = "auto", *, indexer_kv_dtype: str
     """A model layout from a preset name ("minimax-m3", "deepseek-v3.2", "qwen3-8b"), a config.json path or a
     folder holding config.json. See `model_from_config` for the dtypes."""
     _check_kv_cache_dtype(kv_cache_dtype)
+    config, path, name = load_config(spec)
+    return model_from_config(config, name, kv_cache_dtype, indexer_kv_dtype=indexer_kv_dtype, source=str(path))
+
+
+def load_config(spec: str) -> tuple[Any, pathlib.Path, str]:
+    """(the parsed config.json, its path, the model name) of a preset, a config.json or its folder."""
     path, name = _resolve(spec)
     try:
         text = path.read_text(encoding="utf-8")
@@ -414,4 +420,4 @@ def load_model(spec: str, kv_cache_dtype: str = "auto", *, indexer_kv_dtype: str
     except json.JSONDecodeError as exc:
         raise _fail(f"config {path} is not valid JSON (line {exc.lineno} column {exc.colno}: {exc.msg}): "
                     f"fix or replace the file") from None
-    return model_from_config(config, name, kv_cache_dtype, indexer_kv_dtype=indexer_kv_dtype, source=str(path))
+    return config, path, name

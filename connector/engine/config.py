@@ -9,6 +9,22 @@ from dataclasses import dataclass, field
 from connector.transport.limits import ServerLimits
 
 
+STAGING_MB_CUDA = 256
+"""Default staging buffer per worker when the KV cache is in GPU memory: staged chunks are the fast path there (one
+NIXL descriptor per chunk instead of one per block range; see the README's performance section)."""
+STAGING_MB_CPU = 0
+"""Default when the KV cache is in host memory: off. There the gather and the scatter are CPU copies (three copies of
+every byte instead of the one a direct WRITE makes), so staging trades descriptors for CPU time that prefill's own
+compute needs. Measured on a 2-core box (README's performance section): bulk transfers move at about the same rate
+either way (within the noise of a shared machine), but streaming during compute with staging made the simulated
+compute about 1.6x slower and the exposed time longer. `staging_mb` still turns it on for CPU memory."""
+
+
+def default_staging_mb(cuda: bool) -> int:
+    """The staging buffer a worker gets unless configured (`staging_mb`; 0 turns staging off)."""
+    return STAGING_MB_CUDA if cuda else STAGING_MB_CPU
+
+
 @dataclass(frozen=True)
 class SideChannelConfig:
     """The TCP side channel between a prefill and a decode rank (connector.transport.control)."""
@@ -59,6 +75,17 @@ class SenderConfig:
     """Registrations one decode connection may have waiting for prefill to start their request."""
     max_parked_bytes_per_connection: int = 16 * 1024 * 1024
     """Memory those waiting registrations may hold, per decode connection (estimated from their block ids)."""
+    staging_ring_slots: int = 4
+    """Staged chunks in flight per decode connection: decode's staging area for the connection is cut into this many
+    slots, so the gather of one chunk, the WRITE of the next and decode's scatter of a third overlap."""
+    stage_min_descriptors: int = 8
+    """A batch with fewer descriptors is written directly (a gather and a scatter cost more than they save)."""
+    stage_below_bytes: int | None = None
+    """A batch is staged when its descriptors average fewer bytes than this (scattered blocks); longer runs are
+    written directly. None: 4 MiB on VRAM (NIXL's per-descriptor cost dwarfs a device copy) and 64 KiB on DRAM
+    (where the copies themselves cost about as much as the descriptors they save; see the README's bench)."""
+    record_timeline: bool = False
+    """Keep each batch's post, write and landing times per transfer (the bench's timeline plot)."""
 
 
 @dataclass(frozen=True)
@@ -75,8 +102,10 @@ class ReceiverConfig:
     asking it (over new connections) before its blocks are handed back anyway. Must exceed prefill's
     tcp_user_timeout_s plus one heartbeat interval: by then UCX has ended any WRITE stuck on a dead link (the
     default is 10 + 2 + 1 s)."""
-    staging_slot_bytes: int = 16 * 1024 * 1024
-    """With a staging buffer: the slot each prefill rank connection gets (a staged chunk is at most this)."""
+    staging_slot_bytes: int = 64 * 1024 * 1024
+    """With a staging buffer: the most of it one prefill rank connection gets as its staging area (prefill cuts it
+    into a ring of `SenderConfig.staging_ring_slots` chunks). A prefill engine with more ranks than the buffer holds
+    such areas for gets equal shares of the buffer."""
 
 
 def lost_source_hold_s(tcp_user_timeout_s: float | None, heartbeat_interval_s: float) -> float:

@@ -59,8 +59,8 @@ class _Engine:
     plan: TransferPlan
     conns: dict[Rank, ControlConnection] = field(default_factory=dict)
     readers: list[asyncio.Task] = field(default_factory=list)
-    slots: dict[Rank, int] = field(default_factory=dict)
-    """Staging slot offset per prefill rank connection (absent: that rank writes directly)."""
+    areas: dict[Rank, tuple[int, int]] = field(default_factory=dict)
+    """(offset, bytes) of the staging area per prefill rank connection (absent: that rank writes directly)."""
 
     def port_of(self, src: Rank) -> int:
         return self.address.port_of(src, self.plan.prefill.tp)
@@ -98,6 +98,7 @@ class StreamReceiver:
         ranks that have one too send scattered blocks as staged chunks (connector.engine.staging)."""
         self.me, self.config = me, config
         self._staged = StagedReader(me, config.staging_slot_bytes)
+        """The areas of this rank's staging buffer, one per prefill rank connection, and the staged chunks' scatter."""
         self.hello = me.hello("decode", transport)
         self._ssl = client_context(config.side_channel.tls_ca_file)
         self._plans = PlanCache(me.model, self.hello)
@@ -159,9 +160,10 @@ class StreamReceiver:
                                           f"does: all ranks of one prefill engine must run the same configuration")
                     accept_peer(conn.peer, self.hello, self.me.model, engine.plan)
                     engine.conns[src] = conn
-                    slot = self._staged.slots.take()  # none left: this rank writes directly, which is always correct
-                    if slot is not None:
-                        engine.slots[src] = slot
+                    # none left: this rank writes directly, which is always correct
+                    area = self._staged.take_area(len(engine.plan.prefill.ranks()))
+                    if area is not None:
+                        engine.areas[src] = area
                     engine.readers.append(self._tasks.spawn(self._read(engine, src, conn), name=f"read {src}"))
             except BaseException:
                 await first.aclose("handshake checks failed")
@@ -173,7 +175,7 @@ class StreamReceiver:
 
     async def _drop_engine(self, engine: _Engine, reason: str) -> None:
         """Stop talking to that prefill engine: its readers are cancelled and awaited (all but the caller, when a
-        reader drops it on its way out), its connections closed, its staging slots given back."""
+        reader drops it on its way out), its connections closed, its staging areas given back."""
         if self._engines.get(engine.address) is engine:
             del self._engines[engine.address]
         readers, engine.readers = engine.readers, []
@@ -181,11 +183,11 @@ class StreamReceiver:
         for conn in engine.conns.values():
             await conn.aclose(reason)
         for src, conn in engine.conns.items():
-            self._confirm_later(engine, src, conn)  # (a source some transfer still waits on keeps its slot)
-        # The others confirmed they stopped, so no more staged chunk can arrive for these slots.
-        slots, engine.slots = engine.slots, {}
-        for slot in slots.values():
-            self._staged.slots.give_back(slot)
+            self._confirm_later(engine, src, conn)  # (a source some transfer still waits on keeps its area)
+        # The others confirmed they stopped and the readers are done, so no staged chunk lands in these areas now.
+        areas, engine.areas = engine.areas, {}
+        for area in areas.values():
+            self._staged.give_back(area)
 
     async def _read(self, engine: _Engine, src: Rank, conn: ControlConnection) -> None:
         """Prefill rank `src` -> this rank, in order, one method per message, until the connection closes."""
@@ -240,30 +242,43 @@ class StreamReceiver:
             pend.source_failed(src, TransferFailed(f"prefill rank {src} {why}"), stopped=True)
 
     async def _on_scatter(self, engine: _Engine, src: Rank, conn: ControlConnection, msg: Scatter) -> None:
-        """Scatter a staged chunk from this source's slot (connector.engine.staging) and answer Scattered either
-        way: the slot is free again then."""
+        """Scatter a staged chunk from this source's staging area (connector.engine.staging) and answer Scattered
+        either way: its slot is free again then. In line: a Complete that follows on this connection is dispatched
+        only after every chunk before it is in place."""
         pend = self._pending.get(msg.transfer_id)
-        try:
-            if pend is None or src not in pend.completes or pend.completes[src].done():
-                raise StagingError(f"transfer {msg.transfer_id!r} is not being received from {src} here (aborted, "
-                                   f"failed or finished)")
-            slot = engine.slots.get(src)
-            if slot is None:
-                raise StagingError(f"prefill rank {src} was given no staging slot")
-            await self._staged.scatter(msg, slot, pend.allowed_ranges(self.hello.regions))
-            reply = Scattered(msg.transfer_id, msg.seq, True)
-        except StagingError as exc:
-            log.warning("refusing staged chunk %d of %s from prefill rank %s: %s", msg.seq, msg.transfer_id, src,
-                        exc)
-            reply = Scattered(msg.transfer_id, msg.seq, False, str(exc))
-        except Exception as exc:  # noqa: BLE001 - the copy failed: tell the sender, keep the connection
-            log.error("staged chunk %d of %s from prefill rank %s: scatter failed: %s", msg.seq, msg.transfer_id,
-                      src, exc)
-            reply = Scattered(msg.transfer_id, msg.seq, False, f"scatter failed on decode: {exc}")
+        if pend is None or src not in pend.completes or pend.completes[src].done():
+            # Aborted, failed or finished here: the chunks still in flight from prefill are expected; drop them.
+            log.debug("dropping staged chunk %d of %s from prefill rank %s: not being received", msg.seq,
+                      msg.transfer_id, src)
+            reply = Scattered(msg.transfer_id, msg.seq, False, f"transfer {msg.transfer_id!r} is not being received "
+                                                               f"from {src} here (aborted, failed or finished)")
+        else:
+            reply = await self._scatter(engine, src, pend, msg)
         try:
             await conn.send(reply)
         except ControlError as exc:
             log.warning("could not answer staged chunk %d of %s: %s", msg.seq, msg.transfer_id, exc)
+
+    async def _scatter(self, engine: _Engine, src: Rank, pend: _Pending, msg: Scatter) -> Scattered:
+        """Scatter one chunk of a transfer being received; a chunk refused or failed fails the transfer from this
+        source at once (prefill hears why in the answer, and stops)."""
+        try:
+            area = engine.areas.get(src)
+            if area is None:
+                raise StagingError(f"prefill rank {src} was given no staging area")
+            await self._staged.scatter(msg, area, pend.allowed_ranges(self.hello.regions))
+            return Scattered(msg.transfer_id, msg.seq, True)
+        except StagingError as exc:
+            log.warning("refusing staged chunk %d of %s from prefill rank %s: %s", msg.seq, msg.transfer_id, src,
+                        exc)
+            why = str(exc)
+        except Exception as exc:  # noqa: BLE001 - the copy failed: tell the sender, keep the connection
+            log.error("staged chunk %d of %s from prefill rank %s: scatter failed: %s", msg.seq, msg.transfer_id,
+                      src, exc)
+            why = f"scatter failed on decode: {exc}"
+        pend.source_failed(src, TransferFailed(f"decode refused staged chunk {msg.seq} of {msg.transfer_id!r} from "
+                                               f"prefill rank {src}: {why}"), stopped=False)
+        return Scattered(msg.transfer_id, msg.seq, False, why)
 
     # ---- transfers -------------------------------------------------------------------------------------------
     async def receive(self, transfer_id: str, prefill: PrefillAddress, block_ids: list[list[int]],
@@ -291,11 +306,10 @@ class StreamReceiver:
         try:
             async with asyncio.timeout(timeout or self.config.transfer_timeout_s):
                 for src, conn in engine.conns.items():
-                    slot = engine.slots.get(src)
+                    offset, nbytes = engine.areas.get(src, (0, 0))
                     await conn.send(Register(transfer_id, *self.me.rank, block_ids, first_token,
                                              num_tokens, layers=sorted(layers[src]),
-                                             staging_offset=slot or 0,
-                                             staging_bytes=self._staged.slots.slot_bytes if slot is not None else 0,
+                                             staging_offset=offset, staging_bytes=nbytes,
                                              after_prefill=after_prefill))
                 done = await asyncio.gather(*pend.completes.values())
         except TimeoutError:
@@ -365,18 +379,19 @@ class StreamReceiver:
                 and not p.stopped[src].done()]
 
     def _confirm_later(self, engine: _Engine, src: Rank, lost: ControlConnection) -> None:
-        """Start `_confirm_stopped` for `src` if a transfer waits on it and none runs; it takes the source's slot."""
+        """Start `_confirm_stopped` for `src` if a transfer waits on it and none runs; it takes the source's area."""
         key = (id(engine), src)  # (the task holds `engine`, so its id stays unique meanwhile)
         if key in self._confirming or not self._waiting_on(engine, src):
             return
-        slot = engine.slots.pop(src, None)
-        self._confirming[key] = self._tasks.spawn(self._confirm_stopped(engine, src, lost, slot),
+        area = engine.areas.pop(src, None)
+        self._confirming[key] = self._tasks.spawn(self._confirm_stopped(engine, src, lost, area),
                                                   name=f"confirm {src}")
 
-    async def _confirm_stopped(self, engine: _Engine, src: Rank, lost: ControlConnection, slot: int | None) -> None:
+    async def _confirm_stopped(self, engine: _Engine, src: Rank, lost: ControlConnection,
+                               area: tuple[int, int] | None) -> None:
         """Ask prefill rank `src` over new connections, until `lost_source_hold_s`, to confirm it writes nothing
         more for the transfers still waiting on it (Abort -> Stopped, which it answers once no WRITE of the
-        transfer runs). Then they count as stopped, and the source's staging slot is free again."""
+        transfer runs). Then they count as stopped, and the source's staging area is free again."""
         hold_s, address, port = self.config.lost_source_hold_s, engine.address, engine.port_of(src)
         deadline = time.monotonic() + hold_s
         why = f"no answer within lost_source_hold_s={hold_s:g} s"
@@ -402,8 +417,8 @@ class StreamReceiver:
             for pend in self._waiting_on(engine, src):
                 log.warning("transfer %s: prefill rank %s counts as stopped: %s", pend.transfer_id, src, why)
                 pend.stopped[src].set_result(None)
-            if slot is not None:
-                self._staged.slots.give_back(slot)
+            if area is not None:
+                self._staged.give_back(area)
             self._confirming.pop((id(engine), src), None)
 
     async def _ask_stopped(self, conn: ControlConnection, engine: _Engine, src: Rank, deadline: float) -> None:

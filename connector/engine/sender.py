@@ -14,17 +14,15 @@ import time
 from collections import deque
 from typing import Any, Callable
 
-from connector.core.descriptors import Descriptors, batch_descriptors
 from connector.core.errors import WriteAbandoned
-from connector.core.layout import blocks_for
 from connector.core.plan import fold_ranges
 from connector.engine.config import SenderConfig
 from connector.engine.peers import PeerTable
 from connector.engine.rank import LocalRank
+from connector.engine.batch_writer import BatchWriter
 from connector.engine.sender_inbound import InboundMixin
 from connector.engine.sender_state import (Destination, FinishedInfo, Parked, PeerInfo, RecentIds, SendRequest,
                                           lease_expiry_note)
-from connector.engine.staging import StagedWriter
 from connector.engine.stats import SenderStats
 from connector.protocol.handshake import PeerKey
 from connector.protocol.messages import Abort, Complete, RegisterError
@@ -44,12 +42,11 @@ class StreamSender(InboundMixin):
                  on_finished: Callable[[str, bool], None] | None = None) -> None:
         """`transport`: this rank's connector.transport.nixl.Transport, with `me.regions` (and `me.staging`, if
         any) registered. With a staging buffer, decode ranks that have one too get scattered blocks as staged
-        chunks (connector.engine.staging), others direct WRITEs."""
+        chunks (connector.engine.staging), others direct WRITEs (connector.engine.batch_writer chooses)."""
         self.me, self.transport, self.config, self.loop = me, transport, config, loop
         self.on_finished = on_finished
         self.stats = SenderStats()
-        self.staged = (StagedWriter(transport, me, config.write_timeout_s, self.stats.record_write)
-                       if me.staging is not None else None)
+        self.writer = BatchWriter(me, transport, config, self.stats)
         self.requests: dict[str, SendRequest] = {}
         self._parked: dict[str, list[Parked]] = {}
         """Registrations that came before their request started, by transfer id (all of one decode engine)."""
@@ -64,7 +61,7 @@ class StreamSender(InboundMixin):
         self._inbox: deque = deque()
         self._wake = asyncio.Event()
         self.hello = me.hello("prefill", transport)
-        self._table = PeerTable(transport, self.hello, me.model, me.rank, config, on_release=self._peer_gone)
+        self._table = PeerTable(transport, self.hello, me.model, me.rank, config)  # staged lanes end with conns
 
     @property
     def port(self) -> int:
@@ -229,11 +226,6 @@ class StreamSender(InboundMixin):
         req.final, req.failed, req.expected = True, True, set()
         self._check_finished(req, ok=False)
 
-    def _peer_gone(self, peer: PeerInfo) -> None:
-        """A decode rank's connection ended and its agent is removed (connector.engine.peers)."""
-        if self.staged is not None:
-            self.staged.forget(peer)
-
     # ---- writes ----------------------------------------------------------------------------------------------
     def _pump(self, req: SendRequest) -> None:
         for dest in req.dests.values():
@@ -258,15 +250,6 @@ class StreamSender(InboundMixin):
             self._maybe_complete(req, dest)
         self._check_finished(req)  # e.g. final now, and every destination already done or dropped
 
-    def _batch_descriptors(self, req: SendRequest, dest: Destination, batch: list[tuple[int, int]]) -> Descriptors:
-        """Each layer from its first unsent token's block (a block sent partly filled is sent again from its start
-        once more tokens are in it) to the block of its last ready token."""
-        bs = self.me.block_size
-        spans = [(layer, max(dest.sent_tokens.get(layer, 0), dest.register.first_token) // bs, blocks_for(ready, bs))
-                 for layer, ready in batch]
-        return batch_descriptors(self.me.by_key, dest.peer.accepted.regions, dest.layer_routes, spans,
-                                 req.block_ids, dest.register.block_ids)
-
     async def _write_batch(self, req: SendRequest, dest: Destination, batch: list[tuple[int, int]]) -> None:
         req.first_write_at = req.first_write_at or time.time()
         during_compute = not req.final
@@ -274,28 +257,9 @@ class StreamSender(InboundMixin):
         generation = req.generation
         dest.peer.write_started()  # its agent stays loaded until this is done
         try:
-            descs = self._batch_descriptors(req, dest, batch)
-            if len(descs):
-                local, remote = descs.arrays()
-                peer_hello, reg = dest.peer.accepted.hello, dest.register
-                if self.staged is not None and self.staged.usable(reg.staging_bytes, peer_hello.staging_addr):
-                    staged = await self.staged.write(
-                        dest.peer, dest.conn, dest.peer.agent, req.transfer_id, local, remote,
-                        peer_hello.staging_addr + reg.staging_offset, peer_hello.staging_device, reg.staging_bytes,
-                        stop=lambda: dest.done)
-                    dest.staged_chunks += staged
-                    self.stats.staged_chunks += staged
-                else:
-                    self.stats.record_write(await self.transport.write(
-                        dest.peer.agent, local, remote, mem_type=self.me.mem_type, local_device=self.me.device_id,
-                        remote_device=dest.peer.accepted.device_id, timeout=self.config.write_timeout_s))
+            descs = await self.writer.write(req, dest, batch, lambda ok, why: self._chunk_answered(req, dest, ok, why))
         except Exception as exc:  # noqa: BLE001 - one destination fails, the rest go on
-            log.error("transfer %s: WRITE of layers %s to decode %s failed: %s", req.transfer_id,
-                      fold_ranges(layers), dest.key, exc)
-            self._stop_dest(req, dest, Abort(req.transfer_id, f"prefill WRITE failed: {exc}"))
-            if req.expected is not None:
-                req.expected.discard(dest.key)
-            self._check_finished(req, ok=False)
+            self._dest_failed(req, dest, f"WRITE of layers {fold_ranges(layers)} failed: {exc}")
             if isinstance(exc, WriteAbandoned):  # NIXL still reads the source blocks (and writes decode's): the
                 await asyncio.wait([exc.settled])  # batch stays in flight, the blocks held, Abort unsent, till it ends
             return
@@ -318,6 +282,22 @@ class StreamSender(InboundMixin):
         self.stats.writes += 1
         if self.requests.get(req.transfer_id) is req:
             self._pump(req)
+
+    def _chunk_answered(self, req: SendRequest, dest: Destination, ok: bool, why: str) -> None:
+        """Decode's answer to a staged chunk (connector.engine.staging): a refusal fails this destination."""
+        if not ok and not dest.done and self.requests.get(req.transfer_id) is req:
+            self._dest_failed(req, dest, f"decode did not take a staged chunk: {why}")
+        elif not ok:  # stopped meanwhile (an abort: chunks in flight are dropped), or a refusal after Complete
+            log.info("transfer %s: decode %s did not take a staged chunk: %s", req.transfer_id, dest.key, why)
+        self._check_finished(req, ok=ok)
+
+    def _dest_failed(self, req: SendRequest, dest: Destination, why: str) -> None:
+        log.error("transfer %s to decode %s: %s", req.transfer_id, dest.key, why)
+        if not dest.done:
+            self._stop_dest(req, dest, Abort(req.transfer_id, f"prefill: {why}"))
+        if req.expected is not None:
+            req.expected.discard(dest.key)
+        self._check_finished(req, ok=False)
 
     def _stop_dest(self, req: SendRequest, dest: Destination, notice: Any) -> None:
         """No new WRITE to `dest`; tell it `notice` once the ones in flight have completed."""
@@ -348,8 +328,10 @@ class StreamSender(InboundMixin):
 
     def _check_finished(self, req: SendRequest, ok: bool = True) -> None:
         req.failed |= not ok
+        # Staged chunks decode has not answered yet keep the request: a refusal must still fail it.
         if req.expected is not None and not req.expected and req.final \
-                and all(d.done and not d.batches_in_flight for d in req.dests.values()):
+                and all(d.done and not d.batches_in_flight and not self.writer.unanswered(d, req.transfer_id)
+                        for d in req.dests.values()):
             self._release(req, ok=not req.failed,
                           why="some decode ranks failed" if req.failed else "all decode ranks completed")
 

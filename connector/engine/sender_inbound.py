@@ -44,8 +44,8 @@ class InboundMixin:
             case Register():
                 await self._on_register(conn, peer, msg)
             case Scattered():
-                if self.staged is not None:
-                    self.staged.on_scattered(peer, msg)  # only chunks sent on this connection wait under `peer`
+                if self.writer.staged is not None:
+                    self.writer.staged.on_scattered(conn, msg)  # only chunks sent on this connection wait under it
             case Heartbeat():
                 self._on_heartbeat(conn, peer, msg)
             case Abort():

@@ -34,7 +34,7 @@ from msgspec import Meta
 from connector.core.errors import FrameError
 from connector.core.layout import Region
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """Wire protocol version; a frame or Hello with any other version is rejected.
 
 History (one line per version; bump it for any change an older peer would misread):
@@ -45,6 +45,10 @@ History (one line per version; bump it for any change an older peer would misrea
      token (`auth_token` is gone); decode's memory (NIXL metadata, regions, staging buffer and its new size) moves
      from its Hello to the new Auth message, sent only after prefill proved the token; Welcome ends the handshake;
      prefill's Hello carries no NIXL metadata and no regions. String and list fields have length limits.
+  3  Scatter names its rows block-wise (`rows`, replacing the address pairs of `destinations`) and where in the
+     connection's staging area the chunk lies (`slot_offset`), and is sent once the chunk's WRITE completed, so
+     prefill keeps a ring of chunks in flight; Register's staging fields give a connection an area, not one slot.
+     A version-2 peer would fail to decode such a Scatter mid-transfer: it is refused at the handshake instead.
 """
 DEFAULT_MAX_FRAME_BYTES = 4 * 1024 * 1024
 """Largest body a receiver accepts after the handshake unless configured otherwise. The largest real messages are
@@ -198,18 +202,32 @@ class Stopped(msgspec.Struct, frozen=True, tag="stopped", tag_field="type"):
     src_tp: int
 
 
+class StagedRows(msgspec.Struct, frozen=True, array_like=True):
+    """Rows of one region part in a staged chunk (connector.core.staging_ranges.Rows, decode's side): row k is
+    `row_bytes` long and goes to `addr + blocks[k] * stride`."""
+
+    addr: Count
+    stride: Count
+    row_bytes: Count
+    blocks: Annotated[bytes, Meta(max_length=8 * MAX_BLOCKS)]
+    """Decode block ids, packed little-endian int64."""
+
+
 class Scatter(msgspec.Struct, frozen=True, tag="scatter", tag_field="type"):
-    """Prefill -> decode: the first `nbytes` of the staging slot this rank was given now hold a chunk of
-    `transfer_id`; copy them to these destinations (packed little-endian int64 pairs: address, length, in order)."""
+    """Prefill -> decode, sent once the chunk's WRITE has completed: `nbytes` at `slot_offset` of the staging area
+    decode gave this connection hold chunk `seq` of `transfer_id`, its `rows` packed back to back in order; copy
+    them to their blocks and answer Scattered."""
 
     transfer_id: TransferId
-    seq: int
-    nbytes: int
-    destinations: bytes
+    seq: Count
+    nbytes: Count
+    rows: Annotated[list[StagedRows], Meta(max_length=MAX_LIST)] = []
+    slot_offset: Count = 0
 
 
 class Scattered(msgspec.Struct, frozen=True, tag="scattered", tag_field="type"):
-    """Decode -> prefill: chunk `seq` is in place (ok) or was refused (nothing written); the slot is free again."""
+    """Decode -> prefill: chunk `seq` is in place (ok) or was refused (nothing written); its slot is free again
+    (prefill's credit for it comes back)."""
 
     transfer_id: TransferId
     seq: int

@@ -1,5 +1,7 @@
-"""`python -m connector bench`: raw NIXL vs connector bulk vs connector stream, one prefill and one decode
-process, the same blocks and the same descriptors in every run."""
+"""`python -m connector bench`: one prefill and one decode process, the same blocks every run, measured five ways:
+raw NIXL with the connector's descriptors (one per block range), raw NIXL with the same bytes in a few long
+descriptors (what NIXL itself can do here), the connector in bulk mode (everything after compute) and the connector
+streaming per layer while prefill computes at a stated speed."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import sys
 from typing import Any
 
 from connector.core.layout import ParallelLayout, blocks_for
-from connector.sim.cluster import Cluster, RequestResult, Scenario
+from connector.sim.cluster import Cluster, Scenario
 
 
 class _Progress:
@@ -26,59 +28,85 @@ class _Progress:
                 sys.stderr.write("\n")
 
 
-def bench(sc: Scenario, progress: bool = False, repeats: int = 5) -> dict[str, Any]:
-    """Medians over `repeats` runs of each: raw NIXL, connector bulk, connector stream (same blocks each time)."""
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0-100), linear between the two nearest ranks (with 5 runs, p99 is almost the worst)."""
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    low = int(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def bench(sc: Scenario, progress: bool = False, repeats: int = 5, compute: tuple[float, float] | None = None,
+          plot: str | None = None) -> dict[str, Any]:
+    """Medians (and p99 of the exposed times) over `repeats` runs of each kind, interleaved so machine noise hits
+    them alike. Prefill computes `sc.layer_ms` per layer or, with `compute = (active parameters, TFLOPS)`, what that
+    model takes for `sc.tokens` at that speed. `plot`: a PNG of one bulk and one stream run's per-layer timeline."""
     one = ParallelLayout.build(sc.model.num_layers, 1, 1)
     sc = dataclasses.replace(sc, prefill=one, decode=one, chunks=1, prefix_tokens=0, late_register=False)
-    bar = _Progress(progress, 3 + 3 * repeats)
-    raw_s, bulks, streams, seq = [], [], [], iter(range(1_000_000))
+    layer_ms = sc.layer_ms
+    if compute is not None:
+        from connector.core.compute import prefill_ms  # noqa: PLC0415
+
+        layer_ms = round(prefill_ms(int(compute[0]), sc.tokens, compute[1]) / sc.model.num_layers, 3)
+    bar = _Progress(progress, 2 + 4 * repeats)
+    raws, coalesced, bulks, streams, seq = [], [], [], [], iter(range(1_000_000))
     with Cluster(sc) as cluster:
         bar.step("processes up")
         cluster.run_request(next(seq), seed=0, mode="bulk", layer_ms=0.0)   # warm-up: handshakes, page faults
         bar.step("warm-up")
         _, prefill_conn = cluster.prefill[(0, 0)]
+        cluster.ask(cluster.decode[(0, 0)][1], ("scratch", sc.tokens), sc.timeout_s, "decode (0, 0)")
 
-        def raw() -> tuple[float, int, int]:
-            _, seconds, nbytes, count = cluster.ask(prefill_conn, ("raw", 0, sc.tokens, cluster.registered),
+        def raw(packed: bool) -> tuple[float, int, int]:
+            _, seconds, nbytes, count = cluster.ask(prefill_conn, ("raw", 0, sc.tokens, cluster.registered, packed),
                                                     sc.timeout_s, "prefill (0, 0)")
             return seconds, nbytes, count
 
-        first_raw, raw_bytes, raw_descs = raw()
-        bar.step("raw NIXL (sizing)")
-        layer_ms = sc.layer_ms or round(1.5 * first_raw * 1e3 / sc.model.num_layers, 3)
         hooks_before = len(cluster.hook_ns)
-        # Interleaved, so machine noise hits the three kinds alike.
         for _ in range(repeats):
-            raw_s.append(raw()[0])
+            raws.append(raw(False))
+            coalesced.append(raw(True))
             bar.step("raw NIXL")
             bulks.append(cluster.run_request(next(seq), seed=0, mode="bulk", layer_ms=layer_ms))
             bar.step("connector bulk")
             streams.append(cluster.run_request(next(seq), seed=0, mode="stream", layer_ms=layer_ms))
             bar.step("connector stream")
         hook_ns = cluster.hook_ns[hooks_before:]
-    raw_median = statistics.median(raw_s)
-
-    def exposed(r: RequestResult) -> float:
-        return max(0.0, r.last_complete - r.compute_end) * 1e3
-
-    bulk_s = statistics.median(max(1e-9, r.last_complete - r.compute_end) for r in bulks)
-    bulk_bytes = bulks[0].bytes
-    return {
+    raw_bytes, raw_descs = raws[0][1], raws[0][2]
+    raw_gbps = raw_bytes / statistics.median(r[0] for r in raws) / 1e9
+    coalesced_gbps = coalesced[0][1] / statistics.median(r[0] for r in coalesced) / 1e9
+    bulk_ms = [r.exposed_s * 1e3 for r in bulks]
+    stream_ms = [r.exposed_s * 1e3 for r in streams]
+    connector_gbps = bulks[0].bytes / max(1e-9, statistics.median(r.exposed_s for r in bulks)) / 1e9
+    out = {
         "model": sc.model.name, "tokens": sc.tokens, "block_size": sc.block_size, "device": sc.device,
-        "repeats": repeats, "bytes": raw_bytes, "descriptors": raw_descs,
-        "blocks_per_layer": blocks_for(sc.tokens, sc.block_size),
-        "raw_gbps": round(raw_bytes / raw_median / 1e9, 3),
-        "connector_gbps": round(bulk_bytes / bulk_s / 1e9, 3),
-        "connector_vs_raw": round((bulk_bytes / bulk_s) / (raw_bytes / raw_median), 3),
+        "repeats": repeats, "run_blocks": sc.run_blocks, "bytes": raw_bytes, "descriptors": raw_descs,
+        "coalesced_descriptors": coalesced[0][2], "blocks_per_layer": blocks_for(sc.tokens, sc.block_size),
+        "raw_gbps": round(raw_gbps, 3), "raw_coalesced_gbps": round(coalesced_gbps, 3),
+        "connector_gbps": round(connector_gbps, 3), "connector_vs_raw": round(connector_gbps / raw_gbps, 3),
+        "connector_vs_coalesced": round(connector_gbps / coalesced_gbps, 3),
+        "compute_tflops": compute[1] if compute is not None else None,
+        "active_params_b": round(compute[0] / 1e9, 2) if compute is not None else None,
         "layer_ms": layer_ms,
         "compute_ms": round(statistics.median((r.compute_end - r.compute_start) * 1e3 for r in streams), 2),
-        "bulk_exposed_ms": round(statistics.median(exposed(r) for r in bulks), 2),
-        "stream_exposed_ms": round(statistics.median(exposed(r) for r in streams), 2),
-        "stream_vs_bulk_exposed": round(statistics.median(exposed(r) for r in streams)
-                                        / max(statistics.median(exposed(r) for r in bulks), 1e-9), 3),
+        "bulk_exposed_ms": round(percentile(bulk_ms, 50), 2), "bulk_exposed_ms_p99": round(percentile(bulk_ms, 99), 2),
+        "stream_exposed_ms": round(percentile(stream_ms, 50), 2),
+        "stream_exposed_ms_p99": round(percentile(stream_ms, 99), 2),
+        "stream_vs_bulk_exposed": round(percentile(stream_ms, 50) / max(percentile(bulk_ms, 50), 1e-9), 3),
+        "streamed_pct": round(100.0 * statistics.median(r.streamed_bytes / max(1, r.bytes) for r in streams), 1),
         "hook_us": round(statistics.median(hook_ns) / 1e3, 2) if hook_ns else 0.0,
-        "staging_mb": sc.staging_mb,
-        "staged_chunks": bulks[0].staged_chunks,  # NIXL posts the bulk run needed instead of `descriptors`
+        "staging_mb": sc.staging,
+        "staged_chunks": bulks[0].staged_chunks,
+        "nixl_descriptors_bulk": bulks[0].nixl_descriptors,
+        "nixl_descriptors_stream": statistics.median(r.nixl_descriptors for r in streams),
         "verified": all(r.verified for r in bulks + streams),
         "problems": [p for r in bulks + streams for p in r.problems],
     }
+    if plot:
+        from connector.sim.plot import plot_timeline  # noqa: PLC0415 - matplotlib is an optional extra
+
+        pick = lambda runs: sorted(runs, key=lambda r: r.exposed_s)[len(runs) // 2]  # noqa: E731 - the median run
+        plot_timeline(plot, {"bulk": pick(bulks), "stream": pick(streams)}, out)
+    return out
+

@@ -126,6 +126,12 @@ class RankBuffers:
                                     f"first at token {first}")
         return problems
 
+    def zero_blocks(self, block_ids: list[list[int]]) -> None:
+        """Zero these blocks (per group) in every pool and layer."""
+        for buf in self.pools.values():
+            ids = torch.tensor(block_ids[POOL_GROUP[buf.pool]], dtype=torch.int64, device=self.device)
+            buf.tensor[:, :, ids] = 0
+
     def verify_prefix_untouched(self, block_ids: list[list[int]], first_token: int) -> list[str]:
         """Blocks before `first_token` are decode's own prefix-cache hits: the transfer must not touch them."""
         problems = []

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from connector.core.layout import ModelLayout, ParallelLayout, blocks_for
 from connector.core.plan import Rank
-from connector.engine.config import SideChannelConfig
+from connector.engine.config import SideChannelConfig, default_staging_mb
 from connector.protocol.addressing import PrefillAddress
 from connector.sim import rank_process
 from connector.sim.env import apply_env, free_port_range
@@ -41,7 +41,8 @@ class Scenario:
     late_register: bool = False        # decode registers only after prefill finished (bulk fallback path)
     hook_layers: str = "all"           # all | even: which layers get layer_ready (the rest are swept)
     run_blocks: int = 1                # block allocation: runs of this many consecutive ids (1 = scattered)
-    staging_mb: int = 0                # per rank staging buffer (connector.engine.staging); 0 = direct WRITEs only
+    staging_mb: int | None = None      # per rank staging buffer (connector.engine.staging); 0 = direct WRITEs
+                                       # only; None = the default for the device (connector.engine.config)
     requests: int = 1
     timeout_s: float = 120.0
     seed: int = 0
@@ -54,6 +55,11 @@ class Scenario:
     sender_config: Any = None          # prefill ranks' engine settings (connector.engine.config.SenderConfig)
 
     @property
+    def staging(self) -> int:
+        """MiB of staging buffer per rank, the default resolved."""
+        return default_staging_mb(self.device.startswith("cuda")) if self.staging_mb is None else self.staging_mb
+
+    @property
     def num_blocks(self) -> int:
         """Blocks per pool of each simulated cache: room for every request twice over, so blocks can be random."""
         return blocks_for(self.tokens, self.block_size) * self.requests * 2 + 8
@@ -62,7 +68,7 @@ class Scenario:
                   run_id: str = "sim") -> RankSpec:
         return RankSpec(side=side, rank=rank, model=self.model, prefill=self.prefill, decode=self.decode,
                         block_size=self.block_size, num_blocks=self.num_blocks, device=self.device,
-                        run_blocks=self.run_blocks, staging_mb=self.staging_mb, base_port=base_port, run_id=run_id,
+                        run_blocks=self.run_blocks, staging_mb=self.staging, base_port=base_port, run_id=run_id,
                         timeout_s=self.timeout_s, log_level=logging.getLogger().level or logging.WARNING,
                         placement=self.prefill_node if side == "prefill" else self.decode_node,
                         side_channel=self.side_channel, tcp_user_timeout_s=self.tcp_user_timeout_s,
@@ -82,6 +88,24 @@ class RequestResult:
     compute_end: float
     first_post: float
     last_complete: float
+    nixl_posts: int = 0
+    """NIXL WRITE requests the connector posted for this request (all prefill ranks)."""
+    nixl_descriptors: int = 0
+    """Descriptors in them: one per staged chunk, one per byte range of a direct WRITE."""
+    layer_computed: dict[int, float] = field(default_factory=dict)
+    """Global layer -> when prefill finished computing it (its last chunk; time.time())."""
+    timeline: list[tuple] = field(default_factory=list)
+    """Every batch the prefill ranks posted: (layers, bytes, posted, written, landed, staged chunks), time.time()."""
+
+    @property
+    def exposed_s(self) -> float:
+        """From the end of prefill's compute to the last decode rank's completion."""
+        return max(0.0, self.last_complete - self.compute_end)
+
+    @property
+    def streamed_bytes(self) -> int:
+        """Bytes in decode's blocks before prefill finished computing."""
+        return sum(t[1] for t in self.timeline if t[4] <= self.compute_end)
 
 
 @dataclass
@@ -97,6 +121,11 @@ class DemoResult:
     hook_us: float
     staged_chunks: int = 0
     """Gathered chunks the descriptors went in (0: every descriptor was its own NIXL descriptor)."""
+    nixl_descriptors: int = 0
+    """Descriptors posted to NIXL: `staged_chunks` plus the byte ranges written directly."""
+    streamed_pct: float = 0.0
+    """Share of the bytes that were in decode's memory before prefill finished computing."""
+    staging_mb: int = 0
     requests: list[dict[str, Any]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
 
@@ -192,17 +221,18 @@ class Cluster:
         for rank, (_p, conn) in self.prefill.items():
             self.ask(conn, ("start", tid, sc.tokens, seed), t, ("prefill", rank))
         bounds = [round(sc.tokens * (c + 1) / sc.chunks) for c in range(sc.chunks)]
-        t0, starts, ends, hooks = 0, [], [], []
+        t0, starts, ends, hooks, computed = 0, [], [], [], {}
         for t1 in bounds:
             for stage in range(sc.prefill.pp):
                 ranks = [r for r in self.prefill if r[0] == stage]
                 for r in ranks:
                     self.prefill[r][1].send(("chunk", tid, t0, t1, layer_ms, mode, sc.hook_layers))
                 for r in ranks:
-                    _, start, end, hook_ns = self.reply(self.prefill[r][1], t, ("prefill", r))
+                    _, start, end, hook_ns, layer_done = self.reply(self.prefill[r][1], t, ("prefill", r))
                     starts.append(start)
                     ends.append(end)
                     hooks += hook_ns
+                    computed.update(layer_done)
             t0 = t1
         if sc.late_register:
             self._register(tid, seed)
@@ -213,11 +243,14 @@ class Cluster:
                      if not s[1]]
         self.hook_ns += hooks
         posts = [s[2] for s in prefill_stats if s[2]]
+        nixl = [s[4] for s in prefill_stats]
         return RequestResult(
             transfer_id=tid, verified=not problems, problems=problems,
             bytes=sum(out[2] for out in decode_out), descriptors=sum(out[3] for out in decode_out),
             staged_chunks=sum(out[5] for out in decode_out), compute_start=min(starts), compute_end=max(ends),
-            first_post=min(posts) if posts else max(ends), last_complete=max(out[4] for out in decode_out))
+            first_post=min(posts) if posts else max(ends), last_complete=max(out[4] for out in decode_out),
+            nixl_posts=sum(n[0] for n in nixl), nixl_descriptors=sum(n[1] for n in nixl), layer_computed=computed,
+            timeline=[t for s in prefill_stats for t in s[3]])
 
     def _register(self, tid: str, seed: int) -> None:
         addr = str(self.prefill_address)
@@ -228,18 +261,33 @@ class Cluster:
             self.registered[rank] = reply[1]
 
 
+def busy_seconds(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals: the time at least one of them was running."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
 def run_scenario(sc: Scenario) -> DemoResult:
     with Cluster(sc) as cluster:
         results = [cluster.run_request(i) for i in range(sc.requests)]
         hook_ns = cluster.hook_ns
     total = sum(r.bytes for r in results)
-    busy = sum(max(1e-9, r.last_complete - r.first_post) for r in results)
+    # The transfer's own active time: while some batch was between its post and its landing in decode's blocks
+    # (bytes over the whole compute time would mostly measure how long prefill computed).
+    busy = busy_seconds([(t[2], t[4]) for r in results for t in r.timeline]) or 1e-9
+    moved = sum(t[1] for r in results for t in r.timeline) or 1
     return DemoResult(
         verified=all(r.verified for r in results), mode=sc.mode, bytes=total,
-        descriptors=sum(r.descriptors for r in results), transfer_gbps=round(total / busy / 1e9, 3),
+        descriptors=sum(r.descriptors for r in results), transfer_gbps=round(moved / busy / 1e9, 3),
         compute_ms=round(sum(r.compute_end - r.compute_start for r in results) * 1e3, 2),
-        exposed_ms=round(sum(max(0.0, r.last_complete - r.compute_end) for r in results) * 1e3, 2),
+        exposed_ms=round(sum(r.exposed_s for r in results) * 1e3, 2),
         ranks={"prefill": sc.prefill.pp * sc.prefill.tp, "decode": sc.decode.pp * sc.decode.tp},
         hook_us=round(statistics.median(hook_ns) / 1e3, 2) if hook_ns else 0.0,
-        staged_chunks=sum(r.staged_chunks for r in results), requests=[asdict(r) for r in results],
-        problems=[p for r in results for p in r.problems])
+        staged_chunks=sum(r.staged_chunks for r in results),
+        nixl_descriptors=sum(r.nixl_descriptors for r in results),
+        streamed_pct=round(100.0 * sum(r.streamed_bytes for r in results) / moved, 1), staging_mb=sc.staging,
+        requests=[asdict(r) for r in results], problems=[p for r in results for p in r.problems])

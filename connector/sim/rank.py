@@ -66,19 +66,20 @@ class SimRank:
         if config is None and spec.sender_config is not None:
             config = dataclasses.replace(spec.sender_config, host=spec.placement.host, port=spec.port)
         config = config or SenderConfig(host=spec.placement.host, port=spec.port, side_channel=spec.side_channel_config,
-                                        write_timeout_s=spec.write_timeout_s or spec.timeout_s)
+                                        write_timeout_s=spec.write_timeout_s or spec.timeout_s,
+                                        record_timeline=True)
         sender = StreamSender(self.me(), self.transport, config, self.loop.loop)
         self.engine = sender
         self.loop.run(sender.start(), 30)
         return sender
 
     def receiver(self, config: ReceiverConfig | None = None) -> StreamReceiver:
-        """A StreamReceiver on this rank; by default every prefill rank connection gets its own staging slot."""
+        """A StreamReceiver on this rank; by default with the connector's own staging areas (ReceiverConfig), which
+        prefill ranks share equally when the buffer is smaller."""
         spec = self.spec
         if config is None:
-            slot_bytes = max(1, spec.staging_mb << 20) // (spec.prefill.pp * spec.prefill.tp)
-            config = ReceiverConfig(
-                side_channel=spec.side_channel_config, transfer_timeout_s=spec.timeout_s, staging_slot_bytes=slot_bytes,
+            config = ReceiverConfig(  # the connector's default staging area per connection
+                side_channel=spec.side_channel_config, transfer_timeout_s=spec.timeout_s,
                 lost_source_hold_s=lost_source_hold_s(spec.tcp_user_timeout_s, spec.side_channel.heartbeat_interval_s))
         self.engine = StreamReceiver(self.me(), self.transport, config)
         return self.engine

@@ -80,6 +80,8 @@ class PrefillCommands:
         self.rank, self.spec = rank, rank.spec
         self.sender = rank.sender()
         self.blocks: dict[str, list[list[int]]] = {}
+        self._nixl = (0, 0)
+        """The transport's (posts, descriptors) when the last request finished: a request's share is the change."""
 
     def handlers(self) -> dict[str, Any]:
         return {"start": self.start, "chunk": self.chunk, "finish": self.finish, "raw": self.raw, "state": self.state}
@@ -109,7 +111,7 @@ class PrefillCommands:
 
         cuda = self.spec.device.startswith("cuda")
         self.sender.begin_chunk(tid, self.blocks[tid], t1)
-        hooks, start_t = [], time.time()
+        hooks, start_t, computed = [], time.time(), {}
         for layer in range(*self.sender.me.stage):
             began = time.perf_counter()
             self.rank.bufs.fill(layer, self.blocks[tid], t0, t1)
@@ -120,6 +122,7 @@ class PrefillCommands:
             left = layer_ms / 1e3 - (time.perf_counter() - began)
             if left > 0:
                 time.sleep(left)
+            computed[layer] = time.time()
             if mode == "stream" and (hook_layers == "all" or layer % 2 == 0):
                 h0 = time.perf_counter_ns()
                 self.sender.layer_ready(tid, layer, event)
@@ -128,27 +131,36 @@ class PrefillCommands:
             torch.cuda.synchronize()
         end_t = time.time()
         self.sender.end_chunk(tid)  # the sweep: layers without a hook, and the whole request in bulk mode
-        return ("chunk_done", start_t, end_t, hooks)
+        return ("chunk_done", start_t, end_t, hooks, computed)
 
     def finish(self, tid: str) -> tuple:
         timeout = self.spec.timeout_s
         ok = self.rank.run(self.sender.wait_finished(tid, timeout), timeout + 5)
         info = self.sender.finished_info.get(tid)
-        return ("finished", ok, info.first_write_at if info else 0.0)
+        timeline = [(t.layers, t.nbytes, t.posted, t.written, t.landed, t.staged_chunks)
+                    for t in self.sender.writer.timeline.pop(tid, [])]
+        stats = self.rank.transport.stats
+        (posts, descs), self._nixl = self._nixl, (stats.posts, stats.descriptors)
+        return ("finished", ok, info.first_write_at if info else 0.0, timeline,
+                (stats.posts - posts, stats.descriptors - descs))
 
-    def raw(self, seed: int, tokens: int, dst_blocks: dict[Rank, list[list[int]]]) -> tuple:
+    def raw(self, seed: int, tokens: int, dst_blocks: dict[Rank, list[list[int]]], coalesced: bool = False) -> tuple:
         """Bench baseline: the descriptors the connector posts (built by the sender's own function), as one raw
-        NIXL WRITE per decode rank."""
+        NIXL WRITE per decode rank. `coalesced`: the same bytes from blocks 0..n-1 into blocks 0..n-1 (one long
+        descriptor per region part: what NIXL moves when nothing is scattered)."""
         from connector.core.descriptors import batch_descriptors  # noqa: PLC0415
         from connector.sim.raw_nixl import raw_write  # noqa: PLC0415
 
-        src_blocks = pick_request_blocks(self.spec, tokens, seed=1000 + seed)
         n = blocks_for(tokens, self.spec.block_size)
+        src_blocks = pick_request_blocks(self.spec, tokens, seed=1000 + seed)
+        if coalesced:
+            src_blocks = [list(range(n)) for _ in src_blocks]
         seconds = nbytes = count = 0
         for (_engine, *dst), peer in self.sender.peers.items():
             layer_routes = peer.accepted.plan.layer_routes(self.spec.rank, tuple(dst))
+            dst_ids = [list(range(n)) for _ in src_blocks] if coalesced else dst_blocks[tuple(dst)]
             descs = batch_descriptors(self.sender.me.by_key, peer.accepted.regions, layer_routes,
-                                      [(layer, 0, n) for layer in layer_routes], src_blocks, dst_blocks[tuple(dst)])
+                                      [(layer, 0, n) for layer in layer_routes], src_blocks, dst_ids)
             local, remote = descs.arrays()
             seconds += raw_write(self.rank.transport, peer.agent, local, remote, mem_type=self.spec.mem_type,
                                  timeout=self.spec.timeout_s)
@@ -168,7 +180,8 @@ class DecodeCommands:
         self.used: list[list[int]] = [[], []]
 
     def handlers(self) -> dict[str, Any]:
-        return {"receive": self.receive, "collect": self.collect, "state": self.state, "digest": self.digest}
+        return {"receive": self.receive, "collect": self.collect, "state": self.state, "digest": self.digest,
+                "scratch": self.scratch}
 
     def state(self) -> tuple:
         return ("state", self.receiver.busy)
@@ -184,6 +197,13 @@ class DecodeCommands:
             h.update(tensor.reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
         return ("digest", h.hexdigest())
 
+    def scratch(self, tokens: int) -> tuple:
+        """Blocks 0..n-1 may hold anything from now on (the bench's coalesced baseline writes there)."""
+        n = blocks_for(tokens, self.spec.block_size)
+        for g in self.used:
+            g += range(n)
+        return ("ok",)
+
     async def _timed_receive(self, *args: Any) -> tuple[Any, float]:
         result = await self.receiver.receive(*args)
         return result, time.time()
@@ -194,6 +214,9 @@ class DecodeCommands:
         block_ids = pick_request_blocks(self.spec, tokens, seed=5000 + index * 7 + self.spec.rank[1])
         for g, ids in enumerate(block_ids):
             self.used[g] += ids
+        # Fresh blocks hold nothing of this request (a baseline or an earlier request may have written the same
+        # ids): only what this transfer moves can make them verify.
+        self.rank.bufs.zero_blocks(block_ids)
         self.requests[tid] = (block_ids, first_token, tokens)
         self.pending[tid] = self.rank.loop.submit(
             self._timed_receive(tid, PrefillAddress.parse(address), block_ids, first_token, tokens))

@@ -14,7 +14,8 @@ import msgspec
 from msgspec import Meta
 
 from connector.core.errors import ConfigError
-from connector.engine.config import ReceiverConfig, SenderConfig, SideChannelConfig, lost_source_hold_s
+from connector.engine.config import (ReceiverConfig, SenderConfig, SideChannelConfig, default_staging_mb,
+                                      lost_source_hold_s)
 from connector.transport.limits import ServerLimits
 from connector.transport.nixl import TransportConfig
 
@@ -65,12 +66,19 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     kernel decides (many minutes with its defaults)."""
     progress_delay_us: PositiveInt = _TRANSPORT["progress_delay_us"]
     """NIXL progress-thread poll delay (never 0: 0 spins a core)."""
-    staging_mb: Annotated[int, Meta(ge=0)] = 0
+    staging_mb: Annotated[int, Meta(ge=0)] | None = None
     """Per-worker staging buffer on the KV-cache device, in MiB (0 = off). When prefill and decode both have one,
     scattered blocks move as gathered chunks, one NIXL descriptor each, and decode scatters them
-    (connector.engine.staging): far fewer descriptors when vLLM's blocks are fragmented."""
+    (connector.engine.staging): far fewer descriptors when vLLM's blocks are fragmented. None (unset): the default
+    for the KV cache's device (connector.engine.config.default_staging_mb). It is allocated after vLLM sized its
+    KV cache, so it comes out of the memory `gpu_memory_utilization` leaves free."""
     staging_slot_mb: PositiveInt = _RECEIVER.staging_slot_bytes >> 20
-    """Decode: the part of its staging buffer each prefill rank connection may use (one chunk in flight each)."""
+    """Decode: the most of its staging buffer one prefill rank connection may use; prefill cuts it into a ring of
+    chunks in flight."""
+
+    def staging_bytes(self, cuda: bool) -> int:
+        """The staging buffer a worker allocates, in bytes (0: none)."""
+        return (default_staging_mb(cuda) if self.staging_mb is None else self.staging_mb) << 20
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> "ConnectorSettings":

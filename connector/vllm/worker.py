@@ -98,9 +98,10 @@ class WorkerSide:
         for storage in storages.values():
             self.transport.register(torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage))
         staging = None
-        if self.settings.staging_mb:
+        staging_bytes = self.settings.staging_bytes(self._cuda)
+        if staging_bytes:
             device = next(iter(kv_caches.values())).device
-            staging = torch.empty(self.settings.staging_mb << 20, dtype=torch.uint8, device=device)
+            staging = torch.empty(staging_bytes, dtype=torch.uint8, device=device)
             self.transport.register(staging)
             self._staging = staging  # kept alive as long as the transport uses it
         block_size = {r.group: self.kv_cache_config.kv_cache_groups[r.group].kv_cache_spec.block_size for r in regions}
@@ -123,7 +124,7 @@ class WorkerSide:
         else:
             self.receiver = StreamReceiver(me, self.transport, s.receiver_config())
             log.info("SparseKVConnector decode rank %s: %d regions, %s", self.rank, len(regions),
-                     f"staging {s.staging_mb} MiB" if staging is not None else "no staging")
+                     f"staging {staging_bytes >> 20} MiB" if staging is not None else "no staging")
 
     def _install_layer_signals(self) -> None:
         """Prefill only (decode has nothing to send per layer): a per-layer signal for the layers vLLM never runs

@@ -1,0 +1,111 @@
+"""How one batch (the layers ready for one decode rank) leaves a prefill rank: its descriptors, then either ONE
+direct NIXL WRITE of them or staged chunks (connector.engine.staging), whichever posts fewer descriptors for the
+cost. The sender (connector.engine.sender) keeps the bookkeeping; this holds the choice and the posting.
+
+The choice, per batch: stage when both sides have a staging buffer, the batch has at least `stage_min_descriptors`
+descriptors and they average fewer than `stage_below_bytes` (blocks scattered: many small descriptors); else write
+directly (blocks already in long runs, or a batch too small to pay for a gather and a scatter).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from connector.core.descriptors import Descriptors, batch_descriptors
+from connector.core.layout import blocks_for
+from connector.core.staging_ranges import batch_segments
+from connector.engine.config import SenderConfig
+from connector.engine.rank import LocalRank
+from connector.engine.sender_state import Destination, SendRequest
+from connector.engine.staging import StagedWriter
+from connector.engine.stats import SenderStats
+
+
+@dataclass
+class BatchTimes:
+    """When one batch's bytes moved (wall clock, time.time(), comparable across processes on one machine)."""
+
+    layers: list[int]
+    nbytes: int
+    posted: float
+    """Its first gather or WRITE began."""
+    written: float = 0.0
+    """Every WRITE of it completed (direct: in decode's blocks; staged: in decode's staging slots)."""
+    landed: float = 0.0
+    """In decode's blocks: `written` for a direct WRITE; decode's answer to its last staged chunk otherwise."""
+    staged_chunks: int = 0
+    answers: int = 0
+
+
+@dataclass
+class BatchWriter:
+    me: LocalRank
+    transport: Any
+    config: SenderConfig
+    stats: SenderStats
+    staged: StagedWriter | None = None
+    timeline: dict[str, list[BatchTimes]] = field(default_factory=dict)
+    """Per transfer id, when `config.record_timeline`: each batch's times (taken by the bench, else dropped with
+    the request)."""
+
+    def __post_init__(self) -> None:
+        if self.me.staging is not None:
+            self.staged = StagedWriter(self.transport, self.me, self.config.write_timeout_s, self.stats.record_write,
+                                       ring_slots=self.config.staging_ring_slots)
+
+    def stage_below_bytes(self) -> int:
+        return self.config.stage_below_bytes or (4 << 20 if self.me.mem_type == "VRAM" else 64 << 10)
+
+    def descriptors(self, req: SendRequest, dest: Destination, batch: list[tuple[int, int]]) -> Descriptors:
+        return batch_descriptors(self.me.by_key, dest.peer.accepted.regions, dest.layer_routes,
+                                 self._spans(dest, batch), req.block_ids, dest.register.block_ids)
+
+    def _spans(self, dest: Destination, batch: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+        """Each layer from its first unsent token's block (a block sent partly filled is sent again from its start
+        once more tokens are in it) to the block of its last ready token."""
+        bs, first = self.me.block_size, dest.register.first_token
+        return [(layer, max(dest.sent_tokens.get(layer, 0), first) // bs, blocks_for(ready, bs))
+                for layer, ready in batch]
+
+    def unanswered(self, dest: Destination, transfer_id: str) -> int:
+        """Staged chunks of `transfer_id` sent to `dest` that decode has not answered yet."""
+        return self.staged.unanswered(dest.conn, transfer_id) if self.staged is not None else 0
+
+    async def write(self, req: SendRequest, dest: Destination, batch: list[tuple[int, int]],
+                    on_answer: Callable[[bool, str], None]) -> Descriptors:
+        """Post `batch` to `dest`; returns its descriptors (the byte ranges moved) once every WRITE of it completed.
+        Staged chunks are answered later, each to `on_answer(ok, reason)`."""
+        descs = self.descriptors(req, dest, batch)
+        if not len(descs):
+            return descs
+        times = BatchTimes([layer for layer, _ in batch], descs.nbytes, time.time())
+        if self.config.record_timeline:
+            self.timeline.setdefault(req.transfer_id, []).append(times)
+        hello, reg = dest.peer.accepted.hello, dest.register
+        if self.staged is not None and self.staged.usable(dest.conn, reg, hello.staging_addr) \
+                and len(descs) >= self.config.stage_min_descriptors \
+                and descs.nbytes < len(descs) * self.stage_below_bytes():
+            segments = batch_segments(self.me.by_key, dest.peer.accepted.regions, dest.layer_routes,
+                                      self._spans(dest, batch), req.block_ids, reg.block_ids)
+
+            def answered(ok: bool, why: str) -> None:
+                times.answers += 1
+                times.landed = time.time()
+                on_answer(ok, why)
+
+            chunks = await self.staged.write(dest.conn, reg, dest.peer.agent, hello.staging_addr,
+                                             hello.staging_device, req.transfer_id, segments, answered,
+                                             stop=lambda: dest.done)
+            times.staged_chunks = chunks
+            dest.staged_chunks += chunks
+            self.stats.staged_chunks += chunks
+        else:
+            local, remote = descs.arrays()
+            self.stats.record_write(await self.transport.write(
+                dest.peer.agent, local, remote, mem_type=self.me.mem_type, local_device=self.me.device_id,
+                remote_device=dest.peer.accepted.device_id, timeout=self.config.write_timeout_s))
+            times.landed = time.time()
+        times.written = time.time()
+        return descs
