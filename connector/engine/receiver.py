@@ -124,8 +124,8 @@ class StreamReceiver:
     async def _connect(self, address: PrefillAddress, port: int, timeout: float | None = None) -> ControlConnection:
         side = self.config.side_channel
         return await connect(address.host, port, self.hello, auth_token=side.auth_token, ssl_context=self._ssl,
-                             timeout=timeout or side.handshake_timeout_s, heartbeat_interval_s=side.heartbeat_interval_s,
-                             dead_after_s=side.dead_after_s,
+                             timeout=timeout or side.handshake_timeout_s,
+                             heartbeat_interval_s=side.heartbeat_interval_s, dead_after_s=side.dead_after_s,
                              heartbeat_ids=lambda p=port: self._wanted_from(address, p))
 
     def _wanted_from(self, address: PrefillAddress, port: int) -> list[str]:

@@ -104,6 +104,13 @@ class Proxy:
         self.log.close()
 
 
+STARVED_SIDE_CHANNEL = {"handshake_timeout_s": 60.0, "dead_after_s": 60.0, "heartbeat_interval_s": 5.0}
+"""Side-channel timeouts for eight engine workers on two cores: idle vLLM workers poll their shared-memory rings, so
+a process can wait seconds for the CPU (a NIXL peer load took 10.1 s in CI, past the 10 s default handshake timeout,
+and the request failed). Production defaults assume a core per worker; these tests check correctness, not how fast
+a starved process answers."""
+
+
 class Engines:
     """prefill (TP1, chunked 256, connector by its entry-point name), prefill_tp2 and prefill_pp2 (by
     kv_connector_module_path), spare (TP1, 4 s lease, 32-token chunks: slow to prefill, killed by a test),
@@ -119,13 +126,14 @@ class Engines:
             side = free_port(tp * pp)
             spec = ServerSpec(name, self.model, free_port(), tp=tp, pp=pp, max_num_batched_tokens=chunk,
                               kv_transfer_config=sparse_kv_config("kv_producer", side_channel_port=side,
-                                                                  load_by=load_by, **extra),
+                                                                  load_by=load_by, **STARVED_SIDE_CHANNEL, **extra),
                               extra_args=extra_args)
             return Prefill(VllmServer(spec, py, self.log_dir), side)
 
         def decode(name: str, policy: str, **kw) -> VllmServer:
             spec = ServerSpec(name, self.model, free_port(),
-                              kv_transfer_config=sparse_kv_config("kv_consumer", failure_policy=policy, **kw),
+                              kv_transfer_config=sparse_kv_config("kv_consumer", failure_policy=policy,
+                                                                  **STARVED_SIDE_CHANNEL, **kw),
                               env={"VLLM_PLUGINS": "none"} if kw.get("load_by") == "module_path" else {})
             return VllmServer(spec, py, self.log_dir)
 
