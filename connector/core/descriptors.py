@@ -85,11 +85,11 @@ def block_addresses(region: Region, block_ids: np.ndarray, offset: int) -> np.nd
     return addrs.reshape(-1).astype(np.uint64)
 
 
-def route_descriptors(src: Region, dst: Region, src_blocks: Sequence[int] | np.ndarray,
-                      dst_blocks: Sequence[int] | np.ndarray, heads: tuple[int, int]) -> Descriptors:
-    """Descriptors that copy `heads` of src block src_blocks[i] into dst block dst_blocks[i], every part.
-
-    Runs contiguous on both sides are coalesced: the result has one descriptor per run, not per block."""
+def check_route(src: Region, dst: Region, src_blocks: Sequence[int] | np.ndarray,
+                dst_blocks: Sequence[int] | np.ndarray,
+                heads: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, int, int, int]:
+    """The checks every route copy needs (same region, same parts, blocks in range and paired, heads the same size
+    on both sides): (source block ids, destination block ids, source offset, destination offset, bytes per block)."""
     if src.key != dst.key:
         raise DescriptorError(f"route pairs {src.key} with {dst.key}: regions must be the same (pool, layer)")
     if src.num_parts != dst.num_parts:
@@ -105,9 +105,18 @@ def route_descriptors(src: Region, dst: Region, src_blocks: Sequence[int] | np.n
     if s_len != d_len:
         raise DescriptorError(f"{src.pool} layer {src.layer}: heads {heads} are {s_len} B per block on prefill "
                               f"but {d_len} B on decode: block sizes or dtypes differ")
+    return s_ids, d_ids, s_off, d_off, s_len
+
+
+def route_descriptors(src: Region, dst: Region, src_blocks: Sequence[int] | np.ndarray,
+                      dst_blocks: Sequence[int] | np.ndarray, heads: tuple[int, int]) -> Descriptors:
+    """Descriptors that copy `heads` of src block src_blocks[i] into dst block dst_blocks[i], every part.
+
+    Runs contiguous on both sides are coalesced: the result has one descriptor per run, not per block."""
+    s_ids, d_ids, s_off, d_off, nbytes = check_route(src, dst, src_blocks, dst_blocks, heads)
     if s_ids.size == 0:
         return EMPTY
-    return coalesce(block_addresses(src, s_ids, s_off), block_addresses(dst, d_ids, d_off), s_len)
+    return coalesce(block_addresses(src, s_ids, s_off), block_addresses(dst, d_ids, d_off), nbytes)
 
 
 def geometry(region: Region) -> tuple:

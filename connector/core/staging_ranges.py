@@ -19,8 +19,8 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from connector.core.descriptors import check_blocks, head_span
-from connector.core.errors import DescriptorError, StagingError
+from connector.core.descriptors import check_route
+from connector.core.errors import StagingError
 from connector.core.layout import Region
 from connector.core.plan import Route
 
@@ -68,22 +68,11 @@ def route_segments(src: Region, dst: Region, src_blocks: Sequence[int] | np.ndar
                    dst_blocks: Sequence[int] | np.ndarray, heads: tuple[int, int]) -> list[Segment]:
     """One Segment per part (K, V) that copies `heads` of src block src_blocks[i] into dst block dst_blocks[i]: the
     block-wise twin of `connector.core.descriptors.route_descriptors`, with the same checks."""
-    if src.key != dst.key or src.num_parts != dst.num_parts:
-        raise DescriptorError(f"route pairs {src.key} ({src.num_parts} part(s)) with {dst.key} ({dst.num_parts}): "
-                              f"regions must be the same (pool, layer) with the same KV cache layout")
-    s_ids = check_blocks(src, src_blocks, "source ")
-    d_ids = check_blocks(dst, dst_blocks, "destination ")
-    if s_ids.shape != d_ids.shape:
-        raise DescriptorError(f"{src.pool} layer {src.layer}: {s_ids.size} source blocks but {d_ids.size} "
-                              f"destination blocks")
-    (s_off, s_len), (d_off, d_len) = head_span(src, heads), head_span(dst, heads)
-    if s_len != d_len:
-        raise DescriptorError(f"{src.pool} layer {src.layer}: heads {heads} are {s_len} B per block on prefill "
-                              f"but {d_len} B on decode: block sizes or dtypes differ")
+    s_ids, d_ids, s_off, d_off, nbytes = check_route(src, dst, src_blocks, dst_blocks, heads)
     if not s_ids.size:
         return []
-    return [Segment(Rows(src.base_addr + p * src.part_stride + s_off, src.block_stride, s_len, s_ids),
-                    Rows(dst.base_addr + p * dst.part_stride + d_off, dst.block_stride, d_len, d_ids))
+    return [Segment(Rows(src.base_addr + p * src.part_stride + s_off, src.block_stride, nbytes, s_ids),
+                    Rows(dst.base_addr + p * dst.part_stride + d_off, dst.block_stride, nbytes, d_ids))
             for p in range(src.num_parts)]
 
 
