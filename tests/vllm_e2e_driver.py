@@ -18,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator  
 from vllm.v1.engine import FinishReason  # noqa: E402
 
 import connector  # noqa: E402
-from connector.sim.env import free_port_range  # noqa: E402
+from connector.transport.ports import free_ports  # noqa: E402
 from connector.vllm import SparseKVConnector  # noqa: E402
 from connector.vllm.metadata import RecvSpec, SendSpec, SparseKVMetadata  # noqa: E402
 from tests import vllm_e2e_worker as W  # noqa: E402
@@ -196,7 +196,7 @@ class Pair:
         self.pool = pool
         (ptp, ppp), (dtp, dpp) = prefill, decode
         assert ptp * ppp + dtp * dpp <= len(pool.procs)
-        self.base_port = free_port_range(ptp * ppp)
+        self.base_port = free_ports(ptp * ppp)
         self.instances: list[Instance] = []
         try:
             self.P = make_instance(pool, 0, model_dir, role="kv_producer", tp=ptp, pp=ppp, by_name=by_name,

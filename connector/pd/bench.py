@@ -28,7 +28,8 @@ from typing import Callable
 from connector.pd import flows
 from connector.pd.client import Completion, prompt_ids
 from connector.pd.model import TinyLlama
-from connector.pd.servers import ServerSpec, VllmServer, free_port, sparse_kv_config, start_all
+from connector.pd.servers import ServerSpec, VllmServer, sparse_kv_config, start_all
+from connector.transport.ports import free_ports
 
 MODES = ("local", "sparse-concurrent", "sparse-sequential", "nixl", "nixl-clamped")
 CLAMP_DELAY_US = 1000
@@ -96,7 +97,7 @@ class PdBench:
         cpus = None
         if self.config.pin and len(allowed) >= 2:
             cpus = (allowed[1],) if name.endswith("decode") else (allowed[0],)
-        spec = ServerSpec(name, self.model, free_port(), kv_transfer_config=kv, env=env or {}, cpus=cpus)
+        spec = ServerSpec(name, self.model, free_ports(), kv_transfer_config=kv, env=env or {}, cpus=cpus)
         return VllmServer(spec, self.config.engine_python, self.root / "logs")
 
     def _servers(self, mode: str) -> tuple[list[VllmServer], Callable[[list[int]], Completion]]:
@@ -104,7 +105,7 @@ class PdBench:
             local = self._server("local")
             return [local], lambda p: flows.local(local.url, p, self.config.max_tokens, cache_salt=fresh())
         if mode.startswith("sparse"):
-            side = free_port()
+            side = free_ports()
             pre = self._server("sparse-prefill", sparse_kv_config("kv_producer", side_channel_port=side))
             dec = self._server("sparse-decode", sparse_kv_config("kv_consumer"))
             if mode == "sparse-concurrent":
@@ -116,8 +117,8 @@ class PdBench:
         if mode == "nixl-clamped":
             env["PYTHONPATH"] = str(self.clamp_dir)
         nixl = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
-        pre = self._server(f"{mode}-prefill", nixl, env | {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())})
-        dec = self._server(f"{mode}-decode", nixl, env | {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())})
+        pre = self._server(f"{mode}-prefill", nixl, env | {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_ports())})
+        dec = self._server(f"{mode}-decode", nixl, env | {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_ports())})
         return [pre, dec], lambda p: flows.sequential(pre.url, dec.url, p, self.config.max_tokens,
                                                       cache_salt=fresh())
 

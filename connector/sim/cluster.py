@@ -20,8 +20,9 @@ from connector.core.plan import Rank
 from connector.engine.config import SideChannelConfig, default_staging_mb
 from connector.protocol.addressing import PrefillAddress
 from connector.sim import rank_process
-from connector.sim.env import apply_env, free_port_range
+from connector.sim.env import apply_env
 from connector.sim.spec import Placement, RankSpec
+from connector.transport.ports import free_ports
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +142,7 @@ class Cluster:
         apply_env()
         self.sc = sc
         self.ctx = mp.get_context("spawn")
-        self.base_port = free_port_range(sc.prefill.pp * sc.prefill.tp)
+        self.base_port = free_ports(sc.prefill.pp * sc.prefill.tp)
         self.run_id = uuid.uuid4().hex[:6]
         self.hook_ns: list[int] = []
         self.registered: dict[tuple[int, int], list[list[int]]] = {}

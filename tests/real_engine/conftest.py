@@ -21,7 +21,8 @@ import pytest
 
 from connector.pd.client import complete, completion_body
 from connector.pd.model import TinyLlama
-from connector.pd.servers import ServerSpec, VllmServer, free_port, sparse_kv_config, start_all
+from connector.pd.servers import ServerSpec, VllmServer, sparse_kv_config, start_all
+from connector.transport.ports import free_ports
 from tests.conftest import restore_vllm_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -74,7 +75,7 @@ class Proxy:
     """An example router (examples/*.py) run as its own process, ended by PID."""
 
     def __init__(self, script: str, args: list[str], log_dir: Path) -> None:
-        self.port = free_port()
+        self.port = free_ports()
         self.log = open(log_dir / f"{Path(script).stem}-{self.port}.log", "wb")
         self.proc = subprocess.Popen([sys.executable, str(ROOT / "examples" / script), "--port", str(self.port),
                                       *args], stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -123,15 +124,15 @@ class Engines:
 
         def prefill(name: str, *, tp: int = 1, pp: int = 1, load_by: str = "name", chunk: int = CHUNK_TOKENS,
                     extra_args: tuple[str, ...] = (), **extra) -> Prefill:
-            side = free_port(tp * pp)
-            spec = ServerSpec(name, self.model, free_port(), tp=tp, pp=pp, max_num_batched_tokens=chunk,
+            side = free_ports(tp * pp)
+            spec = ServerSpec(name, self.model, free_ports(), tp=tp, pp=pp, max_num_batched_tokens=chunk,
                               kv_transfer_config=sparse_kv_config("kv_producer", side_channel_port=side,
                                                                   load_by=load_by, **STARVED_SIDE_CHANNEL, **extra),
                               extra_args=extra_args)
             return Prefill(VllmServer(spec, py, self.log_dir), side)
 
         def decode(name: str, policy: str, **kw) -> VllmServer:
-            spec = ServerSpec(name, self.model, free_port(),
+            spec = ServerSpec(name, self.model, free_ports(),
                               kv_transfer_config=sparse_kv_config("kv_consumer", failure_policy=policy,
                                                                   **STARVED_SIDE_CHANNEL, **kw),
                               env={"VLLM_PLUGINS": "none"} if kw.get("load_by") == "module_path" else {})
