@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from connector.transport.loop import LoopThread, OwnedTasks
+from connector.transport.loop import LoopThread, OwnedTasks, wait_out
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -58,3 +58,26 @@ def test_loop_thread_spawn_logs_a_failure_nobody_waits_for(caplog):
         assert fut.done() and "nobody is waiting for me" in caplog.text
     finally:
         lt.stop()
+
+
+async def test_wait_out_holds_a_cancelled_waiter_until_the_future_is_done():
+    """Memory an abandoned WRITE still uses is handed back only after it settled, even when its waiter is cancelled
+    (twice, here) meanwhile; the cancellation is raised then."""
+    settled = asyncio.get_running_loop().create_future()
+    waiter = asyncio.ensure_future(wait_out(settled))
+    await asyncio.sleep(0.01)
+    for _ in range(2):
+        waiter.cancel()
+        await asyncio.sleep(0.01)
+        assert not waiter.done()
+    settled.set_exception(RuntimeError("the WRITE failed"))  # its outcome is the owner's to read, not raised here
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert isinstance(settled.exception(), RuntimeError)
+
+
+async def test_wait_out_returns_when_the_future_is_done():
+    done = asyncio.get_running_loop().create_future()
+    asyncio.get_running_loop().call_later(0.01, done.set_result, 7)
+    await asyncio.wait_for(wait_out(done), 5)
+    assert done.result() == 7

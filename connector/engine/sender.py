@@ -27,7 +27,7 @@ from connector.engine.stats import SenderStats
 from connector.protocol.handshake import PeerKey
 from connector.protocol.messages import Abort, Complete, RegisterError
 from connector.transport.control import ControlConnection, ControlServer
-from connector.transport.loop import OwnedTasks
+from connector.transport.loop import OwnedTasks, wait_out
 from connector.transport.tls import server_context
 
 log = logging.getLogger(__name__)
@@ -261,7 +261,7 @@ class StreamSender(InboundMixin):
         except Exception as exc:  # noqa: BLE001 - one destination fails, the rest go on
             self._dest_failed(req, dest, f"WRITE of layers {fold_ranges(layers)} failed: {exc}")
             if isinstance(exc, WriteAbandoned):  # NIXL still reads the source blocks (and writes decode's): the
-                await asyncio.wait([exc.settled])  # batch stays in flight, the blocks held, Abort unsent, till it ends
+                await wait_out(exc.settled)  # batch stays in flight, the blocks held, Abort unsent, till it ends
             return
         finally:
             dest.peer.write_done()

@@ -31,6 +31,7 @@ from connector.engine.rank import LocalRank
 from connector.protocol.messages import Register, Scatter, Scattered, StagedRows
 from connector.transport.control import ControlConnection
 from connector.transport.device_copy import BlockCopier
+from connector.transport.loop import wait_out
 from connector.transport.nixl import WriteTiming
 
 log = logging.getLogger(__name__)
@@ -234,7 +235,7 @@ class StagedWriter:
             # The slot's content is unknown (a timed-out WRITE may still land): it is never reused.
             lane.fail(f"a WRITE into it failed: {exc}")
             if isinstance(exc, WriteAbandoned):  # NIXL still reads that part of this rank's staging buffer: no
-                await _settled(exc.settled)     # gather may refill it until the WRITE has really ended
+                await wait_out(exc.settled)     # gather may refill it until the WRITE has really ended
             raise
         finally:
             self._give_local(local)
@@ -310,24 +311,9 @@ def _checked_rows(r: StagedRows) -> Rows:
     return Rows(r.addr, r.stride, r.row_bytes, blocks)
 
 
-async def _settled(fut: Any) -> None:
-    """Wait for `fut` to end, even when cancelled meanwhile (then re-raise the cancellation once it has)."""
-    cancelled = False
-    while not fut.done():
-        try:
-            await asyncio.wait([fut])
-        except asyncio.CancelledError:
-            cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError
-
-
 async def _finish_thread(fn: Callable[..., None], *args: Any) -> None:
     """Run `fn` in a worker thread and wait for it, even when cancelled meanwhile: a copy cannot be interrupted,
     and whoever cancelled must not hand its memory back while the copy still runs."""
     fut = asyncio.ensure_future(asyncio.to_thread(fn, *args))
-    try:
-        await asyncio.shield(fut)
-    except asyncio.CancelledError:
-        await asyncio.wait({fut})
-        raise
+    await wait_out(fut)
+    fut.result()

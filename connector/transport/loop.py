@@ -128,6 +128,20 @@ class LoopThread:
             self._watchdog = None
 
 
+async def wait_out(fut: Any) -> None:
+    """Wait until `fut` is done, even when the waiting task is cancelled meanwhile: the cancellation is raised only
+    once it is (memory a NIXL WRITE or a copy thread still uses must not be handed back before). Its outcome is
+    not raised; read it from `fut`."""
+    cancelled = False
+    while not fut.done():
+        try:
+            await asyncio.wait([fut])
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+
+
 def _log_failure(fut: Any, what: str) -> None:
     if not fut.cancelled() and fut.exception() is not None:
         log.error("%s failed", what, exc_info=fut.exception())
