@@ -33,12 +33,16 @@ def received_bytes(tokens: int, first_token: int = 0) -> int:
 
 
 def wait_for(what: str, probe, timeout_s: float = 20.0):
-    """Poll `probe()` until it returns a truthy value (metrics reach Prometheus a step or two after the fact)."""
+    """Poll `probe()` until it returns a truthy value (metrics reach Prometheus a step or two after the fact). A probe
+    whose HTTP call timed out (a server starved of CPU for a moment) counts as not yet, until the deadline."""
     deadline = time.monotonic() + timeout_s
     while True:
-        value = probe()
+        try:
+            value, error = probe(), None
+        except (TimeoutError, OSError) as exc:  # urllib's timeouts and refused/reset connections
+            value, error = None, exc
         if value or time.monotonic() > deadline:
-            assert value, f"{what} not reached within {timeout_s} s"
+            assert value, f"{what} not reached within {timeout_s} s" + (f" (last probe: {error!r})" if error else "")
             return value
         time.sleep(0.2)
 
