@@ -75,10 +75,13 @@ def test_small_bench_reports_every_field_and_verifies(m3_index_v):
                 compute=(active_params(load_config("minimax-m3")[0]), 400.0))
     assert out["verified"], out["problems"]
     for key in ("raw_gbps", "raw_coalesced_gbps", "connector_gbps", "connector_vs_raw", "connector_vs_coalesced",
+                "raw_threaded_gbps", "connector_vs_threaded",
                 "bulk_exposed_ms", "bulk_exposed_ms_p99", "stream_exposed_ms", "stream_exposed_ms_p99",
                 "streamed_pct", "hook_us", "nixl_descriptors_bulk", "nixl_descriptors_stream"):
         assert out[key] is not None and out[key] >= 0, key
     assert out["coalesced_descriptors"] < out["descriptors"]
+    # the threaded baseline: the same bytes in pieces, 4096 of them (enough for NIXL's 4 threads) or 64 KiB each
+    assert min(4096, out["bytes"] >> 16) <= out["raw_threaded_descriptors"] <= out["descriptors"]
     assert out["bulk_exposed_ms"] <= out["bulk_exposed_ms_p99"]
     assert out["layer_ms"] == pytest.approx(prefill_ms(int(out["active_params_b"] * 1e9), 256, 400.0)
                                             / m3_index_v.num_layers, rel=0.01)

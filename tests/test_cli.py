@@ -108,6 +108,7 @@ BAD_INPUTS = [
     (("demo", *QWEN, "--requests", "0"), "--requests: 0 is out of range"),
     (("demo", *QWEN, "--requests", "10000", "--tokens", "1000000"), "GiB of memory is available"),
     (("demo", *QWEN, "--staging-mb", "-1"), "--staging-mb: -1 is out of range"),
+    (("bench", *QWEN, "--nixl-threads", "65"), "--nixl-threads: 65 is out of range"),
     (("demo", *QWEN, "--staging-mb", "1048576"), "GiB of memory is available: use fewer --tokens"),
     (("demo", *QWEN, "--timeout", "0"), "--timeout: 0 is out of range"),
     (("demo", *QWEN, "--timeout", "inf"), "--timeout: inf is out of range"),

@@ -138,3 +138,17 @@ def test_many_layers_at_once_equal_layer_by_layer():
     together = layers_descriptors(srcs, dsts, src_ids, dst_ids, (1, 2))
     for field in ("src_addrs", "dst_addrs", "lengths"):
         assert getattr(together, field).tolist() == getattr(one_by_one, field).tolist()
+
+
+def test_split_pieces_covers_the_same_bytes_in_pieces_no_larger_than_asked():
+    from connector.core.descriptors import Descriptors, split_pieces
+
+    descs = Descriptors(np.array([1000, 50, 7000], np.uint64), np.array([90, 5000, 300], np.uint64),
+                        np.array([10, 3, 8], np.uint64))
+    out = split_pieces(descs, 4)
+    assert out.src_addrs.tolist() == [1000, 1004, 1008, 50, 7000, 7004]
+    assert out.dst_addrs.tolist() == [90, 94, 98, 5000, 300, 304]
+    assert out.lengths.tolist() == [4, 4, 2, 3, 4, 4]
+    assert out.nbytes == descs.nbytes
+    with pytest.raises(DescriptorError, match="piece_bytes must be > 0"):
+        split_pieces(descs, 0)

@@ -201,6 +201,34 @@ async def test_scattered_write_is_byte_exact(receiver: Peer) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("nixl_threads", [4, 0])
+async def test_a_write_nixl_spreads_over_its_threads_is_byte_exact(receiver: Peer, nixl_threads: int) -> None:
+    """3,000 scattered 4 KiB descriptors: NIXL cuts a WRITE of that many into chunks of 1,024 and runs them on its
+    UCX threads (nixl_threads > 0), or posts them all from the posting thread (0). Both land every byte."""
+    import torch
+
+    await receiver.call("zero")
+    n, piece = 3000, 4 * KiB
+    src = torch.from_numpy(_pattern(n * piece, 7 + nixl_threads))
+    async with Transport(TransportConfig(_name(f"split{nixl_threads}"), nixl_threads=nixl_threads)) as a:
+        assert a.agent.get_backend_params("UCX").get("num_threads", "0") == str(nixl_threads)
+        a.register(src)
+        peer = a.add_peer(receiver.md)
+        rng = np.random.default_rng(nixl_threads)
+        src_slots = rng.permutation(n)
+        dst_slots = rng.permutation(receiver.size // piece)[:n]
+        local = descs_array(np.stack([src.data_ptr() + src_slots * piece, np.full(n, piece)], axis=1))
+        remote = descs_array(np.stack([receiver.addr + dst_slots * piece, np.full(n, piece)], axis=1))
+        await a.write(peer, local, remote)
+        assert a.stats.descriptors == n and a.stats.bytes_written == n * piece and a.open_handles == 0
+        expect = np.zeros(receiver.size, dtype=np.uint8)
+        s = src.numpy()
+        for i in range(n):
+            expect[dst_slots[i] * piece:(dst_slots[i] + 1) * piece] = s[src_slots[i] * piece:(src_slots[i] + 1) * piece]
+        assert await receiver.sha(0, receiver.size) == _sha(expect)
+
+
+@pytest.mark.slow
 async def test_backpressure_never_exceeds_cap(receiver: Peer) -> None:
     cap, chunk, n = 1 * MiB, 256 * KiB, 32
     src = _pattern(n * chunk, 3)
@@ -430,6 +458,8 @@ def test_descs_array_shapes() -> None:
         descs_array([(1, 2, 3, 4)])
     with pytest.raises(ValueError):
         TransportConfig("x", progress_delay_us=0)
+    with pytest.raises(ValueError, match="nixl_threads must be within 0..64, not 65"):
+        TransportConfig("x", nixl_threads=65)
 
 
 # ------------------------------------------------------------------ GPU (H200 device machine)

@@ -236,6 +236,7 @@ def test_unknown_extra_config_key_is_a_clear_startup_error(m3_dir):
     ({"lease_s": 0}, "['lease_s']=0 is refused: Expected `float` > 0.0"),
     ({"side_channel_port": 70000}, "['side_channel_port']=70000 is refused: Expected `int` <= 65535"),
     ({"auth_token": 5}, "['auth_token']=5 is refused: Expected `str`, got `int`"),
+    ({"nixl_threads": 65}, "['nixl_threads']=65 is refused: Expected `int` <= 64"),
 ])
 def test_extra_config_values_are_type_checked_naming_the_key(extra, needle):
     from connector.core.errors import ConfigError
@@ -261,6 +262,8 @@ def test_extra_config_defaults_are_the_engines_and_build_their_configs():
     assert s.sender_config("h", 2).side_channel == side == s.receiver_config().side_channel
     assert s.receiver_config() == ReceiverConfig(side, transfer_timeout_s=9.0, staging_slot_bytes=2 << 20)
     assert s.transport_config("agent").progress_delay_us == 1000
+    assert s.transport_config("agent").nixl_threads == 4  # NIXL's UCX thread pool, as vLLM's NixlConnector
+    assert ConnectorSettings.from_extra_config({"nixl_threads": "0"}).transport_config("a").nixl_threads == 0
     # a cut link: UCX's TCP user timeout, and decode's hold on a lost prefill rank that follows from it
     link = ConnectorSettings.from_extra_config({"tcp_user_timeout_s": 3, "heartbeat_interval_s": 0.5})
     assert link.transport_config("agent").tcp_user_timeout_s == 3.0

@@ -57,6 +57,9 @@ def _add_run_args(p: argparse.ArgumentParser, layer_ms: float | None = 2.0) -> N
     p.add_argument("--staging-mb", type=int_in(0, 1 << 20), default=None,
                    help="per-rank staging buffer in MiB: scattered blocks move as gathered chunks (0 = off; default: "
                         "the connector's default for --device)")
+    p.add_argument("--nixl-threads", type=int_in(0, 64), default=None,
+                   help="threads NIXL's UCX backend spreads a WRITE of many descriptors over (0 = the posting "
+                        "thread alone; default: the connector's, 4)")
     p.add_argument("--timeout", type=float_in(0, 86_400, lo_open=True), default=120.0,
                    help="seconds any one step may take")
     for side in ("prefill", "decode"):
@@ -79,6 +82,8 @@ def _scenario(args: argparse.Namespace, **over: Any):
                   device=args.device, run_blocks=args.run_blocks, timeout_s=args.timeout,
                   staging_mb=args.staging_mb, prefill_node=parse_node(args.prefill_node, "--prefill-node"),
                   decode_node=parse_node(args.decode_node, "--decode-node"))
+    if args.nixl_threads is not None:
+        fields["nixl_threads"] = args.nixl_threads
     fields.update(over)
     prefix = fields.get("prefix_tokens", 0)
     if prefix % args.block_size or not 0 <= prefix < args.tokens:

@@ -179,3 +179,18 @@ def coalesce(src_addrs: np.ndarray, dst_addrs: np.ndarray, length: int) -> Descr
     starts = np.flatnonzero(breaks)
     run_lengths = np.diff(np.append(starts, n)).astype(np.uint64) * step
     return Descriptors(src_addrs[starts], dst_addrs[starts], run_lengths)
+
+
+def split_pieces(descs: Descriptors, piece_bytes: int) -> Descriptors:
+    """The same byte ranges cut into pieces of at most `piece_bytes` (the bench's threaded baseline: NIXL spreads a
+    WRITE over its threads only once it has enough descriptors)."""
+    if piece_bytes <= 0:
+        raise DescriptorError(f"piece_bytes must be > 0, not {piece_bytes}")
+    lengths = descs.lengths.astype(np.int64)
+    counts = -(-lengths // piece_bytes)
+    row = np.repeat(np.arange(len(descs)), counts)
+    first = np.repeat(np.cumsum(counts) - counts, counts)
+    offsets = (np.arange(row.shape[0]) - first) * piece_bytes
+    sizes = np.minimum(piece_bytes, lengths[row] - offsets)
+    off = offsets.astype(np.uint64)
+    return Descriptors(descs.src_addrs[row] + off, descs.dst_addrs[row] + off, sizes.astype(np.uint64))

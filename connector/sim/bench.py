@@ -1,7 +1,9 @@
 """`python -m connector bench`: one prefill and one decode process, the same blocks every run, measured five ways:
 raw NIXL with the connector's descriptors (one per block range), raw NIXL with the same bytes in a few long
-descriptors (what NIXL itself can do here), the connector in bulk mode (everything after compute) and the connector
-streaming per layer while prefill computes at a stated speed."""
+descriptors (`raw_coalesced`: one WRITE of them, which NIXL runs on the posting thread) and cut into medium pieces
+(`raw_threaded`: enough descriptors for NIXL to spread the WRITE over its threads, the most it moves here), the
+connector in bulk mode (everything after compute) and the connector streaming per layer while prefill computes at
+a stated speed."""
 
 from __future__ import annotations
 
@@ -37,6 +39,13 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
+def threaded_piece_bytes(nbytes: int) -> int:
+    """Piece size of the threaded baseline: the largest (4 KiB multiple) that still makes at least 4096 pieces. NIXL
+    cuts a WRITE into chunks of `split_batch_size` (1024) descriptors and hands them to its threads, so 4096 pieces
+    keep its 4 threads busy; never under 64 KiB, where the cost per descriptor would start to show."""
+    return max(64 << 10, nbytes // 4096 // 4096 * 4096)
+
+
 def bench(sc: Scenario, progress: bool = False, repeats: int = 5, compute: tuple[float, float] | None = None,
           plot: str | None = None) -> dict[str, Any]:
     """Medians (and p99 of the exposed times) over `repeats` runs of each kind, interleaved so machine noise hits
@@ -50,7 +59,7 @@ def bench(sc: Scenario, progress: bool = False, repeats: int = 5, compute: tuple
 
         layer_ms = round(prefill_ms(int(compute[0]), sc.tokens, compute[1]) / sc.model.num_layers, 3)
     bar = _Progress(progress, 2 + 4 * repeats)
-    raws, coalesced, bulks, streams, seq = [], [], [], [], iter(range(1_000_000))
+    raws, coalesced, threaded, bulks, streams, seq = [], [], [], [], [], iter(range(1_000_000))
     with Cluster(sc) as cluster:
         bar.step("processes up")
         cluster.run_request(next(seq), seed=0, mode="bulk", layer_ms=0.0)   # warm-up: handshakes, page faults
@@ -58,15 +67,17 @@ def bench(sc: Scenario, progress: bool = False, repeats: int = 5, compute: tuple
         _, prefill_conn = cluster.prefill[(0, 0)]
         cluster.ask(cluster.decode[(0, 0)][1], ("scratch", sc.tokens), sc.timeout_s, "decode (0, 0)")
 
-        def raw(packed: bool) -> tuple[float, int, int]:
-            _, seconds, nbytes, count = cluster.ask(prefill_conn, ("raw", 0, sc.tokens, cluster.registered, packed),
-                                                    sc.timeout_s, "prefill (0, 0)")
+        def raw(packed: bool, piece_bytes: int = 0) -> tuple[float, int, int]:
+            _, seconds, nbytes, count = cluster.ask(
+                prefill_conn, ("raw", 0, sc.tokens, cluster.registered, packed, piece_bytes), sc.timeout_s,
+                "prefill (0, 0)")
             return seconds, nbytes, count
 
         hooks_before = len(cluster.hook_ns)
         for _ in range(repeats):
             raws.append(raw(False))
             coalesced.append(raw(True))
+            threaded.append(raw(True, threaded_piece_bytes(raws[0][1])))
             bar.step("raw NIXL")
             bulks.append(cluster.run_request(next(seq), seed=0, mode="bulk", layer_ms=layer_ms))
             bar.step("connector bulk")
@@ -76,6 +87,7 @@ def bench(sc: Scenario, progress: bool = False, repeats: int = 5, compute: tuple
     raw_bytes, raw_descs = raws[0][1], raws[0][2]
     raw_gbps = raw_bytes / statistics.median(r[0] for r in raws) / 1e9
     coalesced_gbps = coalesced[0][1] / statistics.median(r[0] for r in coalesced) / 1e9
+    threaded_gbps = threaded[0][1] / statistics.median(r[0] for r in threaded) / 1e9
     bulk_ms = [r.exposed_s * 1e3 for r in bulks]
     stream_ms = [r.exposed_s * 1e3 for r in streams]
     connector_gbps = bulks[0].bytes / max(1e-9, statistics.median(r.exposed_s for r in bulks)) / 1e9
@@ -86,6 +98,8 @@ def bench(sc: Scenario, progress: bool = False, repeats: int = 5, compute: tuple
         "raw_gbps": round(raw_gbps, 3), "raw_coalesced_gbps": round(coalesced_gbps, 3),
         "connector_gbps": round(connector_gbps, 3), "connector_vs_raw": round(connector_gbps / raw_gbps, 3),
         "connector_vs_coalesced": round(connector_gbps / coalesced_gbps, 3),
+        "raw_threaded_descriptors": threaded[0][2], "raw_threaded_gbps": round(threaded_gbps, 3),
+        "connector_vs_threaded": round(connector_gbps / threaded_gbps, 3),
         "compute_tflops": compute[1] if compute is not None else None,
         "active_params_b": round(compute[0] / 1e9, 2) if compute is not None else None,
         "layer_ms": layer_ms,

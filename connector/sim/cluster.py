@@ -51,6 +51,7 @@ class Scenario:
     decode_node: Placement = Placement()
     side_channel: SideChannelConfig = SideChannelConfig()
     tcp_user_timeout_s: float | None = RankSpec.__dataclass_fields__["tcp_user_timeout_s"].default
+    nixl_threads: int = RankSpec.__dataclass_fields__["nixl_threads"].default
     write_timeout_s: float | None = None   # None: timeout_s
     auth_token: str = ""               # the side channel's shared secret, on every rank
     sender_config: Any = None          # prefill ranks' engine settings (connector.engine.config.SenderConfig)
@@ -73,6 +74,7 @@ class Scenario:
                         timeout_s=self.timeout_s, log_level=logging.getLogger().level or logging.WARNING,
                         placement=self.prefill_node if side == "prefill" else self.decode_node,
                         side_channel=self.side_channel, tcp_user_timeout_s=self.tcp_user_timeout_s,
+                        nixl_threads=self.nixl_threads,
                         write_timeout_s=self.write_timeout_s,
                         auth_token=self.auth_token, sender_config=self.sender_config)
 

@@ -39,7 +39,8 @@ class SimRank:
         try:
             self.loop.start()
             name = f"{spec.run_id}-{spec.side}-{spec.rank[0]}-{spec.rank[1]}-{os.getpid()}"
-            self.transport = Transport(TransportConfig(name=name, tcp_user_timeout_s=spec.tcp_user_timeout_s))
+            self.transport = Transport(TransportConfig(name=name, tcp_user_timeout_s=spec.tcp_user_timeout_s,
+                                                       nixl_threads=spec.nixl_threads))
             self.loop.run(self.transport.open(), 60)
             self.bufs = RankBuffers(spec.model, spec.parallel, spec.rank, spec.block_size, spec.num_blocks,
                                     spec.device)

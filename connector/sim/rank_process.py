@@ -144,11 +144,13 @@ class PrefillCommands:
         return ("finished", ok, info.first_write_at if info else 0.0, timeline,
                 (stats.posts - posts, stats.descriptors - descs))
 
-    def raw(self, seed: int, tokens: int, dst_blocks: dict[Rank, list[list[int]]], coalesced: bool = False) -> tuple:
+    def raw(self, seed: int, tokens: int, dst_blocks: dict[Rank, list[list[int]]], coalesced: bool = False,
+            piece_bytes: int = 0) -> tuple:
         """Bench baseline: the descriptors the connector posts (built by the sender's own function), as one raw
         NIXL WRITE per decode rank. `coalesced`: the same bytes from blocks 0..n-1 into blocks 0..n-1 (one long
-        descriptor per region part: what NIXL moves when nothing is scattered)."""
-        from connector.core.descriptors import batch_descriptors  # noqa: PLC0415
+        descriptor per region part: what NIXL moves when nothing is scattered). `piece_bytes`: those long
+        descriptors cut into pieces of this size, enough of them for NIXL to spread the WRITE over its threads."""
+        from connector.core.descriptors import batch_descriptors, split_pieces  # noqa: PLC0415
         from connector.sim.raw_nixl import raw_write  # noqa: PLC0415
 
         n = blocks_for(tokens, self.spec.block_size)
@@ -161,6 +163,8 @@ class PrefillCommands:
             dst_ids = [list(range(n)) for _ in src_blocks] if coalesced else dst_blocks[tuple(dst)]
             descs = batch_descriptors(self.sender.me.by_key, peer.accepted.regions, layer_routes,
                                       [(layer, 0, n) for layer in layer_routes], src_blocks, dst_ids)
+            if piece_bytes:
+                descs = split_pieces(descs, piece_bytes)
             local, remote = descs.arrays()
             seconds += raw_write(self.rank.transport, peer.agent, local, remote, mem_type=self.spec.mem_type,
                                  timeout=self.spec.timeout_s)

@@ -63,6 +63,8 @@ class RankSpec:
     side_channel: SideChannelConfig = SideChannelConfig()
     tcp_user_timeout_s: float | None = TransportConfig.__dataclass_fields__["tcp_user_timeout_s"].default
     """connector.transport.nixl.TransportConfig.tcp_user_timeout_s."""
+    nixl_threads: int = TransportConfig.__dataclass_fields__["nixl_threads"].default
+    """connector.transport.nixl.TransportConfig.nixl_threads."""
     write_timeout_s: float | None = None
     """SenderConfig.write_timeout_s; None: timeout_s."""
     auth_token: str = ""

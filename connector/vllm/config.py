@@ -66,6 +66,9 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     kernel decides (many minutes with its defaults)."""
     progress_delay_us: PositiveInt = _TRANSPORT["progress_delay_us"]
     """NIXL progress-thread poll delay (never 0: 0 spins a core)."""
+    nixl_threads: Annotated[int, Meta(ge=0, le=64)] = _TRANSPORT["nixl_threads"]
+    """Threads NIXL's UCX backend spreads a WRITE of many descriptors over (its `num_threads`; vLLM's NixlConnector
+    uses 4 as well). 0: every descriptor is posted by the calling thread."""
     staging_mb: Annotated[int, Meta(ge=0)] | None = None
     """Per-worker staging buffer on the KV-cache device, in MiB (0 = off). When prefill and decode both have one,
     scattered blocks move as gathered chunks, one NIXL descriptor each, and decode scatters them
@@ -121,7 +124,7 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     def transport_config(self, name: str) -> TransportConfig:
         return TransportConfig(name=name, max_inflight_bytes=self.max_inflight_bytes,
                                posts_per_second=self.posts_per_second, progress_delay_us=self.progress_delay_us,
-                               tcp_user_timeout_s=self.tcp_user_timeout_s)
+                               tcp_user_timeout_s=self.tcp_user_timeout_s, nixl_threads=self.nixl_threads)
 
 
 def default_host() -> str:

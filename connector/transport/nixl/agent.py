@@ -73,7 +73,8 @@ class Transport:
             self._agent = await loop.run_in_executor(
                 self._executor,
                 lambda: make_agent(cfg.name, progress_delay_us=cfg.progress_delay_us,
-                                   ucx_error_handling_mode=cfg.ucx_error_handling_mode, ucx_config=cfg.ucx_config()))
+                                   ucx_error_handling_mode=cfg.ucx_error_handling_mode, ucx_config=cfg.ucx_config(),
+                                   nixl_threads=cfg.nixl_threads))
             self._errors = nixl_errors()
         except BaseException as exc:
             self._executor.shutdown(wait=False)

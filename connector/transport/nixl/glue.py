@@ -77,7 +77,7 @@ def clamp_every_agent(progress_delay_us: int) -> None:
 
 
 def make_agent(name: str, *, progress_delay_us: int, ucx_error_handling_mode: str = "peer",
-               ucx_config: dict[str, str] | None = None):
+               ucx_config: dict[str, str] | None = None, nixl_threads: int = 0):
     """Create a `nixl_agent` with no backends, a progress thread that sleeps `progress_delay_us` between polls,
     thread-sync mode RW, then the UCX backend.
 
@@ -116,6 +116,8 @@ def make_agent(name: str, *, progress_delay_us: int, ucx_error_handling_mode: st
             api.nixlBind = real
     params = dict(agent.get_plugin_params("UCX"))
     params["ucx_error_handling_mode"] = ucx_error_handling_mode
+    if nixl_threads:
+        params["num_threads"] = str(nixl_threads)
     if ucx_config:
         params["engine_config"] = ",".join(f"{key}={value}" for key, value in ucx_config.items())
     agent.create_backend("UCX", params)
