@@ -22,8 +22,8 @@ timeout 60 python3 -m connector demo --model minimax-m3 --prefill tp=1,pp=2 --de
 # --compute-tflops (default 400), NIXL descriptors per transfer <= layers x destinations, no regression in runs.
 python3 - "$OUT" <<'PY' 2>&1 | tee "$OUT/summary.txt"
 import json, pathlib, sys
-keys = ["raw_gbps", "raw_coalesced_gbps", "connector_gbps", "connector_vs_raw", "connector_vs_coalesced",
-        "bulk_exposed_ms", "bulk_exposed_ms_p99", "stream_exposed_ms", "stream_exposed_ms_p99", "streamed_pct",
+keys = ["raw_gbps", "raw_coalesced_gbps", "raw_threaded_gbps", "connector_gbps", "connector_vs_raw",
+        "connector_vs_coalesced", "connector_vs_threaded", "bulk_exposed_ms", "bulk_exposed_ms_p99", "stream_exposed_ms", "stream_exposed_ms_p99", "streamed_pct",
         "hook_us", "layer_ms", "staging_mb", "staged_chunks", "nixl_descriptors_bulk", "nixl_descriptors_stream",
         "verified"]
 for name in ("bench", "bench-runs16", "bench-direct"):

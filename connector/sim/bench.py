@@ -40,9 +40,10 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def threaded_piece_bytes(nbytes: int) -> int:
-    """Piece size of the threaded baseline: the largest (4 KiB multiple) that still makes at least 4096 pieces. NIXL
-    cuts a WRITE into chunks of `split_batch_size` (1024) descriptors and hands them to its threads, so 4096 pieces
-    keep its 4 threads busy; never under 64 KiB, where the cost per descriptor would start to show."""
+    """Piece size of the threaded baseline: the largest (4 KiB multiple) that still makes at least 4096 pieces; never
+    under 64 KiB, where the cost per descriptor would start to show. NIXL spreads a WRITE over its threads from 1024
+    descriptors (`split_batch_size`); measured here, 1074 pieces moved no faster than 177 long descriptors, 2148 went
+    1.2x and 4296 1.5x faster, so 4096 keeps its 4 threads busy."""
     return max(64 << 10, nbytes // 4096 // 4096 * 4096)
 
 
