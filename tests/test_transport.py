@@ -343,7 +343,8 @@ async def test_killed_peer_raises_transport_error_without_hanging() -> None:
 async def test_an_abandoned_write_keeps_its_memory_until_nixl_ends_it_then_is_released_once(monkeypatch) -> None:
     """A WRITE that times out while NIXL still runs it raises WriteAbandoned and is NOT released then: releasing a
     running transfer does not stop it (poller.py), so its memory stays in use. The poller drives it to its end and
-    the Transport releases its handle exactly once; `settled` tells when. UCX's TCP transport and a stopped peer
+    the Transport releases its handle exactly once; `settled` tells when. A WRITE cancelled while NIXL runs it
+    raises the cancellation only after it ended. UCX's TCP transport and a stopped peer
     keep the transfer in PROC (over CMA the copy would finish inside the post). The spy wraps the real handle
     class; nothing is faked."""
     from connector.transport.nixl.glue import nixl_api
@@ -378,8 +379,24 @@ async def test_an_abandoned_write_keeps_its_memory_until_nixl_ends_it_then_is_re
             assert await asyncio.wait_for(asyncio.shield(err.value.settled), 30) == "DONE"
             assert a.open_handles == 0
             assert await peer_proc.sha(0, size) == _sha(src)  # it did go on after we gave up
+
+            # Cancelled instead: the cancellation is raised only once NIXL has ended the WRITE (its memory is
+            # the canceller's again only then).
+            await peer_proc.call("zero")
+            os.kill(peer_proc.pid, signal.SIGSTOP)
+            task = asyncio.create_task(a.write(peer, [(src.ctypes.data, size)], [(peer_proc.addr, size)], timeout=60))
+            await asyncio.sleep(1.0)
+            task.cancel()
+            await asyncio.sleep(1.0)
+            assert not task.done() and a.open_handles == 1, "a cancelled WRITE let go of its memory while it ran"
+            assert a.stats.abandoned == 2
+            os.kill(peer_proc.pid, signal.SIGCONT)
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.wait_for(task, 30)
+            assert a.open_handles == 0 and a.inflight_bytes == 0
+            assert await peer_proc.sha(0, size) == _sha(src)
         counts = collections.Counter(map(id, released))
-        assert len(counts) == a.stats.posts == 2 and set(counts.values()) == {1}, counts
+        assert len(counts) == a.stats.posts == 3 and set(counts.values()) == {1}, counts
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(peer_proc.pid, signal.SIGCONT)

@@ -23,6 +23,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from connector.core.errors import TransportError, WriteAbandoned
+from connector.transport.loop import wait_out
 from connector.transport.nixl.glue import as_descs, make_agent, memory_region, nixl_errors, pair_check
 from connector.transport.nixl.poller import Poller, Xfer
 from connector.transport.nixl.settings import ByteGate, TransportConfig, TransportStats, WriteTiming
@@ -238,9 +239,10 @@ class Transport:
         """WRITE local[i] -> remote[i] on `peer` (pairs of (addr, nbytes), or Nx2/Nx3 integer arrays). Returns, with
         its timing, when the transfer is complete.
         ValueError (nothing posted) on mismatched descriptors; TransportError on failure, timeout, unknown peer;
-        WriteAbandoned (a TransportError) when it timed out or was cancelled while NIXL still runs it: the memory on
-        both sides stays in use until its `settled` future is done. `timeout` covers admission, throttling, posting
-        and completion."""
+        WriteAbandoned (a TransportError) when it timed out while NIXL still runs it: the memory on both sides stays
+        in use until its `settled` future is done. `timeout` covers admission, throttling, posting and completion.
+        Cancelled while NIXL runs it, the cancellation is raised once NIXL has ended it (it cannot be stopped, and
+        whoever cancelled must not reuse the memory before): within tcp_user_timeout_s on a dead link, or at close."""
         if mem_type not in ("DRAM", "VRAM"):
             raise ValueError(f"mem_type must be 'DRAM' or 'VRAM', not {mem_type!r}")
         ld = as_descs(local, local_device)
@@ -265,8 +267,8 @@ class Transport:
             raise TransportError(f"{what} timed out after {timeout:g} s before it was posted; the peer may be dead "
                                  "or stuck (check it, or raise `timeout` for very large writes)") from None
         except asyncio.CancelledError:
-            if xfer.abandoned and not xfer.future.done():
-                self.stats.abandoned += 1
+            if self._still_running(xfer):
+                await wait_out(xfer.future)
             raise
         if state != "DONE":
             self.stats.errors += 1
@@ -275,10 +277,16 @@ class Transport:
         self.stats.bytes_written += nbytes
         return timing
 
-    def _raise_if_abandoned(self, xfer: Xfer, why: str) -> None:
-        """After a timeout: if NIXL may still move this WRITE's bytes, say so, with the future to wait for."""
+    def _still_running(self, xfer: Xfer) -> bool:
+        """Given up on (timeout, cancel) while NIXL may still move its bytes: counted as abandoned."""
         if xfer.abandoned and not xfer.future.done():
             self.stats.abandoned += 1
+            return True
+        return False
+
+    def _raise_if_abandoned(self, xfer: Xfer, why: str) -> None:
+        """After a timeout: if NIXL may still move this WRITE's bytes, say so, with the future to wait for."""
+        if self._still_running(xfer):
             raise WriteAbandoned(
                 f"{why}; NIXL still runs it, so its memory on both sides stays in use until it ends (over a cut TCP "
                 f"link within tcp_user_timeout_s={self.config.tcp_user_timeout_s})", settled=xfer.future) from None
