@@ -126,4 +126,3 @@ def check_time(model: ModelLayout, layer_ms: float, timeout_s: float) -> None:
     if chunk_s >= timeout_s:
         raise CliError(f"--layer-ms {layer_ms:g} x {model.num_layers} layers is {chunk_s:g} s of compute per chunk, "
                        f"over --timeout {timeout_s:g} s: use a smaller --layer-ms or a larger --timeout")
-

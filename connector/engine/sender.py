@@ -16,10 +16,10 @@ from typing import Any, Callable
 
 from connector.core.errors import WriteAbandoned
 from connector.core.plan import fold_ranges
+from connector.engine.batch_writer import BatchWriter
 from connector.engine.config import SenderConfig
 from connector.engine.peers import PeerTable
 from connector.engine.rank import LocalRank
-from connector.engine.batch_writer import BatchWriter
 from connector.engine.sender_inbound import InboundMixin
 from connector.engine.sender_state import (Destination, FinishedInfo, Parked, PeerInfo, RecentIds, SendRequest,
                                           lease_expiry_note)

@@ -26,7 +26,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from connector.core.errors import StagedWriteError, StagingError, WriteAbandoned
-from connector.core.staging_ranges import Extents, Rows, Segment, check_destinations, chunk_segments
+from connector.core.staging_ranges import (Extents, Rows, Segment, check_destinations, chunk_destinations,
+                                           chunk_segments)
 from connector.engine.rank import LocalRank
 from connector.protocol.messages import Register, Scatter, Scattered, StagedRows
 from connector.transport.control import ControlConnection
@@ -291,9 +292,7 @@ class StagedReader:
         if not rows or total != msg.nbytes or msg.slot_offset < 0 or msg.slot_offset + msg.nbytes > area[1]:
             raise StagingError(f"staged chunk of {msg.nbytes} B at {msg.slot_offset} does not match its rows "
                                f"({total} B) or does not lie inside this connection's {area[1]}-B staging area")
-        starts = np.concatenate([r.starts() for r in rows])
-        lens = np.concatenate([np.full(r.blocks.size, r.row_bytes, np.int64) for r in rows])
-        check_destinations(starts, lens, allowed)
+        check_destinations(*chunk_destinations(rows), allowed)
         await _finish_thread(self.copier.scatter, rows, self.me.staging_addr + area[0] + msg.slot_offset)
 
 

@@ -23,6 +23,7 @@ import torch
 
 from connector.core.staging_ranges import Rows
 
+
 def _word(*values: int) -> int:
     """The widest word (bytes) every address, stride and length is a multiple of."""
     return next(w for w in (8, 4, 2, 1) if not any(v % w for v in values))
