@@ -15,7 +15,7 @@ import pytest
 from connector.pd import flows
 from connector.pd.client import complete, completion_body, prompt_ids
 from connector.pd.servers import metric
-from tests.real_engine.conftest import CHUNK_TOKENS, fresh_salt
+from tests.real_engine.conftest import CHUNK_TOKENS, MACHINE_STALL_S, fresh_salt
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(900)]
 
@@ -33,8 +33,10 @@ def received_bytes(tokens: int, first_token: int = 0) -> int:
 
 
 def wait_for(what: str, probe, timeout_s: float = 20.0):
-    """Poll `probe()` until it returns a truthy value (metrics reach Prometheus a step or two after the fact). A probe
-    whose HTTP call timed out (a server starved of CPU for a moment) counts as not yet, until the deadline."""
+    """Poll `probe()` until it returns a truthy value (metrics reach Prometheus a step or two after the fact), at most
+    `timeout_s` plus one machine stall (MACHINE_STALL_S). A probe whose HTTP call timed out (a server starved of CPU
+    for a moment) counts as not yet, until the deadline."""
+    timeout_s += MACHINE_STALL_S
     deadline = time.monotonic() + timeout_s
     while True:
         try:
