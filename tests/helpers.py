@@ -1,4 +1,5 @@
-"""Builders for tests: model layouts made directly (no config files) for pure tests, and demo scenarios."""
+"""Builders for tests: model layouts made directly (no config files) for pure tests, and demo scenarios; CPU time
+of processes and threads from /proc."""
 
 from __future__ import annotations
 
@@ -39,3 +40,14 @@ def scenario(model: ModelLayout, prefill: str = "tp=1,pp=1", decode: str = "tp=1
     kw.setdefault("timeout_s", 60.0)
     return Scenario(model=model, prefill=side(model, prefill), decode=side(model, decode), **kw)
 
+
+def cpu_ticks(stat_path: str) -> tuple[str, int] | None:
+    """(name, user + system clock ticks) from a Linux `/proc/<pid>/stat` or `/proc/<pid>/task/<tid>/stat` file;
+    None when that process or thread has ended."""
+    try:
+        with open(stat_path) as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()  # the name may hold spaces and parentheses: split after its last ")"
+    return stat[stat.index("(") + 1:stat.rindex(")")], int(fields[11]) + int(fields[12])

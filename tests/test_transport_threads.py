@@ -13,6 +13,7 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
 from connector.transport.nixl import Transport, TransportConfig  # noqa: E402
+from tests.helpers import cpu_ticks  # noqa: E402
 
 _ids = itertools.count()
 
@@ -25,12 +26,9 @@ def _thread_cpu_ticks() -> dict[str, int]:
     """utime+stime (clock ticks) of every thread of this process, by thread id (Linux /proc)."""
     ticks = {}
     for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:  # the thread ended meanwhile
-            continue
-        ticks[tid] = int(fields[11]) + int(fields[12])
+        got = cpu_ticks(f"/proc/self/task/{tid}/stat")
+        if got is not None:  # (None: the thread ended meanwhile)
+            ticks[tid] = got[1]
     return ticks
 
 

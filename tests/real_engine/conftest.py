@@ -24,6 +24,7 @@ from connector.pd.model import TinyLlama
 from connector.pd.servers import ServerSpec, VllmServer, sparse_kv_config, start_all
 from connector.transport.ports import free_ports
 from tests.conftest import restore_vllm_env
+from tests.helpers import cpu_ticks
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_PYTHON = Path(os.environ.get("SPARSE_KV_ENGINE_PYTHON", str(ROOT / ".venv-cpu" / "bin" / "python")))
@@ -62,9 +63,9 @@ def pytest_runtest_makereport(item, call):
 def snapshot(pool: "Engines", log_lines: int = 8) -> str:
     """Load, the busiest processes over one second, and each server's last log lines (polls left out)."""
     lines = [f"load average {Path('/proc/loadavg').read_text().split()[:3]}"]
-    before = cpu_ticks()
+    before = process_ticks()
     time.sleep(1.0)
-    after = cpu_ticks()
+    after = process_ticks()
     busy = sorted(((after[pid][1] - ticks) / os.sysconf("SC_CLK_TCK") * 100, pid, after[pid][0])
                   for pid, (_, ticks) in before.items() if pid in after)[::-1][:8]
     lines.append("busiest processes: " + ", ".join(f"{name} pid {pid} {share:.0f}%" for share, pid, name in busy))
@@ -75,17 +76,12 @@ def snapshot(pool: "Engines", log_lines: int = 8) -> str:
     return "\n".join(lines)
 
 
-def cpu_ticks() -> dict[int, tuple[str, int]]:
+def process_ticks() -> dict[int, tuple[str, int]]:
     """pid -> (name, user+system clock ticks) of every process now."""
     out = {}
     for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            fields = stat.rsplit(")", 1)[1].split()
-            out[int(entry.name)] = (stat[stat.index("(") + 1:stat.rindex(")")], int(fields[11]) + int(fields[12]))
+        if entry.name.isdigit() and (got := cpu_ticks(f"{entry}/stat")) is not None:
+            out[int(entry.name)] = got
     return out
 
 
@@ -147,11 +143,12 @@ class Proxy:
 
 
 MACHINE_STALL_S = 75.0
-"""The longest this kind of 2-vCPU machine has been seen to stop running anything, plus a margin. While engines
-connect, the whole machine sometimes stops for 4-70 s: a watcher process sleeping 0.1 s between samples missed up to
-50 s at once, an engine's /metrics gave no answer for as long, and NIXL peer loads that take 40 ms took 10-51 s
-meanwhile (with NIXL's threads on or off). Every wait on an engine in these tests allows one such stall on top of
-what it waits for: they check correctness, not how soon a stalled machine answers."""
+"""The longest stall seen on this kind of 2-vCPU machine, plus a margin. While engines connect, ordinary processes
+sometimes get no CPU for 4-70 s: a watcher sleeping 0.1 s between samples missed up to 50 s at once (one at
+SCHED_FIFO priority kept running and counted 111-121 runnable threads), an engine's /metrics gave no answer for as
+long, and NIXL peer loads that take 40 ms took 10-51 s meanwhile (with NIXL's threads on or off). Every wait on an
+engine in these tests allows one such stall on top of what it waits for: they check correctness, not how soon a
+stalled machine answers."""
 
 STARVED_SIDE_CHANNEL = {"handshake_timeout_s": 60.0 + MACHINE_STALL_S, "dead_after_s": 60.0 + MACHINE_STALL_S,
                         "heartbeat_interval_s": 5.0}
