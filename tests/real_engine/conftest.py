@@ -143,12 +143,12 @@ class Proxy:
 
 
 MACHINE_STALL_S = 75.0
-"""The longest stall seen on this kind of 2-vCPU machine, plus a margin. While engines connect, ordinary processes
-sometimes get no CPU for 4-70 s: a watcher sleeping 0.1 s between samples missed up to 50 s at once (one at
-SCHED_FIFO priority kept running and counted 111-121 runnable threads), an engine's /metrics gave no answer for as
-long, and NIXL peer loads that take 40 ms took 10-51 s meanwhile (with NIXL's threads on or off). Every wait on an
-engine in these tests allows one such stall on top of what it waits for: they check correctness, not how soon a
-stalled machine answers."""
+"""The longest stall seen on this kind of 2-vCPU machine in a plain run, plus a margin. While engines connect,
+ordinary processes sometimes get no CPU for 4-70 s: a watcher sleeping 0.1 s between samples missed up to 50 s at once,
+an engine's /metrics gave no answer for as long, and NIXL peer loads that take 40 ms took 10-51 s meanwhile (with
+NIXL's threads on or off). (With two SCHED_FIFO watchers sampling every thread, one such gap lasted 122 s while they
+kept running and counted 111-121 runnable threads.) Every wait on an engine in these tests allows one such stall on
+top of what it waits for: they check correctness, not how soon a stalled machine answers."""
 
 STARVED_SIDE_CHANNEL = {"handshake_timeout_s": 60.0 + MACHINE_STALL_S, "dead_after_s": 60.0 + MACHINE_STALL_S,
                         "heartbeat_interval_s": 5.0}
