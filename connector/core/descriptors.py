@@ -168,6 +168,18 @@ def batch_descriptors(src_regions: Mapping[tuple[str, int], Region], dst_regions
         for srcs, dsts, heads, b0, b1 in groups.values()])
 
 
+def batch_pool_bytes(src_regions: Mapping[tuple[str, int], Region], layer_routes: Mapping[int, Sequence[Route]],
+                     spans: Iterable[tuple[int, int, int]]) -> dict[str, int]:
+    """Bytes per pool that `batch_descriptors` moves for the same spans (what each pool costs on the wire; the
+    sum over pools equals the descriptors' nbytes)."""
+    out: dict[str, int] = {}
+    for layer, b0, b1 in spans:
+        for r in layer_routes[layer]:
+            src = src_regions[(r.pool, layer)]
+            out[r.pool] = out.get(r.pool, 0) + max(0, b1 - b0) * head_span(src, r.heads)[1] * src.num_parts
+    return out
+
+
 def coalesce(src_addrs: np.ndarray, dst_addrs: np.ndarray, length: int) -> Descriptors:
     """Merge consecutive equal-length pieces that continue each other on both sides."""
     n = src_addrs.shape[0]

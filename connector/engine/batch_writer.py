@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from connector.core.descriptors import Descriptors, batch_descriptors
+from connector.core.descriptors import Descriptors, batch_descriptors, batch_pool_bytes
 from connector.core.layout import blocks_for
 from connector.core.staging_ranges import batch_segments
 from connector.engine.config import SenderConfig
@@ -61,6 +61,10 @@ class BatchWriter:
     def descriptors(self, req: SendRequest, dest: Destination, batch: list[tuple[int, int]]) -> Descriptors:
         return batch_descriptors(self.me.by_key, dest.peer.accepted.regions, dest.layer_routes,
                                  self._spans(dest, batch), req.block_ids, dest.register.block_ids)
+
+    def pool_bytes(self, dest: Destination, batch: list[tuple[int, int]]) -> dict[str, int]:
+        """What `descriptors` of the same batch move, per pool."""
+        return batch_pool_bytes(self.me.by_key, dest.layer_routes, self._spans(dest, batch))
 
     def _spans(self, dest: Destination, batch: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
         """Each layer from its first unsent token's block (a block sent partly filled is sent again from its start

@@ -51,6 +51,8 @@ class ReceiveResult:
     descriptors: int
     sources: tuple[Rank, ...]
     staged_chunks: int = 0
+    bytes_by_pool: dict[str, int] = field(default_factory=dict)
+    """`bytes_written` by pool, as the sources reported it."""
 
 
 @dataclass
@@ -328,8 +330,12 @@ class StreamReceiver:
             for f in pend.completes.values():
                 if f.done() and not f.cancelled():
                     f.exception()  # retrieved: no "exception never retrieved" noise
+        by_pool: dict[str, int] = {}
+        for c in done:
+            for pool, nbytes in c.bytes_by_pool.items():
+                by_pool[pool] = by_pool.get(pool, 0) + nbytes
         return ReceiveResult(transfer_id, sum(c.bytes_written for c in done), sum(c.descriptors for c in done),
-                             tuple(sorted(pend.completes)), sum(c.staged_chunks for c in done))
+                             tuple(sorted(pend.completes)), sum(c.staged_chunks for c in done), by_pool)
 
     async def abort(self, transfer_id: str, reason: str) -> None:
         """Stop receiving `transfer_id`: its `receive()` raises TransferFailed once every source has confirmed it

@@ -255,6 +255,7 @@ class StreamSender(InboundMixin):
         during_compute = not req.final
         layers = [layer for layer, _ in batch]
         generation = req.generation
+        by_pool = self.writer.pool_bytes(dest, batch)  # before sent_tokens moves on: the spans this WRITE moves
         dest.peer.write_started()  # its agent stays loaded until this is done
         try:
             descs = await self.writer.write(req, dest, batch, lambda ok, why: self._chunk_answered(req, dest, ok, why))
@@ -274,6 +275,9 @@ class StreamSender(InboundMixin):
             for layer, ready in batch:
                 dest.sent_tokens[layer] = ready
         dest.bytes_written += descs.nbytes
+        for pool, nbytes in by_pool.items():
+            dest.bytes_by_pool[pool] = dest.bytes_by_pool.get(pool, 0) + nbytes
+            self.stats.add_pool_bytes(pool, nbytes)
         dest.descriptors += len(descs)
         self.stats.bytes_sent += descs.nbytes
         if during_compute:
@@ -318,7 +322,7 @@ class StreamSender(InboundMixin):
             return
         dest.done = True
         msg = Complete(req.transfer_id, *self.me.rank, dest.bytes_written, dest.descriptors,
-                       dest.staged_chunks)
+                       dest.staged_chunks, dict(dest.bytes_by_pool))
         self._tasks.spawn(self._complete(req, dest, msg))
 
     async def _complete(self, req: SendRequest, dest: Destination, msg: Complete) -> None:

@@ -37,6 +37,7 @@ class Destination:
     notice: Any = None
     """Abort or Stopped to send once no WRITE to this destination is in flight any more."""
     bytes_written: int = 0
+    bytes_by_pool: dict[str, int] = field(default_factory=dict)
     descriptors: int = 0
     staged_chunks: int = 0
     done: bool = False

@@ -27,6 +27,12 @@ class SenderStats:
     """Bytes of completed WRITEs."""
     bytes_sent_during_compute: int = 0
     """... of those, posted while their request was still computing (streamed, not swept afterwards)."""
+    bytes_sent_kv: int = 0
+    """... of those, the main KV cache's (connector.core.layout.POOLS)."""
+    bytes_sent_index_k: int = 0
+    """... the index keys'."""
+    bytes_sent_index_v: int = 0
+    """... the index values'."""
     writes: int = 0
     """WRITE batches (each one NIXL post, or one run of staged chunks)."""
     descriptors: int = 0
@@ -44,6 +50,10 @@ class SenderStats:
     """Per NIXL WRITE: creating and posting it (on DRAM the copy itself runs in the post)."""
     transfer_seconds: collections.deque[float] = field(default_factory=_samples)
     """Per NIXL WRITE: from the post until it completed."""
+
+    def add_pool_bytes(self, pool: str, nbytes: int) -> None:
+        name = f"bytes_sent_{pool}"
+        setattr(self, name, getattr(self, name) + nbytes)
 
     def record_write(self, timing: WriteTiming) -> None:
         self.post_seconds.append(timing.post_s)

@@ -81,6 +81,8 @@ HEADER = struct.Struct(">IH")
 """Frame header: body length in bytes, protocol version."""
 
 Role = Literal["prefill", "decode"]
+PoolName = Literal["kv", "index_k", "index_v"]
+"""connector.core.layout.POOLS, as a wire type."""
 
 
 class Hello(msgspec.Struct, frozen=True, tag="hello", tag_field="type"):
@@ -184,6 +186,8 @@ class Complete(msgspec.Struct, frozen=True, tag="complete", tag_field="type"):
     """Number of descriptors (byte ranges) this rank moved for this transfer."""
     staged_chunks: int = 0
     """How many of those went through staging, as this many gathered chunks (one NIXL descriptor each)."""
+    bytes_by_pool: Annotated[dict[PoolName, Annotated[int, Meta(ge=0)]], Meta(max_length=3)] = {}
+    """`bytes_written` split by pool (added within version 3: an older peer sends none, decode then counts none)."""
 
 
 class Abort(msgspec.Struct, frozen=True, tag="abort", tag_field="type"):

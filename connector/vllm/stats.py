@@ -16,6 +16,9 @@ from connector.engine.stats import SenderStats, counter_names, series_names
 
 RECEIVER_COUNTERS = (
     "bytes_received",              # decode: bytes its prefill sources report written
+    "bytes_received_kv",           # ... of them the main KV cache's
+    "bytes_received_index_k",      # ... the index keys'
+    "bytes_received_index_v",      # ... the index values'
     "recvs_ok",                    # decode: transfers that completed
     "recvs_failed",                # decode: transfers that failed (aborted ones are neither)
 )
@@ -93,6 +96,7 @@ class SparseKVConnectorStats(KVConnectorStats):
         if d["writes"] or d["sends_ok"] or d["sends_failed"] or d["sends_expired"]:
             out.update({
                 "sent_MB": round(d["bytes_sent"] / 1e6, 3),
+                **_index_mb(d, "sent"),
                 # how much of the KV left while prefill was still computing: the point of streaming
                 "streamed_pct": round(100.0 * d["bytes_sent_during_compute"] / d["bytes_sent"], 1)
                 if d["bytes_sent"] else 0.0,
@@ -113,6 +117,7 @@ class SparseKVConnectorStats(KVConnectorStats):
             waits = sorted(d["recv_seconds"])
             out.update({
                 "received_MB": round(d["bytes_received"] / 1e6, 3),
+                **_index_mb(d, "received"),
                 "recvs_ok": d["recvs_ok"],
                 "recvs_failed": d["recvs_failed"],
                 "recv_avg_ms": round(1e3 * sum(waits) / len(waits), 2) if waits else 0.0,
@@ -126,6 +131,12 @@ class SparseKVConnectorStats(KVConnectorStats):
             if d["signals_repeated"]:
                 out["signals_repeated"] = d["signals_repeated"]
         return out
+
+
+def _index_mb(d: dict[str, Any], verb: str) -> dict[str, float]:
+    """The index pools' share of `<verb>_MB` (sent or received), named only when a model has them."""
+    return {f"{verb}_{pool}_MB": round(d[f"bytes_{verb}_{pool}"] / 1e6, 3)
+            for pool in ("index_k", "index_v") if d[f"bytes_{verb}_{pool}"]}
 
 
 def _add_per_layer(counts: list[int], increments: dict[int, int]) -> None:

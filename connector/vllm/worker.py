@@ -245,7 +245,8 @@ class WorkerSide:
                     recving.add(req_id)
                     result = fut.result()
                     if isinstance(result, ReceiveResult):  # (an abort_unregistered has no result)
-                        self._stats.add(bytes_received=result.bytes_written, recvs_ok=1)
+                        self._stats.add(bytes_received=result.bytes_written, recvs_ok=1,
+                                        **{f"bytes_received_{pool}": n for pool, n in result.bytes_by_pool.items()})
                         if started is not None:
                             self._stats.data["recv_seconds"].append(time.monotonic() - started)
                 else:
