@@ -341,6 +341,9 @@ def _family(top: _Fields) -> str:
             return "dsa"
         if arch in DENSE_ARCHS:
             return "dense"
+    by_fields = _family_by_fields(top, has_indexer)
+    if by_fields:
+        return by_fields
     model_type = top.data.get("model_type")
     if not archs:
         if model_type in M3_MODEL_TYPES:
@@ -359,6 +362,21 @@ def _family(top: _Fields) -> str:
     extra = " (an MLA model without index_topk has no sparse indexer)" if (
         set(archs or ()) & set(MLA_ARCHS) or model_type in MLA_MODEL_TYPES) else ""
     raise _fail(f"unknown {what} in {top.src}{extra}: supported are {SUPPORTED}")
+
+
+def _family_by_fields(top: _Fields, has_indexer: bool) -> str | None:
+    """A sparse family recognised by its own config fields, for an architecture not on the lists (a fine-tune, a
+    new model class of the same shape): MiniMax-M3's `sparse_attention_config` section (top level or in
+    `text_config`), or DeepSeek-V3.2's MLA latent with an indexer (`kv_lora_rank` and `index_topk`). The fields
+    size every cache exactly as for the listed architectures; the worker then checks each size against the tensor
+    vLLM allocated, so a model of another shape is refused at start-up, never moved wrongly."""
+    text = top.data.get("text_config")
+    sections = (top.data, text) if isinstance(text, dict) else (top.data,)
+    if any(isinstance(s.get("sparse_attention_config"), dict) for s in sections):
+        return "m3"
+    if has_indexer and top.data.get("kv_lora_rank") is not None:
+        return "dsa"
+    return None
 
 
 _BUILDERS = {"m3": _minimax_m3, "dsa": _dsa, "dense": _dense}
