@@ -39,11 +39,12 @@ import torch
 
 from connector.core.plan import fold_ranges
 
-INDEX_CACHE_ATTRS = (("indexer", "index_cache"), ("indexer", "k_cache"))
-"""Where a layer keeps the index cache its fused insert writes before the eager method: MiniMax-M3
-`layer.indexer.index_cache` (minimax_m3/common/indexer.py `MiniMaxM3Indexer.index_cache`), DeepSeek-V3.2
-`layer.indexer.k_cache` (deepseek_v32/attention.py `DeepseekV32Indexer`). Each is a module whose `.prefix` is its
-KV-cache layer name."""
+INDEX_CACHE_ATTRS = (("indexer", "index_cache"), ("indexer", "index_value_cache"), ("indexer", "k_cache"))
+"""Where a layer keeps the index caches its insert writes before the eager method: MiniMax-M3
+`layer.indexer.index_cache` (minimax_m3/common/indexer.py `MiniMaxM3Indexer.index_cache`) and, on a model whose
+sparse layers keep an index value (vLLM 0.33's M3 builds none; the real-engine test model does),
+`layer.indexer.index_value_cache` beside it; DeepSeek-V3.2 `layer.indexer.k_cache` (deepseek_v32/attention.py
+`DeepseekV32Indexer`). Each is a module whose `.prefix` is its KV-cache layer name."""
 
 INSTALLED_MARK = "_sparse_kv_layer_signal"
 """Attribute set on the functions `install` puts on layers (tests and `uninstall` look for it)."""
