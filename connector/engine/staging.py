@@ -151,8 +151,15 @@ class StagedWriter:
                 self._close_lane(conn, lane, "decode moved this connection's staging area")
             lane = self._lanes[conn] = _Lane(reg.staging_offset, reg.staging_bytes, self.ring_slots,
                                              self.writes_per_lane)
-            conn.closed.add_done_callback(lambda _f, c=conn, ln=lane: self._close_lane(c, ln, "the connection closed"))
+            if conn.is_closed:  # its one cleanup (connection_closed) may have run already: fail the lane now
+                self._close_lane(conn, lane, "the connection closed")
         return lane
+
+    def connection_closed(self, conn: ControlConnection) -> None:
+        """`conn` closed (the sender's one cleanup per connection): its lane fails, its chunks count unanswered."""
+        lane = self._lanes.get(conn)
+        if lane is not None:
+            self._close_lane(conn, lane, "the connection closed")
 
     def _close_lane(self, conn: ControlConnection, lane: _Lane, why: str) -> None:
         if self._lanes.get(conn) is lane:

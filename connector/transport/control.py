@@ -263,14 +263,17 @@ class ControlServer:
     with `auth_token`, our proof; its Auth must carry a valid proof. Then `on_hello` gets the peer's Hello with its
     memory (raise to reject, the message is the reason), and the server answers Welcome and awaits
     `on_message(conn, msg)` for each further message, in order. A handler exception is logged and answered with
-    RegisterError (for Register) or Error; the connection stays up."""
+    RegisterError (for Register) or Error; the connection stays up. `on_closed(conn)` runs once per handshaken
+    connection, soon after it closed (from the loop, never inside the code that closed it): the one cleanup of
+    everything that ran on it, rather than a callback per use hooked on `conn.closed`."""
 
     def __init__(self, hello: Hello, on_message: MessageHandler, *, host: str = "127.0.0.1", port: int = 0,
                  auth_token: str = "", on_hello: HelloHook | None = None, peek: PeekHook | None = None,
                  handshake_timeout_s: float = 10.0, limits: ServerLimits | None = None,
                  ssl_context: ssl.SSLContext | None = None, send_timeout_s: float = 10.0,
                  heartbeat_interval_s: float | None = None, dead_after_s: float | None = None,
-                 heartbeat_ids: Callable[[], Iterable[str]] | None = None) -> None:
+                 heartbeat_ids: Callable[[], Iterable[str]] | None = None,
+                 on_closed: Callable[[ControlConnection], None] | None = None) -> None:
         self.hello = hello
         self.host = host
         self.port = port
@@ -278,6 +281,7 @@ class ControlServer:
         self._on_message = on_message
         self._auth_token = auth_token
         self._on_hello = on_hello
+        self._on_closed = on_closed
         self._handshake_timeout_s = handshake_timeout_s
         self.limits = limits or ServerLimits()
         self.guard = AdmissionGuard(self.limits)
@@ -411,7 +415,10 @@ class ControlServer:
             return None
         log.info("control handshake with %s: %s engine %s pp%d/tp%d", addr, peer.role, peer.engine_id,
                  peer.pp_rank, peer.tp_rank)
-        return ControlConnection(reader, writer, peer, session=session, **self._conn_kwargs)
+        conn = ControlConnection(reader, writer, peer, session=session, **self._conn_kwargs)
+        if self._on_closed is not None:
+            conn.closed.add_done_callback(lambda _f: self._on_closed(conn))
+        return conn
 
     async def _serve(self, conn: ControlConnection) -> None:
         async for msg in conn:
