@@ -11,6 +11,7 @@ from connector.engine.peers import PeerInfo
 from connector.protocol.handshake import accept_peer
 from connector.protocol.messages import Hello
 from connector.sim.cluster import Scenario
+from connector.transport.side_channel import SideChannelConfig
 
 POOL_GROUP = {"kv": 0, "index_k": 1, "index_v": 1}
 """KV-cache group per pool (as connector.sim.buffers lays them out)."""
@@ -94,3 +95,10 @@ def accepted_decode_peer(own: Hello, model: ModelLayout, decode: Hello) -> PeerI
     info.accepted = accept_peer(decode, own, model)
     info.layer_routes = info.accepted.plan.layer_routes((own.pp_rank, own.tp_rank), info.key[1:])
     return info
+
+
+def bare_side_channel(**fields: Any) -> SideChannelConfig:
+    """The side channel as a raw test client or server speaks it: no heartbeats and no dead-peer timeout unless
+    given (the engines' defaults send one every 2 s and drop a peer silent for 15 s)."""
+    return SideChannelConfig(**{"heartbeat_interval_s": None, "dead_after_s": None, **fields})
+

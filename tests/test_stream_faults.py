@@ -19,7 +19,7 @@ from connector.sim.buffers import pick_blocks
 from connector.sim.cluster import Cluster, Scenario
 from connector.sim.rank import SimRank
 from connector.transport.control import connect
-from tests.helpers import scenario
+from tests.helpers import bare_side_channel, scenario
 
 pytestmark = pytest.mark.slow
 TOKENS, BLOCK = 64, 16
@@ -82,7 +82,7 @@ def test_unknown_transfer_id_and_foreign_layer_are_refused(prefill_cluster_and_d
     start_prefill(cluster, "t-layers")
 
     async def register(port: int, **fields) -> object:
-        conn = await connect("127.0.0.1", port, receiver.hello, timeout=10)
+        conn = await connect("127.0.0.1", port, receiver.hello, bare_side_channel(), timeout=10)
         try:
             reg = dict(transfer_id="t-layers", dst_pp=0, dst_tp=0,
                        block_ids=pick_blocks(TOKENS, BLOCK, decode.spec.num_blocks, seed=2), first_token=0,
@@ -107,7 +107,7 @@ def test_incompatible_fingerprint_and_garbage_frames_leave_the_server_serving(pr
     sc, cluster, decode, receiver = prefill_cluster_and_decode()
     bad = msgspec.structs.replace(receiver.hello, fingerprint="0" * 16)
     with pytest.raises(ControlError, match="fingerprint mismatch: peer has 0000000000000000"):
-        decode.loop.run(connect("127.0.0.1", cluster.base_port, bad, timeout=10), 30)
+        decode.loop.run(connect("127.0.0.1", cluster.base_port, bad, bare_side_channel(), timeout=10), 30)
     for garbage in (b"\x00\x00\x00\x05\x00\x01hello", b"GET / HTTP/1.1\r\n\r\n", b"\xff" * 64):
         with socket.create_connection(("127.0.0.1", cluster.base_port), timeout=10) as s:
             s.sendall(garbage)

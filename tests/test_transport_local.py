@@ -84,3 +84,22 @@ def test_descs_array_shapes() -> None:
         TransportConfig("x", progress_delay_us=0)
     with pytest.raises(ValueError, match="nixl_threads must be within 0..64, not 65"):
         TransportConfig("x", nixl_threads=65)
+
+
+def test_the_nixl_transport_is_what_the_engines_type_it_as() -> None:
+    """connector.transport.base.KVTransport (the engines' type for a transport) and the NIXL Transport agree on
+    every member: same kind (property or method), same signature."""
+    import inspect
+
+    from connector.transport.base import KVTransport
+
+    members = [n for n, v in vars(KVTransport).items() if not n.startswith("_") and (callable(v) or
+                                                                                    isinstance(v, property))]
+    assert sorted(members) == ["add_peer", "metadata", "name", "remove_peer", "write"]
+    for name in members:
+        want, got = inspect.getattr_static(KVTransport, name), inspect.getattr_static(Transport, name)
+        if isinstance(want, property):
+            assert isinstance(got, property), name
+        else:
+            assert inspect.signature(got, eval_str=True) == inspect.signature(want, eval_str=True), name
+            assert inspect.iscoroutinefunction(got) == inspect.iscoroutinefunction(want), name

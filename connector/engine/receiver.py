@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -27,6 +26,7 @@ from connector.engine.staging import StagedReader
 from connector.protocol.addressing import PrefillAddress
 from connector.protocol.messages import (MAX_TRANSFER_ID, Abort, Complete, Error, Register, RegisterAck,
                                          RegisterError, Scatter, Scattered, Stopped)
+from connector.transport.base import KVTransport
 from connector.transport.control import ControlConnection
 from connector.transport.loop import OwnedTasks
 
@@ -70,7 +70,7 @@ class _Pending:
 
 
 class StreamReceiver:
-    def __init__(self, me: LocalRank, transport: Any, config: ReceiverConfig) -> None:
+    def __init__(self, me: LocalRank, transport: KVTransport, config: ReceiverConfig) -> None:
         """`transport`: this rank's connector.transport.nixl.Transport, with `me.regions` (and `me.staging`, if
         any) registered; prefill ranks WRITE into them (decode posts nothing itself). With a staging buffer, prefill
         ranks that have one too send scattered blocks as staged chunks (connector.engine.staging)."""

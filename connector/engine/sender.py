@@ -27,9 +27,9 @@ from connector.engine.stats import SenderStats
 from connector.protocol.handshake import PeerKey
 from connector.protocol.messages import (Abort, Complete, Heartbeat, Message, Register, RegisterAck, RegisterError,
                                          Scattered, Stopped)
+from connector.transport.base import KVTransport
 from connector.transport.control import ControlConnection, ControlServer
 from connector.transport.loop import OwnedTasks, wait_out
-from connector.transport.tls import server_context
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class StreamSender:
     `abort`) return at once and hand the work to the event loop; everything else runs on the loop. Who may act on
     which transfer is connector.engine.ownership's to say, the decode ranks themselves are connector.engine.peers'."""
 
-    def __init__(self, me: LocalRank, transport: Any, config: SenderConfig, loop: asyncio.AbstractEventLoop,
+    def __init__(self, me: LocalRank, transport: KVTransport, config: SenderConfig, loop: asyncio.AbstractEventLoop,
                  on_finished: Callable[[str, bool], None] | None = None) -> None:
         """`transport`: this rank's connector.transport.nixl.Transport, with `me.regions` (and `me.staging`, if
         any) registered. With a staging buffer, decode ranks that have one too get scattered blocks as staged
@@ -78,14 +78,9 @@ class StreamSender:
     # ---- lifetime -------------------------------------------------------------------------------------------
     async def start(self) -> int:
         """Start the side-channel server; returns the bound port."""
-        side = self.config.side_channel
-        self._server = ControlServer(
-            self.hello, self._on_message, host=self.config.host, port=self.config.port,
-            auth_token=side.auth_token, on_hello=self._table.admit, peek=self._table.peek,
-            handshake_timeout_s=side.handshake_timeout_s, limits=side.limits,
-            ssl_context=server_context(side.tls_cert_file, side.tls_key_file),
-            heartbeat_interval_s=side.heartbeat_interval_s, dead_after_s=side.dead_after_s,
-            on_closed=self._connection_closed)
+        self._server = ControlServer(self.hello, self._on_message, self.config.side_channel, host=self.config.host,
+                                     port=self.config.port, on_hello=self._table.admit, peek=self._table.peek,
+                                     on_closed=self._connection_closed)
         await self._server.start()
         self._tasks.spawn(self._lease_loop())
         self._tasks.spawn(self._drain_loop())

@@ -37,7 +37,6 @@ from connector.protocol.handshake import accept_peer, check_peer_layout, layout_
 from connector.protocol.messages import Abort, Complete, Hello, RegisterError, Stopped
 from connector.transport.control import ControlConnection, connect
 from connector.transport.loop import OwnedTasks
-from connector.transport.tls import client_context
 
 log = logging.getLogger(__name__)
 
@@ -78,17 +77,14 @@ class SourceTable:
         self.hello, self.model, self.config = hello, model, config
         self.staged, self.tasks, self.transfers = staged, tasks, transfers
         self.plans = PlanCache(model, hello)
-        self._ssl = client_context(config.side_channel.tls_ca_file)
+        config.side_channel.client_ssl()  # an unreadable CA bundle is a startup error, not a failed transfer
         self.by_address: dict[PrefillAddress, SourceEngine] = {}
         self._connecting: dict[PrefillAddress, asyncio.Lock] = defaultdict(asyncio.Lock)
         self.confirming: dict[tuple[int, Rank], asyncio.Task] = {}
         """Lost sources being asked whether they still write (`_confirm_stopped`)."""
 
     async def connect(self, address: PrefillAddress, port: int, timeout: float | None = None) -> ControlConnection:
-        side = self.config.side_channel
-        return await connect(address.host, port, self.hello, auth_token=side.auth_token, ssl_context=self._ssl,
-                             timeout=timeout or side.handshake_timeout_s,
-                             heartbeat_interval_s=side.heartbeat_interval_s, dead_after_s=side.dead_after_s,
+        return await connect(address.host, port, self.hello, self.config.side_channel, timeout=timeout,
                              heartbeat_ids=lambda: self.transfers.wanted_from(address, port))
 
     async def engine(self, address: PrefillAddress) -> SourceEngine:

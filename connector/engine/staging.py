@@ -30,6 +30,7 @@ from connector.core.staging_ranges import (Extents, Rows, Segment, check_destina
                                            chunk_segments)
 from connector.engine.rank import LocalRank
 from connector.protocol.messages import Register, Scatter, Scattered, StagedRows
+from connector.transport.base import KVTransport
 from connector.transport.control import ControlConnection
 from connector.transport.device_copy import BlockCopier
 from connector.transport.loop import wait_out
@@ -108,7 +109,7 @@ class _Lane:
 
 
 class StagedWriter:
-    def __init__(self, transport: Any, me: LocalRank, timeout_s: float,
+    def __init__(self, transport: KVTransport, me: LocalRank, timeout_s: float,
                  on_write: Callable[[WriteTiming], None] = lambda timing: None, ring_slots: int = 4) -> None:
         """`me.staging`: a contiguous tensor on the KV device, registered with `transport`. `on_write` hears the
         timing of every chunk's NIXL WRITE."""
