@@ -4,7 +4,11 @@ for pure tests of the engines' rules (no NIXL, no memory), and demo scenarios; C
 
 from __future__ import annotations
 
+import itertools
+import os
 from typing import Any
+
+import numpy as np
 
 from connector.core.layout import ModelLayout, ParallelLayout, PoolSpec, RankLayout, Region
 from connector.engine.peers import PeerInfo
@@ -13,6 +17,7 @@ from connector.protocol.messages import Hello
 from connector.sim.cluster import Scenario
 from connector.transport.side_channel import SideChannelConfig
 
+KiB, MiB = 1 << 10, 1 << 20
 POOL_GROUP = {"kv": 0, "index_k": 1, "index_v": 1}
 """KV-cache group per pool (as connector.sim.buffers lays them out)."""
 
@@ -102,3 +107,15 @@ def bare_side_channel(**fields: Any) -> SideChannelConfig:
     given (the engines' defaults send one every 2 s and drop a peer silent for 15 s)."""
     return SideChannelConfig(**{"heartbeat_interval_s": None, "dead_after_s": None, **fields})
 
+
+_agent_ids = itertools.count()
+
+
+def agent_name(tag: str) -> str:
+    """A NIXL agent name no other agent of this test run has (tag, pid, counter)."""
+    return f"tt-{tag}-{os.getpid()}-{next(_agent_ids)}"
+
+
+def pattern(nbytes: int, seed: int) -> np.ndarray:
+    """`nbytes` seeded random bytes: what a WRITE moves, to be checked at the other end."""
+    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)

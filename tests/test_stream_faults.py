@@ -17,6 +17,7 @@ from connector.protocol.addressing import PrefillAddress
 from connector.protocol.messages import Register, RegisterError
 from connector.sim.buffers import pick_blocks
 from connector.sim.cluster import Cluster, Scenario
+from connector.sim.env import apply_env
 from connector.sim.rank import SimRank
 from connector.transport.control import connect
 from tests.helpers import bare_side_channel, scenario
@@ -48,6 +49,7 @@ def prefill_cluster_and_decode(m3, cluster, open_rank):
 def sender_and_receiver(model, tag: str, *, lease_s: float = 120.0, staging_mb: int = 0):
     """A started StreamSender and a StreamReceiver, each on its own SimRank in this process (TP1/PP1), with staging
     buffers of `staging_mb` (one slot each). Yields (prefill, sender, port, decode, receiver); closes both ranks."""
+    apply_env()  # before the ranks' NIXL agents load (as the open_rank fixture does)
     sc = make_scenario(model, staging_mb=staging_mb)
     with SimRank(sc.rank_spec("prefill", (0, 0), run_id=f"test-{tag}")) as prefill, \
             SimRank(sc.rank_spec("decode", (0, 0), run_id=f"test-{tag}")) as decode:

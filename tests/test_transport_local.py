@@ -10,12 +10,15 @@ import pytest
 
 from connector.core.errors import TransportError
 from connector.transport.nixl import Transport, TransportConfig, descs_array
-from tests.test_transport import KiB, _name, _pattern  # also sets UCX_NET_DEVICES=lo for this process's agents
+from connector.sim.env import apply_env
+from tests.helpers import KiB, agent_name, pattern
+
+apply_env()  # this process hosts agents (NIXL loads with the first one)
 
 
 async def test_unknown_peer_raises_transport_error() -> None:
-    src = _pattern(8 * KiB, 7)
-    async with Transport(TransportConfig(_name("u"))) as a:
+    src = pattern(8 * KiB, 7)
+    async with Transport(TransportConfig(agent_name("u"))) as a:
         a.register(src)
         with pytest.raises(TransportError, match="nobody.*add_peer"):
             await a.write("nobody", [(src.ctypes.data, 4096)], [(0x1000, 4096)])
@@ -26,9 +29,9 @@ async def test_unknown_peer_raises_transport_error() -> None:
 
 
 async def test_close_is_idempotent_and_releases_everything() -> None:
-    src = _pattern(8 * KiB, 8)
-    a = Transport(TransportConfig(_name("c")))
-    async with Transport(TransportConfig(_name("other"))) as other:
+    src = pattern(8 * KiB, 8)
+    a = Transport(TransportConfig(agent_name("c")))
+    async with Transport(TransportConfig(agent_name("other"))) as other:
         other.register(src)
         async with a:
             a.register(src)
