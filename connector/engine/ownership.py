@@ -133,7 +133,7 @@ class Ownership:
                 f"prefill rank {self.rank} has no transfer {tid!r} although decode got it from prefill's response: "
                 f"this prefill instance was restarted since (its KV is gone) or the router changed the "
                 f"kv_transfer_params")
-        # Decode registers first (docs/architecture.md, "one request"): kept until prefill starts the request.
+        # Decode registers first (docs/architecture.md, "One request, prefill side"): kept until prefill starts it.
         check_registration(reg, peer, self.rank, self.stage, self.block_size)
         self.check_owner(tid, peer.key[0])
         cost, cfg = parked_cost(reg), self.config

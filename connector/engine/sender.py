@@ -14,11 +14,10 @@ import time
 from collections import deque
 from typing import Any, Callable
 
-from connector.core.errors import WriteAbandoned
+from connector.core.errors import InputError, WriteAbandoned
 from connector.core.plan import fold_ranges
 from connector.engine.batch_writer import BatchWriter
 from connector.engine.config import SenderConfig
-from connector.core.errors import InputError
 from connector.engine.ownership import Ownership
 from connector.engine.peers import PeerTable
 from connector.engine.rank import LocalRank
@@ -58,7 +57,7 @@ class StreamSender:
         self._inbox: deque = deque()
         self._wake = asyncio.Event()
         self.hello = me.hello("prefill", transport)
-        self._table = PeerTable(transport, self.hello, me.model, me.rank, config)  # staged lanes end with conns
+        self._table = PeerTable(transport, self.hello, me.model, me.rank, config)
 
     @property
     def port(self) -> int:
