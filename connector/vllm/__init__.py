@@ -5,13 +5,24 @@
 "SparseKVConnector", "kv_role": "kv_producer", ...}'`."""
 
 import logging
+from typing import Any
 
-from connector.vllm.connector import SparseKVConnector
 from connector.vllm.logs import adopt_vllm_logging
 
 adopt_vllm_logging()  # every process that loads the connector: API server, engine core, workers
 
 CONNECTOR_NAME = "SparseKVConnector"
+
+
+def __getattr__(name: str) -> Any:
+    """`SparseKVConnector` is imported when first asked for (vLLM's loader does `getattr(module, name)`), so that
+    reading the settings (`connector.vllm.config`) does not import vllm and torch (some 10 s here)."""
+    if name == CONNECTOR_NAME:
+        from connector.vllm.connector import SparseKVConnector
+
+        adopt_vllm_logging()  # (vllm has configured its logger by now, if it had not at the first call)
+        return SparseKVConnector
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def register() -> None:
