@@ -12,7 +12,7 @@ import numpy as np
 
 from connector.core.layout import ModelLayout, ParallelLayout, PoolSpec, RankLayout, Region
 from connector.engine.peers import PeerInfo
-from connector.protocol.handshake import accept_peer
+from connector.protocol.handshake import accept_peer, layout_wire
 from connector.protocol.messages import Hello
 from connector.sim.cluster import Scenario
 from connector.transport.side_channel import SideChannelConfig
@@ -88,8 +88,8 @@ def rank_hello(model: ModelLayout, role: str, parallel: ParallelLayout, rank: tu
     engine = engine or f"{role}-engine"
     regions = rank_regions(model, parallel, rank, num_blocks, block_size) if role == "decode" else []
     return Hello(role=role, engine_id=engine, pp_rank=rank[0], tp_rank=rank[1], pp_size=parallel.pp,
-                 tp_size=parallel.tp, fingerprint=model.fingerprint(), block_size=block_size,
-                 agent_name=f"{engine}-{rank[0]}-{rank[1]}", agent_metadata=b"meta", regions=regions,
+                 tp_size=parallel.tp, fingerprint=model.fingerprint(), layout=layout_wire(model),
+                 num_layers=model.num_layers, block_size=block_size, agent_name=f"{engine}-{rank[0]}-{rank[1]}", agent_metadata=b"meta", regions=regions,
                  stages=[tuple(st) for st in parallel.stages], staging_addr=0x5000_0000 if staging_bytes else 0,
                  staging_bytes=staging_bytes)
 

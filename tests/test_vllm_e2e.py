@@ -56,6 +56,14 @@ def dsv_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def mtp_dirs(tmp_path_factory):
+    """M3 and DeepSeek-V3.2 with one MTP draft layer each (vllm_harness.draft_layer_specs)."""
+    return {"m3": H.write_m3_config(tmp_path_factory.mktemp("m3mtp"), num_layers=8, dense_layers=2, kv_heads=4,
+                                    head_dim=64, index_dim=64, mtp_layers=1),
+            "dsv32": H.write_dsv32_config(tmp_path_factory.mktemp("dsvmtp"), mtp_layers=1)}
+
+
+@pytest.fixture(scope="module")
 def pool_holder():
     holder: dict[str, Pool] = {}
     yield holder
@@ -150,6 +158,28 @@ def test_index_value_pool_moves_with_the_rest(pool, m3v_dir, prefill):
         check_transfer(pair, trace, job)  # byte-exact on every pool, index_v included
         check_blocks_back(pair)
         assert sent == block_bytes(pair.D) * math.ceil(89 / BS)  # each decode byte written once
+
+
+@pytest.mark.parametrize("model, prefill, decode", [("m3", (1, 1), (1, 2)), ("dsv32", (1, 2), (1, 1))],
+                         ids=["m3-tp1-to-pp2", "dsv32-pp2-to-pp1"])
+def test_mtp_draft_layers_move_with_the_rest(pool, mtp_dirs, model, prefill, decode):
+    # The drafter's caches are ordinary layers of the KVCacheConfig, on the last PP stage, numbered after the
+    # hidden layers: M3's `model.layers.0.self_attn.attn` (+ its index cache) is global layer 8, DeepSeek's
+    # `model.layers.6.self_attn.attn` (+ indexer keys) layer 6.
+    hidden, pools = (8 if model == "m3" else 6), ("kv", "index_k")
+    with Pair(pool, mtp_dirs[model], prefill=prefill, decode=decode) as pair:
+        for inst in (pair.P, pair.D):
+            last = {(p, layer) for rank, info in inst.infos.items() if rank[0] == inst.pp - 1
+                    for _n, p, layer in info["layers"]}
+            assert {(p, hidden) for p in pools} <= last, inst.name
+            others = {layer for rank, info in inst.infos.items() if rank[0] != inst.pp - 1
+                      for _n, _p, layer in info["layers"]}
+            assert hidden not in others  # the drafter runs on the last stage only
+        trace, job, sent = run_one(pair, f"mtp-{model}", 80)
+        check_transfer(pair, trace, job)  # byte-exact on every layer, the draft layer's included
+        check_blocks_back(pair)
+        one_rank = pair.D if decode == (1, 1) else pair.P
+        assert sent == block_bytes(one_rank) * math.ceil(79 / BS)  # each byte once, the draft layer's included
 
 
 @pytest.mark.parametrize("decode", [(2, 1), (1, 2)], ids=["decode-tp2", "decode-pp2"])

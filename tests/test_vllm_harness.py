@@ -364,10 +364,11 @@ def test_dist_init_gives_real_groups(m3_dir):
 
 
 def _regions_of(model_dir, *, drop_index_values: bool):
-    """build_regions on a real vLLM allocation of the whole model (TP1/PP1), optionally without the index-value
-    caches (what vLLM 0.33 itself builds for any M3 config)."""
+    """(regions, the layout vLLM's specs give) for a real vLLM allocation of the whole model (TP1/PP1),
+    optionally without the index-value caches (what vLLM 0.33 itself builds for any M3 config)."""
     from connector.core.layout import ParallelLayout, RankLayout
-    from connector.vllm.regions import build_regions, model_layout_from_vllm
+    from connector.vllm.regions import build_regions, classify_layers
+    from connector.vllm.worker import model_from_vllm
 
     cfg = H.make_vllm_config(model_dir, kv_role="kv_producer", kv_connector="TinyConnector",
                              kv_connector_module_path=MODULE)
@@ -375,21 +376,30 @@ def _regions_of(model_dir, *, drop_index_values: bool):
              if not (drop_index_values and n.endswith(".index_value_cache"))}
     kvc = H.make_kv_cache_config(cfg, specs, num_blocks=4)
     caches = H.allocate_kv_caches(kvc, cfg)
-    model = model_layout_from_vllm(cfg)
+    facts = classify_layers(kvc, cfg.model_config.get_total_num_kv_heads())
+    with H.fake_parallel_groups():
+        model = model_from_vllm(facts, cfg)
     rank = RankLayout(model, ParallelLayout.build(model.num_layers, 1, 1), 0, 0)
-    return build_regions(caches, kvc, rank)
+    return build_regions(caches, facts, kvc.num_blocks, rank), model
 
 
 def test_index_value_caches_become_the_index_v_pool(tmp_path):
-    regions = _regions_of(H.write_m3_config(tmp_path, index_value_layers=(3, 6)), drop_index_values=False)
+    regions, _ = _regions_of(H.write_m3_config(tmp_path, index_value_layers=(3, 6)), drop_index_values=False)
     by_pool = {p: [(r.layer, r.slot) for r in regions if r.pool == p] for p in ("kv", "index_k", "index_v")}
     assert by_pool["index_v"] == [(3, 0), (6, 1)]  # slots are compacted per pool
     assert [layer for layer, _ in by_pool["index_k"]] == list(range(2, 8))
     assert len(by_pool["kv"]) == 8
 
 
-def test_config_with_index_values_but_no_index_value_cache_is_refused(tmp_path):
-    from connector.core.errors import LayoutError
+def test_a_config_with_index_values_vllm_builds_no_cache_for_moves_what_vllm_built(tmp_path, caplog):
+    # vLLM 0.33's M3 never builds an index-value cache (it ignores the values on both sides): the layout is what
+    # vLLM's specs say, and the disagreement with config.json is logged.
+    caplog.set_level("WARNING", logger="connector.vllm.worker")
+    regions, model = _regions_of(H.write_m3_config(tmp_path, index_value_layers=(3, 6)), drop_index_values=True)
+    assert model.pools["index_v"].layers == () and not [r for r in regions if r.pool == "index_v"]
+    assert len(model.pools["index_k"].layers) == 6
+    (record,) = [r for r in caplog.records if "config.json reads as" in r.getMessage()]
+    assert "no index_v; the model's config.json reads as" in record.getMessage()
+    assert "index_v on layers 3,6" in record.getMessage()
 
-    with pytest.raises(LayoutError, match=r"keeps an index value on sparse layers \[3, 6\].*no index-value cache"):
-        _regions_of(H.write_m3_config(tmp_path, index_value_layers=(3, 6)), drop_index_values=True)
+

@@ -112,7 +112,8 @@ class Rank:
         try:
             self._stack.enter_context(set_current_vllm_config(cfg))
             self._stack.enter_context(H.fake_parallel_groups(tp_rank=self.tp_rank, tp_size=self.tp,
-                                                             pp_rank=self.pp_rank, pp_size=self.pp))
+                                                             pp_rank=self.pp_rank, pp_size=self.pp,
+                                                             pp_gather=self._stage_gather(cfg, spec)))
             layout = H.resolve_layout(cfg)  # engine core's resolution, with the connector's requirement
             kvc = H.make_kv_cache_config(cfg, num_blocks=spec["num_blocks"], pp_rank=self.pp_rank)
             self.kvc = kvc
@@ -147,7 +148,7 @@ class Rank:
         for name in H.layer_specs(cfg, pp_rank=self.pp_rank):
             tensor = self.caches[name]
             u8 = tensor.view(torch.uint8)
-            layer = int(name.split(".layers.")[1].split(".")[0])
+            layer = H.global_layer(cfg, name)
             if name.endswith((".index_cache", ".index_value_cache", ".indexer.k_cache")):
                 pool = "index_v" if name.endswith(".index_value_cache") else "index_k"
                 heads = (0, 1)  # one replicated head on every TP rank
@@ -164,6 +165,22 @@ class Rank:
         self.requests: dict[str, dict[str, Any]] = {}
 
     # ---- info ---------------------------------------------------------------------------------------------------
+
+    def _stage_gather(self, cfg: Any, spec: dict):
+        """What the other PP stages' workers would contribute to connector.vllm.specs.gather_stages: their caches
+        as vLLM's specs for their KVCacheConfig describe them (the harness builds each stage's config as vLLM
+        would)."""
+        from connector.vllm.specs import stage_caches
+        from tests import vllm_harness as H
+
+        def gather(local: list) -> list[list]:
+            total = cfg.model_config.get_total_num_kv_heads()
+            hidden = cfg.model_config.hf_text_config.num_hidden_layers
+            return [local if r == self.pp_rank else
+                    stage_caches(H.make_kv_cache_config(cfg, num_blocks=spec["num_blocks"], pp_rank=r), total,
+                                 H.draft_layer_names(cfg, pp_rank=r), hidden)
+                    for r in range(self.pp)]
+        return gather
     def info(self) -> dict[str, Any]:
         md = self.connector.get_handshake_metadata()
         worker = getattr(self.connector, "_worker", None)

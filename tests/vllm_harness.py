@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import tempfile
 import types
 import zlib
@@ -166,6 +167,63 @@ def index_value_layer_ids(vllm_config) -> list[int]:
     return [i for i in sparse if i < len(flags) and not flags[i]]
 
 
+def mtp_layer_count(vllm_config) -> int:
+    """Draft (MTP) layers the harness builds, as an engine started with `--speculative-config '{"method": "mtp"}'`
+    would: set by `harness_mtp_layers` in the test config (model_configs.write_*_config(mtp_layers=...)), since
+    vLLM builds draft layers only for a speculative config, which needs weights to construct."""
+    return int(getattr(vllm_config.model_config.hf_text_config, "harness_mtp_layers", 0) or 0)
+
+
+def draft_layer_specs(vllm_config) -> dict[str, KVCacheSpec]:
+    """The draft model's KV-cache layers, on the last PP stage (where vLLM runs the drafter):
+    DeepSeek-V3.2 (models/deepseek_mtp.py: DeepSeekMultiTokenPredictor, layers from num_hidden_layers on, each a
+    DeepseekV2DecoderLayer with its MLA latent and indexer keys): `model.layers.{61 + k}.self_attn.attn`, ...;
+    MiniMax-M3 (models/minimax_m3/nvidia/mtp.py: MiniMaxM3MultiTokenPredictor, layers from 0 under the draft's own
+    `model` prefix, force_sparse_attn=True): `model.layers.{k}.self_attn.attn` and its index cache, beside the
+    target's `language_model.model.layers.*`."""
+    n = mtp_layer_count(vllm_config)
+    if not n:
+        return {}
+    cfg = vllm_config.model_config.hf_text_config
+    if is_dsa(vllm_config):
+        specs = _dsa_layer_specs(vllm_config, cfg.num_hidden_layers, cfg.num_hidden_layers + n)
+        return {name: dataclasses.replace(spec, is_draft=True) for name, spec in specs.items()}
+    assert layer_prefix(vllm_config) == "language_model.model", "an M3 drafter needs the VL target's prefix"
+    _fa, sparse_backend, index_backend = _backends()
+    bs = vllm_config.cache_config.block_size
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    main = FullAttentionSpec(block_size=bs, num_kv_heads=max(1, cfg.num_key_value_heads // tp), head_size=head_dim,
+                             head_size_v=head_dim, dtype=torch.bfloat16)
+    specs: dict[str, KVCacheSpec] = {}
+    for k in range(n):
+        name = f"model.layers.{k}.self_attn.attn"
+        specs[f"{name}.index_cache"] = customize_attention_spec(index_backend, MLAAttentionSpec(
+            block_size=bs, num_kv_heads=1, head_size=cfg.sparse_attention_config["sparse_index_dim"],
+            dtype=torch.bfloat16, cache_role=SparseCacheRole.INDEXER))
+        specs[name] = customize_attention_spec(sparse_backend, main)
+    # as GPUModelRunner.get_kv_cache_spec marks a draft layer's spec (gpu_model_runner.py:7114)
+    return {name: dataclasses.replace(spec, is_draft=True) for name, spec in specs.items()}
+
+
+def draft_layer_names(vllm_config, *, pp_rank: int | None = None) -> frozenset[str]:
+    last = vllm_config.parallel_config.pipeline_parallel_size - 1
+    return frozenset(draft_layer_specs(vllm_config)) if pp_rank in (None, last) else frozenset()
+
+
+def global_layer(vllm_config, name: str) -> int:
+    """The global layer id the connector gives KV-cache layer `name` (a draft layer after the hidden ones)."""
+    from connector.vllm.specs import layer_id
+
+    return layer_id(name, draft_layer_names(vllm_config), vllm_config.model_config.hf_text_config.num_hidden_layers)
+
+
+def sparse_main_names(vllm_config) -> set[str]:
+    """The M3 sparse layers' main caches (a drafter's included): own forward, no save_kv_layer."""
+    names = {f"{layer_prefix(vllm_config)}.layers.{i}.self_attn.attn" for i in sparse_layer_ids(vllm_config)}
+    return names | {n for n in draft_layer_names(vllm_config) if n.endswith(".attn") and not is_dsa(vllm_config)}
+
+
 def layer_specs(vllm_config, *, pp_rank: int | None = None) -> dict[str, KVCacheSpec]:
     """{layer name: spec} in static_forward_context registration order, for one PP stage (None: all layers).
     Uses the real backends' customize_attention_spec, so sparse/indexer specs carry
@@ -179,7 +237,7 @@ def layer_specs(vllm_config, *, pp_rank: int | None = None) -> dict[str, KVCache
     if is_dsa(vllm_config):
         pp = vllm_config.parallel_config.pipeline_parallel_size
         lo, hi = (0, cfg.num_hidden_layers) if pp_rank is None else get_pp_indices(cfg.num_hidden_layers, pp_rank, pp)
-        return _dsa_layer_specs(vllm_config, lo, hi)
+        return _dsa_layer_specs(vllm_config, lo, hi) | _drafts_on(vllm_config, pp_rank)
     fa, sparse_backend, index_backend = _backends()
     tp = vllm_config.parallel_config.tensor_parallel_size
     pp = vllm_config.parallel_config.pipeline_parallel_size
@@ -204,7 +262,14 @@ def layer_specs(vllm_config, *, pp_rank: int | None = None) -> dict[str, KVCache
             specs[name] = customize_attention_spec(sparse_backend, main)
         else:
             specs[name] = customize_attention_spec(fa, main)
-    return specs
+    return specs | _drafts_on(vllm_config, pp_rank)
+
+
+def _drafts_on(vllm_config, pp_rank: int | None) -> dict[str, KVCacheSpec]:
+    """The draft layers' specs when `pp_rank` is the last stage (or all stages: None), registered after the
+    target's (vLLM loads the drafter after the target model)."""
+    names = draft_layer_names(vllm_config, pp_rank=pp_rank)
+    return {n: s for n, s in draft_layer_specs(vllm_config).items() if n in names}
 
 
 def hooked_layer_names(vllm_config, *, pp_rank: int | None = None) -> list[str]:
@@ -212,7 +277,7 @@ def hooked_layer_names(vllm_config, *, pp_rank: int | None = None) -> list[str]:
     layers/attention/attention.py:770-772) and so get wait_for_layer_load/save_kv_layer: M3's dense layers only.
     Sparse layers (own forward + @eager_break_during_capture _run_attention) and index caches never do."""
     specs = layer_specs(vllm_config, pp_rank=pp_rank)
-    sparse = {f"{layer_prefix(vllm_config)}.layers.{i}.self_attn.attn" for i in sparse_layer_ids(vllm_config)}
+    sparse = sparse_main_names(vllm_config)
     return [n for n, s in specs.items() if not isinstance(s, MLAAttentionSpec) and n not in sparse]
 
 
@@ -441,18 +506,24 @@ def dist_init(vllm_config=None):
 
 
 @contextlib.contextmanager
-def fake_parallel_groups(*, tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1):
+def fake_parallel_groups(*, tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1,
+                         pp_gather=None):
     """Pretend to be rank (pp_rank, tp_rank) of a tp_size x pp_size job without any process group: patches
     parallel_state._TP/_PP with objects carrying rank_in_group, world_size, ranks, is_first_rank, is_last_rank,
-    broadcast_object (identity). Enough for code that only reads ranks."""
+    broadcast_object (identity). Enough for code that only reads ranks. `pp_gather(obj) -> [each stage's obj]`
+    stands in for an all-gather over the PP group (connector.vllm.specs.gather_stages asks for it as
+    `all_gather_object`): the caller knows what the other stages hold."""
     from vllm.distributed import parallel_state as ps
 
-    def group(rank, size):
-        return types.SimpleNamespace(rank_in_group=rank, world_size=size, ranks=list(range(size)), rank=rank,
-                                     local_rank=rank, is_first_rank=rank == 0, is_last_rank=rank == size - 1,
-                                     broadcast_object=lambda obj, src=0: obj)
+    def group(rank, size, gather=None):
+        out = types.SimpleNamespace(rank_in_group=rank, world_size=size, ranks=list(range(size)), rank=rank,
+                                    local_rank=rank, is_first_rank=rank == 0, is_last_rank=rank == size - 1,
+                                    broadcast_object=lambda obj, src=0: obj)
+        if gather is not None:
+            out.all_gather_object = gather
+        return out
     saved = ps._TP, ps._PP
-    ps._TP, ps._PP = group(tp_rank, tp_size), group(pp_rank, pp_size)
+    ps._TP, ps._PP = group(tp_rank, tp_size), group(pp_rank, pp_size, pp_gather)
     try:
         yield
     finally:

@@ -110,7 +110,7 @@ def layer_modules(vllm_config: Any, caches: dict[str, Any] | None = None, *,
 
     caches = caches or {}
     specs = H.layer_specs(vllm_config, pp_rank=pp_rank)
-    sparse = {f"{H.layer_prefix(vllm_config)}.layers.{i}.self_attn.attn" for i in H.sparse_layer_ids(vllm_config)}
+    sparse = H.sparse_main_names(vllm_config)
     out: dict[str, nn.Module] = {}
     for name in specs:
         if name.endswith((".index_cache", ".indexer.k_cache")):
@@ -126,6 +126,8 @@ def layer_modules(vllm_config: Any, caches: dict[str, Any] | None = None, *,
             out[name], out[cache.prefix] = layer, cache
         else:
             out[name] = generic_layer(name, caches.get(name))
+    for name in H.draft_layer_names(vllm_config, pp_rank=pp_rank):
+        out[name].is_draft_layer = True  # as vLLM's proposer marks the layers its draft model added
     return out
 
 

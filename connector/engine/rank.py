@@ -10,6 +10,7 @@ from typing import Any
 from connector.core.errors import ConfigError
 from connector.core.layout import ModelLayout, ParallelLayout, Region
 from connector.core.plan import Rank
+from connector.protocol.handshake import layout_wire
 from connector.protocol.messages import Hello, Role
 from connector.transport.base import KVTransport
 
@@ -70,6 +71,7 @@ class LocalRank:
         only where the protocol needs it: connector.protocol.auth.)"""
         return Hello(role=role, engine_id=self.engine_id, pp_rank=self.rank[0], tp_rank=self.rank[1],
                      pp_size=self.parallel.pp, tp_size=self.parallel.tp, fingerprint=self.model.fingerprint(),
+                     layout=layout_wire(self.model), num_layers=self.model.num_layers,
                      block_size=self.block_size, agent_name=transport.name, agent_metadata=transport.metadata,
                      regions=list(self.regions), stages=[tuple(s) for s in self.parallel.stages],
                      staging_addr=self.staging_addr, staging_device=self.staging_device,

@@ -8,10 +8,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from connector.core.errors import ControlError, LayoutError
-from connector.core.layout import POOLS, ModelLayout, ParallelLayout, RankLayout, Region, check_tp
+from connector.core.describe import layout_difference
+from connector.core.layout import POOLS, ModelLayout, ParallelLayout, PoolSpec, RankLayout, Region, check_tp
 from connector.core.plan import TransferPlan, build_plan
 from connector.protocol.auth import MEMORY_FIELDS, check_nonce
-from connector.protocol.messages import PROTOCOL_VERSION, Hello
+from connector.protocol.messages import PROTOCOL_VERSION, Hello, PoolLayout
 
 PeerKey = tuple[str, int, int]
 """(engine id, pp, tp): a peer rank, told apart from the same rank of another engine."""
@@ -138,5 +139,31 @@ def check_hello(peer: Hello, own: Hello) -> None:
     if peer.role == own.role:
         raise ControlError(f"peer role {peer.role!r} cannot talk to a {own.role!r} side; the two roles must differ")
     if peer.fingerprint != own.fingerprint:
-        raise ControlError(f"model/layout fingerprint mismatch: peer has {peer.fingerprint}, "
-                           f"this side has {own.fingerprint}")
+        raise ControlError(f"the two sides run models with different KV caches: {layout_mismatch(peer, own)}; start "
+                           f"prefill and decode with the same model and cache dtypes")
+
+
+def layout_wire(model: ModelLayout) -> list[PoolLayout]:
+    return [PoolLayout(p.name, list(p.layers), p.num_heads, p.bytes_per_token_per_head, p.num_parts, p.sharded)
+            for p in (model.pools[name] for name in POOLS)]
+
+
+def layout_of_hello(hello: Hello) -> ModelLayout | None:
+    """The model layout a Hello describes (None when it carries none, or one that is not a layout)."""
+    if not hello.layout:
+        return None
+    try:
+        pools = {p.name: PoolSpec(p.name, tuple(p.layers), p.num_heads, p.bytes_per_token_per_head, p.num_parts,
+                                  p.sharded) for p in hello.layout}
+        return ModelLayout(name=hello.engine_id, num_layers=hello.num_layers, pools=pools)
+    except LayoutError:
+        return None
+
+
+def layout_mismatch(peer: Hello, own: Hello) -> str:
+    """What differs between the models of `peer` and `own`, in words (the fingerprints, when a layout is missing)."""
+    theirs, mine = layout_of_hello(peer), layout_of_hello(own)
+    if theirs is None or mine is None or theirs.fingerprint() != peer.fingerprint:
+        return f"model fingerprints {peer.fingerprint} ({peer.role}) and {own.fingerprint} ({own.role})"
+    return layout_difference(theirs, mine, me=f"{peer.role} {peer.engine_id}", them=f"{own.role} {own.engine_id}") \
+        or f"model fingerprints {peer.fingerprint} ({peer.role}) and {own.fingerprint} ({own.role})"

@@ -34,7 +34,7 @@ from msgspec import Meta
 from connector.core.errors import FrameError
 from connector.core.layout import Region
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """Wire protocol version; a frame or Hello with any other version is rejected.
 
 History (one line per version; bump it for any change an older peer would misread):
@@ -49,6 +49,10 @@ History (one line per version; bump it for any change an older peer would misrea
      connection's staging area the chunk lies (`slot_offset`), and is sent once the chunk's WRITE completed, so
      prefill keeps a ring of chunks in flight; Register's staging fields give a connection an area, not one slot.
      A version-2 peer would fail to decode such a Scatter mid-transfer: it is refused at the handshake instead.
+     (Within 3: Complete.bytes_by_pool, optional.)
+  4  Hello carries the model layout it was built from (`layout`, `num_layers`: per pool its layers and sizes, as
+     vLLM's KV-cache specs give them), so a pair whose caches differ is refused naming what differs; it is part of
+     the authenticated transcript, which a version-3 peer would compute without it.
 """
 DEFAULT_MAX_FRAME_BYTES = 4 * 1024 * 1024
 """Largest body a receiver accepts after the handshake unless configured otherwise. The largest real messages are
@@ -85,6 +89,17 @@ PoolName = Literal["kv", "index_k", "index_v"]
 """connector.core.layout.POOLS, as a wire type."""
 
 
+class PoolLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One pool of the model's layout (connector.core.layout.PoolSpec) on the wire."""
+
+    name: PoolName
+    layers: Annotated[list[Annotated[int, Meta(ge=0)]], Meta(max_length=MAX_LIST)]
+    num_heads: Count
+    bytes_per_token_per_head: Count
+    num_parts: Count
+    sharded: bool
+
+
 class Hello(msgspec.Struct, frozen=True, tag="hello", tag_field="type"):
     """First frame each way: who the rank is. On the wire it never carries memory (the fields from `agent_metadata`
     to `staging_bytes` are empty): decode's go in `Auth` after prefill proved the token, prefill's are never sent.
@@ -102,6 +117,9 @@ class Hello(msgspec.Struct, frozen=True, tag="hello", tag_field="type"):
     """Tokens per KV-cache block."""
     agent_name: EngineName
     """NIXL agent name."""
+    layout: Annotated[list[PoolLayout], Meta(max_length=3)] = []
+    """The layout the fingerprint is of: what a mismatch is explained from."""
+    num_layers: Count = 0
     agent_metadata: bytes = b""
     """NIXL agent metadata (opaque; load with `add_remote_agent`, never unpickle)."""
     regions: Annotated[list[Region], Meta(max_length=MAX_LIST)] = []

@@ -4,6 +4,7 @@ stream-engine calls; the transfer logic lives in connector.engine.sender / conne
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 import time
@@ -13,7 +14,8 @@ from typing import Any
 import torch
 
 from connector.core.errors import LayoutError
-from connector.core.layout import ParallelLayout, RankLayout
+from connector.core.describe import describe_model
+from connector.core.layout import ModelLayout, ParallelLayout, RankLayout
 from connector.engine.rank import LocalRank
 from connector.engine.receiver import ReceiveResult, StreamReceiver
 from connector.engine.sender import StreamSender
@@ -24,24 +26,50 @@ from connector.transport.nixl import Transport
 from connector.vllm import layer_signals
 from connector.vllm.config import ConnectorSettings, default_host
 from connector.vllm.metadata import SparseKVHandshake, SparseKVMetadata
-from connector.vllm.regions import build_regions, classify_layers, model_layout_from_vllm
+from connector.vllm.regions import build_regions, classify_layers, model_layout_from_hf
+from connector.vllm.specs import CacheFacts, draft_layer_names, gather_stages, model_from_caches, model_names
 from connector.vllm.stats import SparseKVConnectorStats
 
 log = logging.getLogger(__name__)
 
 
-def parallel_ranks(vllm_config: Any) -> tuple[ParallelLayout, int, int]:
-    """(this side's ParallelLayout, pp rank, tp rank) from vLLM's parallel config and process groups; the layer
-    split is vLLM's own (get_pp_indices, which honours VLLM_PP_LAYER_PARTITION)."""
+def this_rank() -> tuple[int, int]:
+    """(pp rank, tp rank) from vLLM's process groups."""
     from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+    return get_pp_group().rank_in_group, get_tp_group().rank_in_group
+
+
+def parallel_layout(vllm_config: Any, num_layers: int) -> ParallelLayout:
+    """This side's ParallelLayout: vLLM's own layer split of the hidden layers (get_pp_indices, which honours
+    VLLM_PP_LAYER_PARTITION), and the draft layers of speculative decoding (ids from num_hidden_layers on, which
+    vLLM builds on the last stage) on the last stage."""
     from vllm.distributed.utils import get_pp_indices
 
     pc = vllm_config.parallel_config
-    num_layers = vllm_config.model_config.hf_text_config.num_hidden_layers
-    stages = [get_pp_indices(num_layers, r, pc.pipeline_parallel_size) for r in range(pc.pipeline_parallel_size)]
-    parallel = ParallelLayout.build(num_layers, pc.tensor_parallel_size, pc.pipeline_parallel_size,
-                                    [e - s for s, e in stages])
-    return parallel, get_pp_group().rank_in_group, get_tp_group().rank_in_group
+    hidden = vllm_config.model_config.hf_text_config.num_hidden_layers
+    counts = [e - s for s, e in (get_pp_indices(hidden, r, pc.pipeline_parallel_size)
+                                 for r in range(pc.pipeline_parallel_size))]
+    counts[-1] += num_layers - hidden
+    return ParallelLayout.build(num_layers, pc.tensor_parallel_size, pc.pipeline_parallel_size, counts)
+
+
+def model_from_vllm(caches: dict[str, Any], vllm_config: Any) -> ModelLayout:
+    """The whole model's layout from every stage's KV-cache specs (connector.vllm.specs), cross-checked with the
+    Hugging Face config where the parser knows the model: a difference is logged (the specs are what vLLM runs)."""
+    hidden = vllm_config.model_config.hf_text_config.num_hidden_layers
+    model = model_from_caches(gather_stages(list(caches.values())), hidden, model_names(vllm_config))
+    try:
+        hf = model_layout_from_hf(vllm_config)
+    except LayoutError:
+        return model  # an architecture the parser does not know: the specs alone
+    # the config.json describes the hidden layers only: compare those (a draft model's layers come after them)
+    hidden_only = dataclasses.replace(model, num_layers=hidden, pools={
+        name: dataclasses.replace(p, layers=tuple(i for i in p.layers if i < hidden)) for name, p in model.pools.items()})
+    if hf.fingerprint() != hidden_only.fingerprint():
+        log.warning("SparseKVConnector: vLLM's KV-cache specs give %s; the model's config.json reads as %s (connector."
+                    "core.hf_config). The connector moves what vLLM built", describe_model(model), describe_model(hf))
+    return model
 
 
 class WorkerSide:
@@ -50,15 +78,20 @@ class WorkerSide:
         self.vllm_config, self.kv_cache_config, self.settings = vllm_config, kv_cache_config, settings
         self.is_producer = kv_role == "kv_producer"
         self.engine_id = engine_id
-        self.model = model_layout_from_vllm(vllm_config)
-        self.parallel, pp, tp = parallel_ranks(vllm_config)
+        pp, tp = this_rank()
         self.rank = (pp, tp)
-        self.rank_layout = RankLayout(self.model, self.parallel, pp, tp)
+        self._caches = self._classify()
+        """This rank's transferable KV-cache layers, by name, as their specs describe them (a cache the connector
+        cannot move is refused here, at construction)."""
+        self.model: ModelLayout | None = None
+        self.parallel: ParallelLayout | None = None
+        self.rank_layout: RankLayout | None = None
+        """The whole model and this rank's share of it: known once every stage's specs are in (register_kv_caches)."""
         self.loop = LoopThread(f"sparse-kv-{kv_role}-{pp}-{tp}")
         self.transport: Transport | None = None
         self.sender: StreamSender | None = None
         self.receiver: StreamReceiver | None = None
-        self._layer_of: dict[str, int] = {name: info.layer for name, info in classify_layers(kv_cache_config).items()}
+        self._layer_of: dict[str, int] = {name: info.layer for name, info in self._caches.items()}
         self._lock = threading.Lock()
         self._finished_sending: set[str] = set()
         self._req_of_tid: dict[str, str] = {}
@@ -82,8 +115,22 @@ class WorkerSide:
         self.port = 0
 
     # ---- startup ----------------------------------------------------------------------------------------------
+    def _classify(self) -> dict[str, CacheFacts]:
+        model = self.vllm_config.model_config
+        return classify_layers(self.kv_cache_config, model.get_total_num_kv_heads(),
+                               draft_layer_names(self.vllm_config), model.hf_text_config.num_hidden_layers)
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        regions = build_regions(kv_caches, self.kv_cache_config, self.rank_layout)
+        # Again, now that every layer module (a draft model's too) is in the forward context.
+        self._caches = self._classify()
+        self._layer_of = {name: info.layer for name, info in self._caches.items()}
+        self.model = model_from_vllm(self._caches, self.vllm_config)
+        self.parallel = parallel_layout(self.vllm_config, self.model.num_layers)
+        self.rank_layout = RankLayout(self.model, self.parallel, *self.rank)
+        if self.rank == (0, 0):
+            log.info("SparseKVConnector: the model's caches, from vLLM's KV-cache specs: %s (fingerprint %s)",
+                     describe_model(self.model), self.model.fingerprint())
+        regions = build_regions(kv_caches, self._caches, self.kv_cache_config.num_blocks, self.rank_layout)
         self._cuda = any(t.is_cuda for t in kv_caches.values())
         self.loop.start()
         # Unique per process start: a restarted rank must not look like the old one to its peers' NIXL agents.
