@@ -89,7 +89,8 @@ def rank_hello(model: ModelLayout, role: str, parallel: ParallelLayout, rank: tu
     regions = rank_regions(model, parallel, rank, num_blocks, block_size) if role == "decode" else []
     return Hello(role=role, engine_id=engine, pp_rank=rank[0], tp_rank=rank[1], pp_size=parallel.pp,
                  tp_size=parallel.tp, fingerprint=model.fingerprint(), layout=layout_wire(model),
-                 num_layers=model.num_layers, block_size=block_size, agent_name=f"{engine}-{rank[0]}-{rank[1]}", agent_metadata=b"meta", regions=regions,
+                 num_layers=model.num_layers, block_size=block_size, agent_name=f"{engine}-{rank[0]}-{rank[1]}",
+                 agent_metadata=b"meta", regions=regions,
                  stages=[tuple(st) for st in parallel.stages], staging_addr=0x5000_0000 if staging_bytes else 0,
                  staging_bytes=staging_bytes)
 

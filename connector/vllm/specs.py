@@ -79,8 +79,8 @@ def _refusal(name: str, spec: KVCacheSpec) -> str | None:
                 f"attention caches: full, sliding-window, MLA and sparse-index): serve this model with a connector "
                 f"that supports its state, or without disaggregation")
     if getattr(spec, "tokens_per_state", 1) != 1:
-        return (f"KV-cache layer {name} is a {what} storing {spec.tokens_per_state} tokens per state; SparseKVConnector "
-                f"moves one state per token")
+        return (f"KV-cache layer {name} is a {what} storing {spec.tokens_per_state} tokens per state; "
+                f"SparseKVConnector moves one state per token")
     return None
 
 

@@ -65,7 +65,8 @@ def model_from_vllm(caches: dict[str, Any], vllm_config: Any) -> ModelLayout:
         return model  # an architecture the parser does not know: the specs alone
     # the config.json describes the hidden layers only: compare those (a draft model's layers come after them)
     hidden_only = dataclasses.replace(model, num_layers=hidden, pools={
-        name: dataclasses.replace(p, layers=tuple(i for i in p.layers if i < hidden)) for name, p in model.pools.items()})
+        name: dataclasses.replace(p, layers=tuple(i for i in p.layers if i < hidden))
+        for name, p in model.pools.items()})
     if hf.fingerprint() != hidden_only.fingerprint():
         log.warning("SparseKVConnector: vLLM's KV-cache specs give %s; the model's config.json reads as %s (connector."
                     "core.hf_config). The connector moves what vLLM built", describe_model(model), describe_model(hf))

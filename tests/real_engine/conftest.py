@@ -48,7 +48,7 @@ RUNNING: list["Engines"] = []
 """The session's engines while they run (for the failure report)."""
 
 
-POOL_FIXTURES = ("engines", "sparse_m3", "sparse_dsa")
+POOL_FIXTURES = ("engines", "sparse_m3", "sparse_dsa", "other_archs")
 """The fixtures that each stand for one pool of engines, in the order their tests run (tests that need none, such
 as the bench that starts engines of its own, run before any pool)."""
 
@@ -323,3 +323,11 @@ def sparse_dsa(pools):
     from tests.real_engine.sparse_engines import SparseDsaEngines
 
     return pools.use("sparse-dsa", SparseDsaEngines)
+
+
+@pytest.fixture
+def other_archs(pools):
+    """Dense architectures the HF parser does not list (tests.real_engine.arch_engines.ArchEngines)."""
+    from tests.real_engine.arch_engines import ArchEngines
+
+    return pools.use("other-archs", ArchEngines)
