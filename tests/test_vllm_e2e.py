@@ -182,6 +182,19 @@ def test_mtp_draft_layers_move_with_the_rest(pool, mtp_dirs, model, prefill, dec
         assert sent == block_bytes(one_rank) * math.ceil(79 / BS)  # each byte once, the draft layer's included
 
 
+def test_a_data_parallel_rank_is_an_engine_of_its_own(pool, m3_dir):
+    # Prefill DP rank 1 of a TP2 deployment whose ranks all have side_channel_port P: vLLM names its engine
+    # `<id>_dp1`, its ranks listen on P+2 and P+3 (DP rank 0's take P, P+1), and its response names the DP rank
+    # and that address. Decode (any DP rank) just follows prefill_addr.
+    with Pair(pool, m3_dir, prefill=(2, 1), prefill_dp_index=1) as pair:  # make_instance checks the ports
+        assert pair.P.connector.engine_id.endswith("_dp1")
+        assert pair.P.sched.connector._scheduler.side_channel_addr() == f"127.0.0.1:{pair.base_port + 2}"
+        trace, job, sent = run_one(pair, "dp1", 60)
+        check_transfer(pair, trace, job)
+        check_blocks_back(pair)
+        assert sent == block_bytes(pair.D) * math.ceil(59 / BS)
+
+
 @pytest.mark.parametrize("decode", [(2, 1), (1, 2)], ids=["decode-tp2", "decode-pp2"])
 def test_decode_with_more_ranks_than_prefill(pool, m3_dir, decode):
     # decode TP=2: each decode rank gets its two heads from the one prefill rank (head slicing the other way),

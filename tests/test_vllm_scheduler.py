@@ -315,7 +315,7 @@ def test_sequential_flow_prefill_makes_a_transfer_id_and_answers_with_what_decod
     params = H.outputs_by_request(out)["p9"].kv_transfer_params
     ours = {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": "p9",
             "prefill_addr": "10.1.2.3:5700", "prefill_engine_id": sched.connector.engine_id,
-            "prefill_finished": True, "lease_s": 30.0}
+            "prefill_dp_rank": 0, "prefill_finished": True, "lease_s": 30.0}
     assert {k: params.get(k) for k in ours} == ours  # (vLLM adds keys of its own, e.g. cached-token counts)
     assert H.free_block_count(sched) < free0  # held for decode
     H.run_step(sched, finished_sending={"p9"})

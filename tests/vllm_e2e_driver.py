@@ -141,10 +141,12 @@ class Instance:
 def make_instance(pool: Pool, first_worker: int, model_dir, *, role: str, tp: int, pp: int, by_name: bool,
                   base_port: int, max_num_batched_tokens: int = 256, policy: str = "fail",
                   prefix_caching: bool = True, extra_config: dict | None = None,
-                  worker_opts: dict | None = None) -> Instance:
-    """worker_opts: the rank spec's model options (vllm_e2e_worker: model_layers, layer_ms, hook_all_layers)."""
+                  worker_opts: dict | None = None, dp_index: int = 0) -> Instance:
+    """worker_opts: the rank spec's model options (vllm_e2e_worker: model_layers, layer_ms, hook_all_layers).
+    dp_index: the instance is that data-parallel rank of its deployment (vLLM's data_parallel_index, and the
+    `_dp<rank>` engine-id suffix vLLM's engine core adds)."""
     name = "prefill" if role == "kv_producer" else "decode"
-    engine_id = f"{name}-{uuid.uuid4().hex[:8]}"
+    engine_id = f"{name}-{uuid.uuid4().hex[:8]}_dp{dp_index}"
     extra = dict(EXTRA, side_channel_port=base_port, **(extra_config or {}))
     if by_name:
         connector.register()
@@ -157,6 +159,7 @@ def make_instance(pool: Pool, first_worker: int, model_dir, *, role: str, tp: in
                                  kv_connector_module_path="connector.vllm",
                                  max_num_batched_tokens=max_num_batched_tokens, tp=tp, pp=pp,
                                  kv_load_failure_policy=policy, enable_prefix_caching=prefix_caching)
+    cfg.parallel_config.data_parallel_index = dp_index
     if not cfg.model_config.use_mla:  # (MLA: one head, any layout works, so the connector asks for none)
         assert H.resolve_layout(cfg).name == "LBHNC"  # the connector's requirement wins over the sm90 default
     # The engine core hands the scheduler worker 0's (PP stage 0's) KV-cache config.
@@ -167,7 +170,7 @@ def make_instance(pool: Pool, first_worker: int, model_dir, *, role: str, tp: in
     spec = {"model_dir": str(model_dir), "kv_role": role, "engine_id": engine_id, "extra_config": extra,
             "block_size": BS, "max_num_batched_tokens": max_num_batched_tokens, "tp": tp, "pp": pp,
             "kv_load_failure_policy": policy, "num_blocks": NUM_BLOCKS, "by_name": by_name,
-            "enable_prefix_caching": prefix_caching, **(worker_opts or {})}
+            "enable_prefix_caching": prefix_caching, "dp_index": dp_index, **(worker_opts or {})}
     for rank, w in workers.items():
         pool.send(w, ("setup", dict(spec, rank=rank)))
     infos = {rank: pool.reply(w)[1] for rank, w in workers.items()}
@@ -181,7 +184,8 @@ def make_instance(pool: Pool, first_worker: int, model_dir, *, role: str, tp: in
         assert info["layout"] == "LBHNC" or cfg.model_config.use_mla, info
         assert info["connector"] == "connector.vllm.connector.SparseKVConnector"
         if role == "kv_producer":
-            assert handshakes[rank].side_channel_addr == f"127.0.0.1:{base_port + rank[0] * tp + rank[1]}"
+            port = base_port + dp_index * tp * pp + rank[0] * tp + rank[1]  # DP ranks take consecutive ranges
+            assert handshakes[rank].side_channel_addr == f"127.0.0.1:{port}"
     aggregator = KVOutputAggregator.from_connector(sched.connector, tp * pp)  # as vLLM's executor builds it
     assert aggregator._expected_finished_count == tp * pp  # a request is done once EVERY rank reported it
     return Instance(name, tp, pp, cfg, sched, workers, infos, aggregator, H.free_block_count(sched))
@@ -192,16 +196,18 @@ class Pair:
 
     def __init__(self, pool: Pool, model_dir, *, prefill=(1, 1), decode=(1, 1), by_name=False,
                  prefill_max_batched=256, decode_prefix_caching=True, extra_config: dict | None = None,
-                 prefill_opts: dict | None = None) -> None:
+                 prefill_opts: dict | None = None, prefill_dp_index: int = 0) -> None:
         self.pool = pool
         (ptp, ppp), (dtp, dpp) = prefill, decode
         assert ptp * ppp + dtp * dpp <= len(pool.procs)
-        self.base_port = free_ports(ptp * ppp)
+        self.base_port = free_ports(ptp * ppp * (prefill_dp_index + 1))
+        """The deployment's configured side_channel_port; prefill DP rank i listens from base + i * tp * pp."""
         self.instances: list[Instance] = []
         try:
             self.P = make_instance(pool, 0, model_dir, role="kv_producer", tp=ptp, pp=ppp, by_name=by_name,
                                    base_port=self.base_port, max_num_batched_tokens=prefill_max_batched,
-                                   extra_config=extra_config, worker_opts=prefill_opts)
+                                   extra_config=extra_config, worker_opts=prefill_opts,
+                                   dp_index=prefill_dp_index)
             self.instances.append(self.P)
             self.D = make_instance(pool, ptp * ppp, model_dir, role="kv_consumer", tp=dtp, pp=dpp,
                                    by_name=by_name, base_port=self.base_port, prefix_caching=decode_prefix_caching,
@@ -210,7 +216,7 @@ class Pair:
         except BaseException:
             self.close()
             raise
-        self.addr = f"127.0.0.1:{self.base_port}"
+        self.addr = f"127.0.0.1:{self.base_port + prefill_dp_index * ptp * ppp}"
 
     def __enter__(self) -> "Pair":
         return self

@@ -107,6 +107,7 @@ class Rank:
                                  enable_prefix_caching=spec.get("enable_prefix_caching", True))
         if spec["by_name"]:
             cfg.kv_transfer_config.kv_connector_module_path = None  # the registered name alone
+        cfg.parallel_config.data_parallel_index = spec.get("dp_index", 0)
         self.cfg = cfg
         self._stack = contextlib.ExitStack()
         try:

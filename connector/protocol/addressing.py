@@ -14,6 +14,14 @@ def side_channel_port(base_port: int, rank: Rank, tp_size: int) -> int:
     return base_port + rank[0] * tp_size + rank[1]
 
 
+def engine_base_port(configured_port: int, dp_index: int, tp_size: int, pp_size: int) -> int:
+    """Where rank (0, 0) of data-parallel rank `dp_index` listens when every DP rank of a prefill deployment has the
+    same `side_channel_port`: each DP rank is an engine of its own (tp_size x pp_size ranks), and they take
+    consecutive port ranges, as vLLM's NixlConnector offsets its port by the DP index. Decode needs no rule: the
+    `prefill_addr` in prefill's response names the DP rank that served the request."""
+    return configured_port + dp_index * tp_size * pp_size
+
+
 @dataclass(frozen=True)
 class PrefillAddress:
     host: str

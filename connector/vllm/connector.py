@@ -55,7 +55,9 @@ class SparseKVConnector(KVConnectorBase_V1, SupportsHMA):
             raise ConfigError(f"SparseKVConnector: kv_role {ktc.kv_role!r} is not supported: use kv_producer on "
                              f"prefill instances and kv_consumer on decode instances")
         self.engine_id = str(ktc.engine_id)
-        self._scheduler = SchedulerSide(ktc.kv_role, self.engine_id, self.settings) if role == KVConnectorRole.SCHEDULER else None
+        dp_index = int(getattr(vllm_config.parallel_config, "data_parallel_index", 0) or 0)
+        self._scheduler = (SchedulerSide(ktc.kv_role, self.engine_id, self.settings, dp_index)
+                           if role == KVConnectorRole.SCHEDULER else None)
         self._worker = (WorkerSide(vllm_config, kv_cache_config, self.settings, ktc.kv_role, self.engine_id)
                         if role == KVConnectorRole.WORKER else None)
 

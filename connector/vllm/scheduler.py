@@ -46,9 +46,12 @@ def check_params(params: dict[str, Any], *, decode: bool) -> str:
 
 
 class SchedulerSide:
-    def __init__(self, kv_role: str, engine_id: str, settings: ConnectorSettings | None = None) -> None:
+    def __init__(self, kv_role: str, engine_id: str, settings: ConnectorSettings | None = None,
+                 dp_index: int = 0) -> None:
         self.is_producer = kv_role == "kv_producer"
         self.engine_id = engine_id
+        self.dp_index = dp_index
+        """This engine's data-parallel rank (vLLM's data_parallel_index): named in prefill's response."""
         self.settings = settings or ConnectorSettings()
         self._side_channel_addr: str | None = None
         """host:port of prefill rank (pp0, tp0)'s side channel, as the workers reported it (else from settings)."""
@@ -181,6 +184,7 @@ class SchedulerSide:
             # exists already, so a prefill that no longer knows it (restarted, lease gone) refuses at once.
             return True, {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": known[0],
                           "prefill_addr": self.side_channel_addr(), "prefill_engine_id": self.engine_id,
+                          "prefill_dp_rank": self.dp_index,
                           "prefill_finished": True, "lease_s": self.settings.lease_s}
         tid = self._recv_waiting.pop(req_id, None)
         self._matched.pop(req_id, None)

@@ -20,7 +20,7 @@ from connector.engine.rank import LocalRank
 from connector.engine.receiver import ReceiveResult, StreamReceiver
 from connector.engine.sender import StreamSender
 from connector.engine.stats import StatsDelta
-from connector.protocol.addressing import PrefillAddress, side_channel_port
+from connector.protocol.addressing import PrefillAddress, engine_base_port, side_channel_port
 from connector.transport.loop import LoopThread
 from connector.transport.nixl import Transport
 from connector.vllm import layer_signals
@@ -79,6 +79,9 @@ class WorkerSide:
         self.vllm_config, self.kv_cache_config, self.settings = vllm_config, kv_cache_config, settings
         self.is_producer = kv_role == "kv_producer"
         self.engine_id = engine_id
+        """vLLM's kv_transfer_config.engine_id: with data parallelism the engine core appends `_dp<rank>`, so each
+        DP rank is an engine of its own to the peers."""
+        self.dp_index = int(getattr(vllm_config.parallel_config, "data_parallel_index", 0) or 0)
         pp, tp = this_rank()
         self.rank = (pp, tp)
         self._caches = self._classify()
@@ -159,7 +162,8 @@ class WorkerSide:
         s = self.settings
         if self.is_producer:
             host = s.side_channel_host or default_host()
-            self.port = side_channel_port(s.side_channel_port, self.rank, self.parallel.tp)
+            base = engine_base_port(s.side_channel_port, self.dp_index, self.parallel.tp, self.parallel.pp)
+            self.port = side_channel_port(base, self.rank, self.parallel.tp)
             self.sender = StreamSender(me, self.transport, s.sender_config(host, self.port), self.loop.loop,
                                        on_finished=self._on_sent)
             self._sender_delta = StatsDelta(self.sender.stats)
