@@ -182,6 +182,18 @@ def test_mtp_draft_layers_move_with_the_rest(pool, mtp_dirs, model, prefill, dec
         assert sent == block_bytes(one_rank) * math.ceil(79 / BS)  # each byte once, the draft layer's included
 
 
+def test_kv_both_on_both_sides_moves_as_producer_and_consumer_do(pool, m3v_dir):
+    # Both engines kv_both (vLLM's NixlConnector launch scripts): the request's kv_transfer_params make the first
+    # a prefill and the second a decode; prefill TP2 -> decode TP1, every pool byte-exact.
+    with Pair(pool, m3v_dir, prefill=(2, 1), kv_both=True) as pair:
+        assert pair.D.connector._worker is None  # (the scheduler's connector; the workers run in their processes)
+        assert pair.D.sched.connector._scheduler.prefill is not None  # the decode engine could prefill too
+        trace, job, sent = run_one(pair, "both1", 90)
+        check_transfer(pair, trace, job)
+        check_blocks_back(pair)
+        assert sent == block_bytes(pair.D) * math.ceil(89 / BS)
+
+
 def test_a_data_parallel_rank_is_an_engine_of_its_own(pool, m3_dir):
     # Prefill DP rank 1 of a TP2 deployment whose ranks all have side_channel_port P: vLLM names its engine
     # `<id>_dp1`, its ranks listen on P+2 and P+3 (DP rank 0's take P, P+1), and its response names the DP rank

@@ -272,9 +272,27 @@ def test_extra_config_defaults_are_the_engines_and_build_their_configs():
     assert ConnectorSettings.from_extra_config({"tcp_user_timeout_s": None}).transport_config("a").ucx_config() == {}
 
 
-def test_kv_both_is_refused(m3_dir):
-    with pytest.raises(ValueError, match="kv_role 'kv_both' is not supported"):
-        build(m3_dir, "kv_both")
+def test_kv_both_is_prefill_or_decode_per_request(m3_dir):
+    # One kv_both engine, as vLLM's NixlConnector runs it: a request with do_remote_decode is a prefill (it sends
+    # and its blocks are held until finished_sending), one with do_remote_prefill a decode (it waits for remote
+    # KV), and a plain request neither, all in the same steps.
+    sched = build(m3_dir, "kv_both", extra_config={"side_channel_host": "10.1.2.3", "side_channel_port": 5700})
+    free0 = H.free_block_count(sched)
+    sched.add_request(H.make_request("p1", 40, kv_transfer_params={"do_remote_decode": True}, max_tokens=1))
+    sched.add_request(H.make_request("d1", 40, kv_transfer_params=decode_params(), max_tokens=2))
+    sched.add_request(H.make_request("plain", 40, max_tokens=1))
+    so, out = H.run_step(sched)
+    meta = meta_of(so)
+    assert set(meta.sends) == {"p1"} and set(meta.recvs) == {"d1"}
+    assert meta.recvs["d1"].num_tokens == 39 and meta.recvs["d1"].error == ""
+    outputs = H.outputs_by_request(out)
+    assert outputs["p1"].kv_transfer_params["prefill_addr"] == "10.1.2.3:5700"
+    assert "plain" in outputs and not (outputs["plain"].kv_transfer_params or {}).get("do_remote_prefill")
+    assert sched.connector.has_pending_push_work()  # p1's blocks held for decode
+    so, _ = H.run_step(sched, finished_sending={"p1"}, finished_recving={"d1"})
+    for _ in range(4):
+        H.run_step(sched)
+    assert H.free_block_count(sched) == free0 and not sched.connector.has_pending_push_work()
 
 
 def test_pp_aware_handshake_metadata_is_accepted(m3_dir):

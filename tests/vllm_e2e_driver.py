@@ -141,11 +141,11 @@ class Instance:
 def make_instance(pool: Pool, first_worker: int, model_dir, *, role: str, tp: int, pp: int, by_name: bool,
                   base_port: int, max_num_batched_tokens: int = 256, policy: str = "fail",
                   prefix_caching: bool = True, extra_config: dict | None = None,
-                  worker_opts: dict | None = None, dp_index: int = 0) -> Instance:
+                  worker_opts: dict | None = None, dp_index: int = 0, name: str = "") -> Instance:
     """worker_opts: the rank spec's model options (vllm_e2e_worker: model_layers, layer_ms, hook_all_layers).
     dp_index: the instance is that data-parallel rank of its deployment (vLLM's data_parallel_index, and the
     `_dp<rank>` engine-id suffix vLLM's engine core adds)."""
-    name = "prefill" if role == "kv_producer" else "decode"
+    name = name or ("prefill" if role == "kv_producer" else "decode")
     engine_id = f"{name}-{uuid.uuid4().hex[:8]}_dp{dp_index}"
     extra = dict(EXTRA, side_channel_port=base_port, **(extra_config or {}))
     if by_name:
@@ -183,7 +183,7 @@ def make_instance(pool: Pool, first_worker: int, model_dir, *, role: str, tp: in
         assert info["num_blocks"] == NUM_BLOCKS, info
         assert info["layout"] == "LBHNC" or cfg.model_config.use_mla, info
         assert info["connector"] == "connector.vllm.connector.SparseKVConnector"
-        if role == "kv_producer":
+        if role != "kv_consumer":  # (a kv_both decode listens too, on its own ports)
             port = base_port + dp_index * tp * pp + rank[0] * tp + rank[1]  # DP ranks take consecutive ranges
             assert handshakes[rank].side_channel_addr == f"127.0.0.1:{port}"
     aggregator = KVOutputAggregator.from_connector(sched.connector, tp * pp)  # as vLLM's executor builds it
@@ -196,7 +196,9 @@ class Pair:
 
     def __init__(self, pool: Pool, model_dir, *, prefill=(1, 1), decode=(1, 1), by_name=False,
                  prefill_max_batched=256, decode_prefix_caching=True, extra_config: dict | None = None,
-                 prefill_opts: dict | None = None, prefill_dp_index: int = 0) -> None:
+                 prefill_opts: dict | None = None, prefill_dp_index: int = 0, kv_both: bool = False) -> None:
+        """kv_both: both instances run kv_role kv_both (each its own side-channel ports); the requests' own
+        kv_transfer_params make one the prefill and the other the decode."""
         self.pool = pool
         (ptp, ppp), (dtp, dpp) = prefill, decode
         assert ptp * ppp + dtp * dpp <= len(pool.procs)
@@ -204,14 +206,15 @@ class Pair:
         """The deployment's configured side_channel_port; prefill DP rank i listens from base + i * tp * pp."""
         self.instances: list[Instance] = []
         try:
-            self.P = make_instance(pool, 0, model_dir, role="kv_producer", tp=ptp, pp=ppp, by_name=by_name,
+            self.P = make_instance(pool, 0, model_dir, role="kv_both" if kv_both else "kv_producer", tp=ptp, pp=ppp, by_name=by_name,
                                    base_port=self.base_port, max_num_batched_tokens=prefill_max_batched,
                                    extra_config=extra_config, worker_opts=prefill_opts,
-                                   dp_index=prefill_dp_index)
+                                   dp_index=prefill_dp_index, name="prefill")
             self.instances.append(self.P)
-            self.D = make_instance(pool, ptp * ppp, model_dir, role="kv_consumer", tp=dtp, pp=dpp,
-                                   by_name=by_name, base_port=self.base_port, prefix_caching=decode_prefix_caching,
-                                   extra_config=extra_config)
+            self.D = make_instance(pool, ptp * ppp, model_dir, role="kv_both" if kv_both else "kv_consumer", tp=dtp,
+                                   pp=dpp, by_name=by_name,
+                                   base_port=free_ports(dtp * dpp) if kv_both else self.base_port,
+                                   prefix_caching=decode_prefix_caching, extra_config=extra_config, name="decode")
             self.instances.append(self.D)
         except BaseException:
             self.close()

@@ -130,3 +130,12 @@ def default_host() -> str:
     from vllm.utils.network_utils import get_ip
 
     return get_ip()
+
+
+ROLES = ("kv_producer", "kv_consumer", "kv_both")
+"""The kv_role values SparseKVConnector runs as."""
+
+
+def role_halves(kv_role: str) -> tuple[bool, bool]:
+    """(sends, receives) of an engine of `kv_role`: kv_both does both, each request by its kv_transfer_params."""
+    return kv_role in ("kv_producer", "kv_both"), kv_role in ("kv_consumer", "kv_both")

@@ -13,7 +13,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                  SupportsHMA)
 
 from connector.core.errors import ConfigError
-from connector.vllm.config import ConnectorSettings
+from connector.vllm.config import ROLES, ConnectorSettings
 from connector.vllm.metadata import SparseKVMetadata
 from connector.vllm.scheduler import SchedulerSide
 from connector.vllm.stats import SparseKVConnectorStats, SparseKVPromMetrics
@@ -44,16 +44,18 @@ def kv_role_holding(extra_config: dict[str, Any]) -> str | None:
 class SparseKVConnector(KVConnectorBase_V1, SupportsHMA):
     """Streams the main KV cache and the sparse-attention index caches from prefill to decode per layer.
 
-    kv_role: `kv_producer` on prefill, `kv_consumer` on decode. Settings: `kv_connector_extra_config`
+    kv_role: `kv_producer` on prefill, `kv_consumer` on decode, or `kv_both` (each request by its
+    kv_transfer_params). Settings: `kv_connector_extra_config`
     (see ConnectorSettings). Request protocol: README, "kv_transfer_params"."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         ktc = vllm_config.kv_transfer_config
         self.settings = ConnectorSettings.from_extra_config(ktc.kv_connector_extra_config)
-        if ktc.kv_role not in ("kv_producer", "kv_consumer"):
+        if ktc.kv_role not in ROLES:
             raise ConfigError(f"SparseKVConnector: kv_role {ktc.kv_role!r} is not supported: use kv_producer on "
-                             f"prefill instances and kv_consumer on decode instances")
+                             f"prefill instances and kv_consumer on decode instances (or kv_both: each request's "
+                             f"kv_transfer_params then decide)")
         self.engine_id = str(ktc.engine_id)
         dp_index = int(getattr(vllm_config.parallel_config, "data_parallel_index", 0) or 0)
         self._scheduler = (SchedulerSide(ktc.kv_role, self.engine_id, self.settings, dp_index)

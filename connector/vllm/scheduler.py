@@ -1,211 +1,102 @@
-"""Scheduler-side half (runs in vLLM's EngineCore process). Pure bookkeeping: it decides which requests transfer,
-hands the workers their block ids every step through the metadata, and holds prefill blocks until every worker
-reports the request finished sending. No I/O."""
+"""Scheduler side (runs in vLLM's EngineCore process): routes each request to the half of its role. Pure
+bookkeeping, no I/O.
+
+  kv_producer  PrefillScheduler (connector.vllm.prefill_side): requests with `do_remote_decode` send
+  kv_consumer  DecodeScheduler (connector.vllm.decode_side): requests with `do_remote_prefill` load
+  kv_both      both: each request is prefill or decode by its own kv_transfer_params, as vLLM's NixlConnector
+               does (vLLM 0.33 still accepts kv_both for it, with a deprecation warning, and many launch scripts
+               use it)"""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Any
 
-from vllm.v1.request import RequestStatus
-
-from connector.core.errors import ConfigError, LayoutError
-from connector.protocol.addressing import PrefillAddress
-from connector.protocol.messages import MAX_TRANSFER_ID
-from connector.vllm.config import ConnectorSettings, default_host
-from connector.vllm.metadata import RecvSpec, SendSpec, SparseKVHandshake, SparseKVMetadata
+from connector.core.errors import LayoutError
+from connector.vllm.config import ConnectorSettings, role_halves
+from connector.vllm.decode_side import DecodeScheduler
+from connector.vllm.metadata import SparseKVHandshake, SparseKVMetadata
+from connector.vllm.prefill_side import PrefillScheduler
+from connector.vllm.requests import ROUTER_HINT, check_params  # noqa: F401 - re-exported (tests, callers)
 
 log = logging.getLogger(__name__)
-
-
-ROUTER_HINT = "pass the kv_transfer_params of prefill's response to decode unchanged, or send both legs the " \
-              "same transfer_id with prefill_addr on decode (examples/proxy.py)"
-
-
-def check_params(params: dict[str, Any], *, decode: bool) -> str:
-    """'' if the request's kv_transfer_params are usable, else a one-line reason naming the key and the fix.
-    (Prefill accepts a missing transfer_id: it then makes one, see SchedulerSide.transfer_id_of.)"""
-    given = sorted(params)
-    if decode or "transfer_id" in params:
-        tid = params.get("transfer_id")
-        if not isinstance(tid, str) or not tid:
-            what = "no transfer_id" if "transfer_id" not in params else f"an unusable transfer_id ({tid!r})"
-            return f"kv_transfer_params has {what} (keys given: {given}): {ROUTER_HINT}"
-        if len(tid) > MAX_TRANSFER_ID:
-            return (f"kv_transfer_params transfer_id has {len(tid)} characters, more than the side channel's "
-                    f"{MAX_TRANSFER_ID}: use a shorter id (a UUID)")
-    if decode:
-        if "prefill_addr" not in params:
-            return f"kv_transfer_params has no prefill_addr (keys given: {given}): {ROUTER_HINT}"
-        try:
-            PrefillAddress.parse(params["prefill_addr"])
-        except ConfigError as exc:
-            return f"kv_transfer_params prefill_addr: {exc}"
-    return ""
-
 
 class SchedulerSide:
     def __init__(self, kv_role: str, engine_id: str, settings: ConnectorSettings | None = None,
                  dp_index: int = 0) -> None:
-        self.is_producer = kv_role == "kv_producer"
+        sends, receives = role_halves(kv_role)
+        self.kv_role = kv_role
         self.engine_id = engine_id
-        self.dp_index = dp_index
-        """This engine's data-parallel rank (vLLM's data_parallel_index): named in prefill's response."""
         self.settings = settings or ConnectorSettings()
-        self._side_channel_addr: str | None = None
-        """host:port of prefill rank (pp0, tp0)'s side channel, as the workers reported it (else from settings)."""
-        self._kv_cache_manager: Any = None
-        # decode
-        self._recv_ready: dict[str, RecvSpec] = {}      # to ship in the next metadata
-        self._recv_waiting: dict[str, str] = {}         # request id -> transfer id, until finished_recving
-        self._matched: dict[str, int] = {}              # request id -> local prefix hit when matched
-        # prefill
-        self._send_known: dict[str, tuple[str, int]] = {}   # request id -> (transfer id, prompt tokens)
-        self._send_started: set[str] = set()            # shipped to the workers at least once
-        self._send_held: set[str] = set()               # finished; blocks kept until finished_sending
-        self._aborts: dict[str, str] = {}
+        self.prefill = PrefillScheduler(engine_id, self.settings, dp_index) if sends else None
+        self.decode = DecodeScheduler() if receives else None
         self.handshakes: dict[tuple[int, int], SparseKVHandshake] = {}
 
+    @property
+    def is_producer(self) -> bool:
+        """Only prefill (kv_producer): no request of this engine loads KV."""
+        return self.decode is None
+
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
-        self._kv_cache_manager = kv_cache_manager
+        for half in (self.prefill, self.decode):
+            if half is not None:
+                half.kv_cache_manager = kv_cache_manager
 
     # ---- matching and allocation ------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params or {}
-        if self.is_producer:
-            if params.get("do_remote_decode") and request.request_id not in self._send_known:
-                problem = check_params(params, decode=False)
-                if problem:
-                    log.error("request %s: %s; it runs as a plain prefill and nothing is sent",
-                              request.request_id, problem)
-                else:
-                    self._send_known[request.request_id] = (self.transfer_id_of(request),
-                                                            request.num_prompt_tokens)
+        if self.prefill is not None and params.get("do_remote_decode"):
+            self.prefill.match(request, params)
             return 0, False
-        if not params.get("do_remote_prefill") or request.request_id in self._recv_waiting:
-            return 0, False
-        # vLLM must compute at least the last prompt token itself (it needs its logits), so that one is not loaded.
-        count = request.num_prompt_tokens - 1 - num_computed_tokens
-        if count <= 0:
-            return 0, False
-        self._matched[request.request_id] = num_computed_tokens
-        return count, True
+        if self.decode is not None and params.get("do_remote_prefill"):
+            return self.decode.match(request, num_computed_tokens)
+        return 0, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        if self.is_producer or num_external_tokens <= 0:
-            return
-        req_id = request.request_id
-        params = request.kv_transfer_params or {}
-        first = self._matched.pop(req_id, request.num_computed_tokens)
-        block_ids = self._all_block_ids(req_id, blocks)
-        problem = check_params(params, decode=True)
-        self._recv_ready[req_id] = RecvSpec(
-            transfer_id=str(params.get("transfer_id") or ""), prefill_addr=str(params.get("prefill_addr") or ""),
-            block_ids=block_ids, first_token=first, num_tokens=first + num_external_tokens, error=problem,
-            prefill_finished=bool(params.get("prefill_finished")))
-        self._recv_waiting[req_id] = str(params.get("transfer_id") or "")
-        # One transfer per request: if it fails and kv_load_failure_policy is "recompute", vLLM asks again and the
-        # request must then be prefilled locally (as vLLM's NixlConnector does).
-        if isinstance(request.kv_transfer_params, dict):
-            request.kv_transfer_params["do_remote_prefill"] = False
-        if problem:
-            log.error("request %s: %s; failing it (kv_load_failure_policy applies)", req_id, problem)
+        if self.decode is not None and num_external_tokens > 0:
+            self.decode.allocated(request, blocks, num_external_tokens)
 
     @staticmethod
     def transfer_id_of(request: Any) -> str:
-        """The proxy's transfer_id (concurrent flow), or, when a router sent only `do_remote_decode` (the
-        sequential flow of vLLM's proxy pattern), vLLM's own request id: unique among this engine's requests, and
-        handed to the router in prefill's response."""
-        tid = (request.kv_transfer_params or {}).get("transfer_id")
-        return tid if isinstance(tid, str) and tid else str(request.request_id)
+        return PrefillScheduler.transfer_id_of(request)
 
     def side_channel_addr(self) -> str:
-        """host:port decode connects to: what prefill rank (pp0, tp0) reported, else the configured address."""
-        if self._side_channel_addr:
-            return self._side_channel_addr
-        return f"{self.settings.side_channel_host or default_host()}:{self.settings.side_channel_port}"
-
-    def _all_block_ids(self, req_id: str, blocks: Any) -> tuple[list[int], ...]:
-        """Every block of the request per group, from token 0 (prefix hits included), as the workers index them
-        by token."""
-        if self._kv_cache_manager is not None:
-            return tuple(list(g) for g in self._kv_cache_manager.get_block_ids(req_id))
-        return tuple(list(g) for g in blocks.get_block_ids())
+        """host:port decode connects to (a prefill-capable engine's rank (pp0, tp0))."""
+        if self.prefill is None:
+            return ""
+        return self.prefill.side_channel_addr()
 
     # ---- per step ---------------------------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> SparseKVMetadata:
-        meta = SparseKVMetadata(recvs=self._recv_ready, aborts=self._aborts)
-        self._recv_ready, self._aborts = {}, {}
-        if self.is_producer and self._send_known:
-            computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
-            cached = scheduler_output.scheduled_cached_reqs
-            computed.update(zip(cached.req_ids, cached.num_computed_tokens))
-            for req_id, n_scheduled in scheduler_output.num_scheduled_tokens.items():
-                known = self._send_known.get(req_id)
-                if known is None or req_id not in computed:
-                    continue
-                tid, prompt = known
-                meta.sends[req_id] = SendSpec(
-                    transfer_id=tid, num_prompt_tokens=prompt, block_ids=self._all_block_ids(req_id, None),
-                    computed_after_step=min(prompt, computed[req_id] + n_scheduled),
-                    new=req_id not in self._send_started)
-                self._send_started.add(req_id)
+        meta = SparseKVMetadata()
+        if self.decode is not None:
+            self.decode.fill(meta)
+            meta.aborts.update(self.decode.aborts)
+            self.decode.aborts = {}
+        if self.prefill is not None:
+            meta.aborts.update(self.prefill.aborts)
+            self.prefill.aborts = {}
+            self.prefill.fill(meta, scheduler_output)
         return meta
 
     def update_connector_output(self, output: Any) -> None:
-        for req_id in output.finished_sending or ():
-            self._send_held.discard(req_id)
-            self._send_known.pop(req_id, None)
-            self._send_started.discard(req_id)
-        for req_id in output.finished_recving or ():
-            self._recv_waiting.pop(req_id, None)
-            # vLLM finishes a failed load (policy "fail") before it shows us the output: no abort for it then.
-            self._aborts.pop(req_id, None)
+        if self.prefill is not None:
+            for req_id in output.finished_sending or ():
+                self.prefill.sent(req_id)
+        if self.decode is not None:
+            for req_id in output.finished_recving or ():
+                self.decode.received(req_id)
 
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
-        req_id = request.request_id
-        params = request.kv_transfer_params or {}
-        if self.is_producer:
-            known = self._send_known.get(req_id)
-            if known is None:
-                return False, None
-            if req_id not in self._send_started:  # never reached the workers: nothing reads its blocks
-                self._send_known.pop(req_id, None)
-                return False, None
-            self._send_held.add(req_id)
-            if request.status not in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED):
-                # Aborted or failed prefill: tell decode, stop writing. Blocks are still held until the workers
-                # report the transfer finished, so no WRITE in flight reads a reused block.
-                self._aborts[req_id] = known[0]
-                return True, None
-            # What decode needs, in prefill's response: a router that copies kv_transfer_params into the decode
-            # leg (vLLM's proxy pattern, llm-d) works unchanged. `prefill_finished` tells decode that this transfer
-            # exists already, so a prefill that no longer knows it (restarted, lease gone) refuses at once.
-            return True, {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": known[0],
-                          "prefill_addr": self.side_channel_addr(), "prefill_engine_id": self.engine_id,
-                          "prefill_dp_rank": self.dp_index,
-                          "prefill_finished": True, "lease_s": self.settings.lease_s}
-        tid = self._recv_waiting.pop(req_id, None)
-        self._matched.pop(req_id, None)
-        if tid is not None:
-            # Decode aborted while waiting (vLLM holds its blocks until the workers report it finished).
-            spec = self._recv_ready.pop(req_id, None)
-            if spec is not None:  # registration not shipped yet: workers only tell prefill to let go
-                self._recv_ready[req_id] = dataclasses.replace(spec, aborted=True)
-            else:  # workers stop waiting once every prefill rank confirmed it writes nothing more
-                self._aborts[req_id] = tid
-        elif params.get("do_remote_prefill") and not check_params(params, decode=True):
-            # Finished (aborted, or a prompt too short to load anything) before its blocks were ever allocated, so
-            # it never registered: prefill would keep the KV for its whole lease. Tell it to let go now.
-            self._recv_ready[req_id] = RecvSpec(
-                transfer_id=params["transfer_id"], prefill_addr=params["prefill_addr"], block_ids=(), first_token=0,
-                num_tokens=0, aborted=True, finished=True)
+        if self.prefill is not None and self.prefill.owns(request.request_id):
+            return self.prefill.finished(request)
+        if self.decode is not None:
+            self.decode.finished(request)
         return False, None
 
     def has_pending_push_work(self) -> bool:
         """Keep the engine stepping while prefill holds blocks for decode, so completions are collected."""
-        return bool(self._send_held) or bool(self._aborts)
+        return any(half is not None and half.pending() for half in (self.prefill, self.decode))
 
     def set_handshakes(self, metadata: dict[tuple[int, int], Any]) -> None:
         """All (pp, tp) ranks, PP > 0 included. They must agree on the model fingerprint."""
@@ -214,8 +105,8 @@ class SchedulerSide:
             raise LayoutError(f"SparseKVConnector workers disagree on the model layout fingerprint: {prints}")
         self.handshakes = dict(metadata)
         first = metadata.get((0, 0))
-        if getattr(first, "side_channel_addr", ""):
-            self._side_channel_addr = first.side_channel_addr
+        if self.prefill is not None and getattr(first, "side_channel_addr", ""):
+            self.prefill.side_channel_reported = first.side_channel_addr
         for (pp, tp), hs in sorted(metadata.items()):
             if getattr(hs, "side_channel_addr", ""):
                 log.info("SparseKVConnector prefill rank pp%d,tp%d side channel %s", pp, tp, hs.side_channel_addr)

@@ -24,7 +24,7 @@ from connector.protocol.addressing import PrefillAddress, engine_base_port, side
 from connector.transport.loop import LoopThread
 from connector.transport.nixl import Transport
 from connector.vllm import layer_signals
-from connector.vllm.config import ConnectorSettings, default_host
+from connector.vllm.config import ConnectorSettings, default_host, role_halves
 from connector.vllm.metadata import SparseKVHandshake, SparseKVMetadata
 from connector.vllm.regions import build_regions, classify_layers, model_layout_from_hf
 from connector.vllm.specs import CacheFacts, draft_layer_names, gather_stages, model_from_caches, model_names
@@ -77,7 +77,8 @@ class WorkerSide:
     def __init__(self, vllm_config: Any, kv_cache_config: Any, settings: ConnectorSettings, kv_role: str,
                  engine_id: str) -> None:
         self.vllm_config, self.kv_cache_config, self.settings = vllm_config, kv_cache_config, settings
-        self.is_producer = kv_role == "kv_producer"
+        self.sends, self.receives = role_halves(kv_role)
+        """kv_producer sends, kv_consumer receives, kv_both does both (each request is one or the other)."""
         self.engine_id = engine_id
         """vLLM's kv_transfer_config.engine_id: with data parallelism the engine core appends `_dp<rank>`, so each
         DP rank is an engine of its own to the peers."""
@@ -138,7 +139,7 @@ class WorkerSide:
         self._cuda = any(t.is_cuda for t in kv_caches.values())
         self.loop.start()
         # Unique per process start: a restarted rank must not look like the old one to its peers' NIXL agents.
-        side = "p" if self.is_producer else "d"
+        side = "b" if self.sends and self.receives else "p" if self.sends else "d"
         name = f"{self.engine_id}-{side}-{self.rank[0]}-{self.rank[1]}-{uuid.uuid4().hex[:8]}"
         self.transport = Transport(self.settings.transport_config(name))
         self.loop.run(self.transport.open(), 60)
@@ -160,7 +161,7 @@ class WorkerSide:
         me = LocalRank(self.engine_id, self.model, self.parallel, self.rank, tuple(regions),
                        next(iter(block_size.values())), mem_type="VRAM" if self._cuda else "DRAM", staging=staging)
         s = self.settings
-        if self.is_producer:
+        if self.sends:
             host = s.side_channel_host or default_host()
             base = engine_base_port(s.side_channel_port, self.dp_index, self.parallel.tp, self.parallel.pp)
             self.port = side_channel_port(base, self.rank, self.parallel.tp)
@@ -172,7 +173,7 @@ class WorkerSide:
                      len(regions))
             self._signals = layer_signals.StepSignals(self._layer_of.values(), cuda=self._cuda)
             self._install_layer_signals()
-        else:
+        if self.receives:
             self.receiver = StreamReceiver(me, self.transport, s.receiver_config())
             log.info("SparseKVConnector decode rank %s: %d regions, %s", self.rank, len(regions),
                      f"staging {staging_bytes >> 20} MiB" if staging is not None else "no staging")
@@ -188,9 +189,9 @@ class WorkerSide:
             log.info("SparseKVConnector prefill rank %s: %s", self.rank, line)
 
     def handshake_metadata(self) -> SparseKVHandshake:
-        host = (self.settings.side_channel_host or default_host()) if self.is_producer else ""
+        host = (self.settings.side_channel_host or default_host()) if self.sends else ""
         return SparseKVHandshake(self.engine_id, self.rank[0], self.rank[1], self.model.fingerprint(),
-                                 f"{host}:{self.port}" if self.is_producer else "")
+                                 f"{host}:{self.port}" if self.sends else "")
 
     # ---- per step (model runner thread) -----------------------------------------------------------------------
     def bind(self, meta: SparseKVMetadata) -> None:
@@ -234,7 +235,7 @@ class WorkerSide:
             after_prefill=spec.prefill_finished))
 
     def _abort(self, req_id: str, tid: str) -> None:
-        if self.sender is not None:
+        if self.sender is not None and self._req_of_tid.get(tid) == req_id:
             self.sender.abort(tid, "request aborted on prefill")
         if self.receiver is None or req_id not in self._receiving:
             # Not receiving (any more): it was already reported finished, and vLLM must not hear of it twice.

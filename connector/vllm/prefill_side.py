@@ -1,0 +1,105 @@
+"""The prefill half of the scheduler side (a `kv_producer` engine, or a `kv_both` engine's prefill requests): which
+requests send, their block ids every step, and their blocks held until every worker reports them sent. No I/O."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm.v1.request import RequestStatus
+
+from connector.vllm.config import ConnectorSettings, default_host
+from connector.vllm.metadata import SendSpec, SparseKVMetadata
+from connector.vllm.requests import all_block_ids, check_params
+
+log = logging.getLogger(__name__)
+
+
+class PrefillScheduler:
+    def __init__(self, engine_id: str, settings: ConnectorSettings, dp_index: int = 0) -> None:
+        self.engine_id = engine_id
+        self.settings = settings
+        self.dp_index = dp_index
+        """This engine's data-parallel rank (vLLM's data_parallel_index): named in prefill's response."""
+        self.side_channel_reported: str | None = None
+        """host:port of prefill rank (pp0, tp0)'s side channel, as the workers reported it (else from settings)."""
+        self.kv_cache_manager: Any = None
+        self._known: dict[str, tuple[str, int]] = {}   # request id -> (transfer id, prompt tokens)
+        self._started: set[str] = set()                # shipped to the workers at least once
+        self._held: set[str] = set()                   # finished; blocks kept until finished_sending
+        self.aborts: dict[str, str] = {}               # request id -> transfer id, for the next metadata
+
+    def owns(self, req_id: str) -> bool:
+        return req_id in self._known
+
+    def match(self, request: Any, params: dict[str, Any]) -> None:
+        """A request asking for `do_remote_decode`: it will send (prefill computes everything itself)."""
+        if request.request_id in self._known:
+            return
+        problem = check_params(params, decode=False)
+        if problem:
+            log.error("request %s: %s; it runs as a plain prefill and nothing is sent", request.request_id, problem)
+            return
+        self._known[request.request_id] = (self.transfer_id_of(request), request.num_prompt_tokens)
+
+    @staticmethod
+    def transfer_id_of(request: Any) -> str:
+        """The proxy's transfer_id (concurrent flow), or, when a router sent only `do_remote_decode` (the
+        sequential flow of vLLM's proxy pattern), vLLM's own request id: unique among this engine's requests, and
+        handed to the router in prefill's response."""
+        tid = (request.kv_transfer_params or {}).get("transfer_id")
+        return tid if isinstance(tid, str) and tid else str(request.request_id)
+
+    def side_channel_addr(self) -> str:
+        """host:port decode connects to: what prefill rank (pp0, tp0) reported, else the configured address."""
+        if self.side_channel_reported:
+            return self.side_channel_reported
+        return f"{self.settings.side_channel_host or default_host()}:{self.settings.side_channel_port}"
+
+    def fill(self, meta: SparseKVMetadata, scheduler_output: Any) -> None:
+        """This step's sends: every known request scheduled this step, with its tokens computed after it."""
+        if not self._known:
+            return
+        computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
+        cached = scheduler_output.scheduled_cached_reqs
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        for req_id, n_scheduled in scheduler_output.num_scheduled_tokens.items():
+            known = self._known.get(req_id)
+            if known is None or req_id not in computed:
+                continue
+            tid, prompt = known
+            meta.sends[req_id] = SendSpec(
+                transfer_id=tid, num_prompt_tokens=prompt,
+                block_ids=all_block_ids(self.kv_cache_manager, req_id, None),
+                computed_after_step=min(prompt, computed[req_id] + n_scheduled), new=req_id not in self._started)
+            self._started.add(req_id)
+
+    def sent(self, req_id: str) -> None:
+        """Every worker reported the request finished sending: its blocks may go."""
+        self._held.discard(req_id)
+        self._known.pop(req_id, None)
+        self._started.discard(req_id)
+
+    def finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM is done with a request this side knows: (hold its blocks?, kv_transfer_params of the response)."""
+        req_id = request.request_id
+        known = self._known[req_id]
+        if req_id not in self._started:  # never reached the workers: nothing reads its blocks
+            self._known.pop(req_id, None)
+            return False, None
+        self._held.add(req_id)
+        if request.status not in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED):
+            # Aborted or failed prefill: tell decode, stop writing. Blocks are still held until the workers
+            # report the transfer finished, so no WRITE in flight reads a reused block.
+            self.aborts[req_id] = known[0]
+            return True, None
+        # What decode needs, in prefill's response: a router that copies kv_transfer_params into the decode
+        # leg (vLLM's proxy pattern, llm-d) works unchanged. `prefill_finished` tells decode that this transfer
+        # exists already, so a prefill that no longer knows it (restarted, lease gone) refuses at once.
+        return True, {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": known[0],
+                      "prefill_addr": self.side_channel_addr(), "prefill_engine_id": self.engine_id,
+                      "prefill_dp_rank": self.dp_index, "prefill_finished": True, "lease_s": self.settings.lease_s}
+
+    def pending(self) -> bool:
+        """Blocks held for decode, or aborts to ship: the engine must keep stepping."""
+        return bool(self._held) or bool(self.aborts)

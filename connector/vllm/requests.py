@@ -1,0 +1,43 @@
+"""What both halves of the scheduler side read from a vLLM request: its kv_transfer_params checked, and its block
+ids. Pure."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from connector.core.errors import ConfigError
+from connector.protocol.addressing import PrefillAddress
+from connector.protocol.messages import MAX_TRANSFER_ID
+
+ROUTER_HINT = "pass the kv_transfer_params of prefill's response to decode unchanged, or send both legs the " \
+              "same transfer_id with prefill_addr on decode (examples/proxy.py)"
+
+
+def check_params(params: dict[str, Any], *, decode: bool) -> str:
+    """'' if the request's kv_transfer_params are usable, else a one-line reason naming the key and the fix.
+    (Prefill accepts a missing transfer_id: it then makes one, see PrefillScheduler.transfer_id_of.)"""
+    given = sorted(params)
+    if decode or "transfer_id" in params:
+        tid = params.get("transfer_id")
+        if not isinstance(tid, str) or not tid:
+            what = "no transfer_id" if "transfer_id" not in params else f"an unusable transfer_id ({tid!r})"
+            return f"kv_transfer_params has {what} (keys given: {given}): {ROUTER_HINT}"
+        if len(tid) > MAX_TRANSFER_ID:
+            return (f"kv_transfer_params transfer_id has {len(tid)} characters, more than the side channel's "
+                    f"{MAX_TRANSFER_ID}: use a shorter id (a UUID)")
+    if decode:
+        if "prefill_addr" not in params:
+            return f"kv_transfer_params has no prefill_addr (keys given: {given}): {ROUTER_HINT}"
+        try:
+            PrefillAddress.parse(params["prefill_addr"])
+        except ConfigError as exc:
+            return f"kv_transfer_params prefill_addr: {exc}"
+    return ""
+
+
+def all_block_ids(kv_cache_manager: Any, req_id: str, blocks: Any) -> tuple[list[int], ...]:
+    """Every block of the request per group, from token 0 (prefix hits included), as the workers index them by
+    token."""
+    if kv_cache_manager is not None:
+        return tuple(list(g) for g in kv_cache_manager.get_block_ids(req_id))
+    return tuple(list(g) for g in blocks.get_block_ids())
