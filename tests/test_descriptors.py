@@ -172,3 +172,14 @@ def test_split_pieces_covers_the_same_bytes_in_pieces_no_larger_than_asked():
     assert out.nbytes == descs.nbytes
     with pytest.raises(DescriptorError, match="piece_bytes must be > 0"):
         split_pieces(descs, 0)
+
+
+def test_blocks_moved_tells_a_preemption_from_a_window_that_left_blocks_behind():
+    from connector.core.descriptors import NULL_BLOCK, blocks_moved
+
+    full, window = [5, 6, 7], [8, 9, 10]
+    assert not blocks_moved([full, window], [full + [11], window + [12]])  # grown by a chunk
+    # a sliding-window group's first blocks became vLLM's null block: not a move (nothing reads them again)
+    assert not blocks_moved([full, window], [full + [11], [NULL_BLOCK, NULL_BLOCK, 10, 12]])
+    assert blocks_moved([full, window], [[5, 20, 7], window])  # recomputed into another block: a move
+    assert blocks_moved([full, [NULL_BLOCK, 9]], [full, [NULL_BLOCK, 30]])

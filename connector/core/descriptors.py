@@ -54,6 +54,18 @@ class Descriptors:
 EMPTY = Descriptors(np.zeros(0, np.uint64), np.zeros(0, np.uint64), np.zeros(0, np.uint64))
 
 
+NULL_BLOCK = 0
+"""vLLM's null block: BlockPool keeps block 0 out of every allocation and puts it where a request needs no block,
+such as the positions a sliding-window layer's window has left behind (v1/core/single_type_kv_cache_manager.py
+remove_skipped_blocks)."""
+
+
+def blocks_moved(old: Sequence[Sequence[int]], new: Sequence[Sequence[int]]) -> bool:
+    """Did a request's blocks move between two steps (vLLM preempted it and recomputes it elsewhere)? A position
+    that became the null block did not move: its tokens left a sliding window, so nothing reads them any more."""
+    return any(n != o and n != NULL_BLOCK for new_g, old_g in zip(new, old) for n, o in zip(new_g, old_g))
+
+
 def check_blocks(region: Region, block_ids: Sequence[int] | np.ndarray, who: str = "") -> np.ndarray:
     ids = np.asarray(block_ids, dtype=np.int64)
     if ids.ndim != 1:

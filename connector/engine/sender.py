@@ -14,6 +14,7 @@ import time
 from collections import deque
 from typing import Any, Callable
 
+from connector.core.descriptors import blocks_moved
 from connector.core.errors import InputError, WriteAbandoned
 from connector.core.plan import fold_ranges
 from connector.engine.batch_writer import BatchWriter
@@ -161,7 +162,7 @@ class StreamSender:
         if req is None:
             log.error("begin_chunk for unknown transfer %s", transfer_id)
             return
-        moved = any(new[:len(old)] != old[:len(new)] for new, old in zip(block_ids, req.block_ids))
+        moved = blocks_moved(req.block_ids, block_ids)
         if computed_tokens < req.computed_tokens or moved:
             # vLLM preempted and is recomputing the request, possibly into other blocks: nothing counts as ready
             # until recomputed, and everything is sent again (a WRITE in flight may have read a reused block).
