@@ -8,6 +8,8 @@ Unknown keys are a startup error listing the valid ones."""
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import os
 from typing import Annotated, Any
 
 import msgspec
@@ -32,7 +34,13 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     side_channel_port: Annotated[int, Meta(gt=0, lt=65536)] = 5600
     """Port of prefill rank (pp0, tp0); the others follow connector.protocol.addressing.side_channel_port."""
     auth_token: str = _SIDE.auth_token
-    """Shared secret both sides prove they hold (challenge-response; it never crosses the wire)."""
+    """Shared secret both sides prove they hold (challenge-response; it never crosses the wire). Written here it
+    shows in vLLM's "non-default args" log line and in `ps`: prefer auth_token_file or auth_token_env."""
+    auth_token_file: str = ""
+    """A file holding the auth token (one line; surrounding whitespace is dropped), read by every worker at start."""
+    auth_token_env: str = ""
+    """The name of an environment variable holding the auth token (e.g. SPARSE_KV_AUTH_TOKEN), read by every
+    worker at start. At most one of auth_token, auth_token_file and auth_token_env may be set."""
     tls_cert_file: str = _SIDE.tls_cert_file
     tls_key_file: str = _SIDE.tls_key_file
     """Prefill: PEM certificate and key; both set = the side channel is served over TLS."""
@@ -85,18 +93,48 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> "ConnectorSettings":
+        """The settings of `extra`, or a ConfigError of one line naming the key, its value and the fix (for an
+        unknown key: the closest valid key and all of them)."""
         extra = dict(extra or {})
         unknown = sorted(set(extra) - set(cls.__struct_fields__))
         if unknown:
-            raise ConfigError(f"SparseKVConnector: unknown kv_connector_extra_config key(s) {unknown}; valid keys "
-                              f"are {sorted(cls.__struct_fields__)}")
+            hints = [f"{key!r} (value {extra[key]!r}){did_you_mean(key, cls.__struct_fields__)}" for key in unknown]
+            raise ConfigError(f"SparseKVConnector: unknown kv_connector_extra_config key(s) {unknown}: "
+                              f"{'; '.join(hints)}. Valid keys are {sorted(cls.__struct_fields__)}")
         try:
-            return msgspec.convert(extra, cls, strict=False)
+            settings = msgspec.convert(extra, cls, strict=False)
         except msgspec.ValidationError as exc:
             why, _, where = str(exc).rpartition(" - at `$.")
             key = where.rstrip("`")
             raise ConfigError(f"SparseKVConnector: kv_connector_extra_config[{key!r}]={extra.get(key)!r} is refused: "
                               f"{why or exc}") from None
+        sources = [name for name in TOKEN_SOURCES if getattr(settings, name)]
+        if len(sources) > 1:
+            raise ConfigError(f"SparseKVConnector: kv_connector_extra_config sets {sources}: give the auth token one "
+                              f"way only (auth_token_file or auth_token_env keep it out of vLLM's log)")
+        return settings
+
+    def token(self) -> str:
+        """The auth token, from auth_token, the file auth_token_file or the variable auth_token_env ("" = none).
+        Raises ConfigError naming the setting when the file cannot be read or the variable is unset or empty."""
+        if self.auth_token_file:
+            try:
+                with open(self.auth_token_file, encoding="utf-8") as f:
+                    token = f.read().strip()
+            except OSError as exc:
+                raise ConfigError(f"SparseKVConnector: auth_token_file {self.auth_token_file!r} cannot be read: "
+                                  f"{exc.strerror}: give a file this process can read (on every node)") from None
+            if not token:
+                raise ConfigError(f"SparseKVConnector: auth_token_file {self.auth_token_file!r} is empty: write the "
+                                  f"token into it (e.g. `openssl rand -hex 32 > {self.auth_token_file}`)")
+            return token
+        if self.auth_token_env:
+            token = os.environ.get(self.auth_token_env, "").strip()
+            if not token:
+                raise ConfigError(f"SparseKVConnector: auth_token_env names {self.auth_token_env!r}, which is unset "
+                                  f"or empty in this process: export {self.auth_token_env}=... before vllm serve")
+            return token
+        return self.auth_token
 
     def side_channel(self) -> SideChannelConfig:
         limits = ServerLimits(max_connections=self.max_connections,
@@ -105,7 +143,7 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
                               max_frame_bytes=self.max_frame_bytes, messages_per_s=self.messages_per_s,
                               max_auth_failures=self.max_auth_failures,
                               auth_failure_window_s=self.auth_failure_window_s)
-        return SideChannelConfig(auth_token=self.auth_token, handshake_timeout_s=self.handshake_timeout_s,
+        return SideChannelConfig(auth_token=self.token(), handshake_timeout_s=self.handshake_timeout_s,
                                  heartbeat_interval_s=self.heartbeat_interval_s, dead_after_s=self.dead_after_s,
                                  tls_cert_file=self.tls_cert_file, tls_key_file=self.tls_key_file,
                                  tls_ca_file=self.tls_ca_file, limits=limits, max_peer_ranks=self.max_peer_ranks)
@@ -125,6 +163,16 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
         return TransportConfig(name=name, max_inflight_bytes=self.max_inflight_bytes,
                                posts_per_second=self.posts_per_second, progress_delay_us=self.progress_delay_us,
                                tcp_user_timeout_s=self.tcp_user_timeout_s, nixl_threads=self.nixl_threads)
+
+
+TOKEN_SOURCES = ("auth_token", "auth_token_file", "auth_token_env")
+"""The settings an auth token may come from (one at most)."""
+
+
+def did_you_mean(key: str, valid: Any) -> str:
+    """`: did you mean 'x'?` for the valid name closest to a misspelt `key`, or "" when none is close."""
+    close = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.6)
+    return f": did you mean {close[0]!r}?" if close else ""
 
 
 def default_host() -> str:
