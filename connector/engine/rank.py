@@ -72,4 +72,4 @@ class LocalRank:
                      block_size=self.block_size, agent_name=transport.name, agent_metadata=transport.metadata,
                      regions=list(self.regions), stages=[tuple(s) for s in self.parallel.stages],
                      staging_addr=self.staging_addr, staging_device=self.staging_device,
-                     staging_bytes=self.staging_bytes)
+                     staging_bytes=self.staging_bytes, layout=self.model.summary())

@@ -25,7 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from connector.core.errors import ConnectorError, ControlError, LayoutError, PeerError, StagingError, TransferFailed
+from connector.core.errors import (ConnectorError, ControlError, LayoutError, PeerError, StagingError, TransferFailed,
+                                   Unreachable)
 from connector.core.layout import Region
 from connector.core.plan import Rank, TransferPlan
 from connector.core.staging_ranges import allowed_ranges
@@ -296,8 +297,11 @@ class StreamReceiver:
                                  f"{MAX_TRANSFER_ID}: use a shorter id")
         try:
             engine = await self._engine(prefill)
-        except ConnectorError as exc:  # a dead peer, or one whose layout does not fit ours
+        except Unreachable as exc:  # nothing answered at that address
             raise TransferFailed(f"cannot reach prefill {prefill} for {transfer_id!r}: {exc}") from exc
+        except ConnectorError as exc:  # it answered: a refused handshake, or a layout that does not fit ours
+            raise TransferFailed(f"prefill {prefill} answered, but decode cannot use it for {transfer_id!r}: "
+                                 f"{exc}") from exc
         layers: dict[Rank, set[int]] = {src: set() for src in engine.conns}
         for r in engine.plan.routes_to(self.me.rank):
             layers[r.src.rank].add(r.layer)

@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from connector.core.errors import ControlError, LayoutError
-from connector.core.layout import POOLS, ModelLayout, ParallelLayout, RankLayout, Region, check_tp
+from connector.core.layout import (POOLS, ModelLayout, ParallelLayout, RankLayout, Region, check_tp,
+                                   layout_differences)
 from connector.core.plan import TransferPlan, build_plan
 from connector.protocol.auth import MEMORY_FIELDS, check_nonce
 from connector.protocol.messages import PROTOCOL_VERSION, Hello
@@ -138,5 +139,10 @@ def check_hello(peer: Hello, own: Hello) -> None:
     if peer.role == own.role:
         raise ControlError(f"peer role {peer.role!r} cannot talk to a {own.role!r} side; the two roles must differ")
     if peer.fingerprint != own.fingerprint:
-        raise ControlError(f"model/layout fingerprint mismatch: peer has {peer.fingerprint}, "
-                           f"this side has {own.fingerprint}")
+        differences = layout_differences(peer.layout, own.layout)
+        if peer.block_size != own.block_size:
+            differences.append(f"block size: peer {peer.block_size}, this side {own.block_size}")
+        what = "; ".join(differences) if differences else "(the peer did not say what it serves: an older version)"
+        raise ControlError(f"model/layout fingerprint mismatch: peer has {peer.fingerprint}, this side has "
+                           f"{own.fingerprint}: {what}. Serve the same model (config.json, --dtype, "
+                           f"--kv-cache-dtype, --block-size) on prefill and decode")

@@ -49,6 +49,8 @@ History (one line per version; bump it for any change an older peer would misrea
      connection's staging area the chunk lies (`slot_offset`), and is sent once the chunk's WRITE completed, so
      prefill keeps a ring of chunks in flight; Register's staging fields give a connection an area, not one slot.
      A version-2 peer would fail to decode such a Scatter mid-transfer: it is refused at the handshake instead.
+     Within 3: Complete.bytes_by_pool; Hello.layout (the model layout summary a fingerprint mismatch is explained
+     from); a decode that refuses prefill's Hello answers Reject in place of Auth. Older peers send neither.
 """
 DEFAULT_MAX_FRAME_BYTES = 4 * 1024 * 1024
 """Largest body a receiver accepts after the handshake unless configured otherwise. The largest real messages are
@@ -62,6 +64,8 @@ NONCE_BYTES = 32
 
 MAX_ID = 256
 """Longest engine id, agent name or fingerprint (characters)."""
+MAX_SUMMARY = 1 << 16
+"""Longest model layout summary (a 1,000-layer model with three pools is about 15 KB)."""
 MAX_TRANSFER_ID = 512
 """Longest transfer id (vLLM request ids are ~40-60 characters)."""
 MAX_LIST = 1 << 16
@@ -79,6 +83,10 @@ Count = Annotated[int, Meta(ge=0)]
 Proof = Annotated[bytes, Meta(max_length=NONCE_BYTES)]
 HEADER = struct.Struct(">IH")
 """Frame header: body length in bytes, protocol version."""
+HTTP_ANSWER = b"HTTP"
+"""How an HTTP server's answer starts: read as a frame header, a 1,213,486,160-byte length."""
+HTTP_REQUESTS = (b"GET ", b"POST", b"HEAD", b"PUT ", b"OPTI", b"DELE", b"PATC")
+"""How HTTP requests start (each a length far over any limit when read as a header)."""
 
 Role = Literal["prefill", "decode"]
 PoolName = Literal["kv", "index_k", "index_v"]
@@ -120,6 +128,9 @@ class Hello(msgspec.Struct, frozen=True, tag="hello", tag_field="type"):
     proof: Proof = b""
     """Prefill's: HMAC-SHA256 of the transcript under the shared token (connector.protocol.auth); empty without one."""
     version: int = PROTOCOL_VERSION
+    layout: Annotated[str, Meta(max_length=MAX_SUMMARY)] = ""
+    """`ModelLayout.summary()`: on a fingerprint mismatch each side names what differs (layers, heads, sizes,
+    dtypes). Optional within version 3 (an older peer sends none; the mismatch then names only the hashes)."""
 
 
 class Auth(msgspec.Struct, frozen=True, tag="auth", tag_field="type"):
@@ -285,6 +296,15 @@ def check_header(header: bytes, max_frame_bytes: int) -> int:
     """Validate a 6-byte header; return the body length. Raises FrameError for size or version."""
     length, version = HEADER.unpack(header)
     if length > max_frame_bytes:
+        size = f"read as a frame header, {length} bytes, which exceeds the {max_frame_bytes}-byte limit"
+        if header.startswith(HTTP_ANSWER):
+            raise FrameError(f"the peer answered in HTTP ({size}): this address is an HTTP server (prefill's API "
+                             f"port?), not a side channel: give decode prefill's side_channel_host:side_channel_port "
+                             f"(the proxy's --prefill URL,HOST:SIDE_CHANNEL_PORT), not its HTTP port")
+        if header.startswith(HTTP_REQUESTS):
+            raise FrameError(f"the peer sent an HTTP request ({header[:4].decode()!r}..., {size}) to the side "
+                             f"channel: something (a router, a health check, curl) is pointed at side_channel_port "
+                             f"instead of the engine's HTTP port")
         raise FrameError(f"frame of {length} bytes exceeds the {max_frame_bytes}-byte limit")
     if version != PROTOCOL_VERSION:
         raise FrameError(f"frame has protocol version {version}, this side speaks {PROTOCOL_VERSION}: run the same "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import Any
 
 from vllm.v1.request import RequestStatus
@@ -15,9 +16,20 @@ from connector.protocol.addressing import PrefillAddress
 from connector.protocol.messages import MAX_TRANSFER_ID
 from connector.vllm.config import ConnectorSettings, default_host
 from connector.vllm.metadata import RecvSpec, SendSpec, SparseKVHandshake, SparseKVMetadata
+from connector.vllm.stats import SparseKVConnectorStats
 
 log = logging.getLogger(__name__)
 
+
+ROLE_MISMATCH_LOG_EVERY_S = 60.0
+"""A deployment with swapped roles sends every request wrong: one warning per this interval, with the count."""
+MISMATCH = {
+    True: ("do_remote_prefill", "kv_producer (prefill)", "kv_consumer (decode)", "its decode leg to a prefill engine "
+           "(the router's decode URL points at prefill"),
+    False: ("do_remote_decode", "kv_consumer (decode)", "kv_producer (prefill)", "its prefill leg to a decode engine "
+            "(the router's prefill URL points at decode"),
+}
+"""is_producer -> (the key this role must not be asked, this role, the role that does it, what the router did)."""
 
 ROUTER_HINT = "pass the kv_transfer_params of prefill's response to decode unchanged, or send both legs the " \
               "same transfer_id with prefill_addr on decode (examples/proxy.py)"
@@ -63,6 +75,12 @@ class SchedulerSide:
         self._send_held: set[str] = set()               # finished; blocks kept until finished_sending
         self._aborts: dict[str, str] = {}
         self.handshakes: dict[tuple[int, int], SparseKVHandshake] = {}
+        self._mismatched: set[str] = set()
+        """Requests whose kv_transfer_params ask for the other role (warned and counted once each)."""
+        self._mismatch_logged_at = -ROLE_MISMATCH_LOG_EVERY_S
+        self._mismatch_count = 0
+        self._stats = SparseKVConnectorStats()
+        """What the scheduler side observed since vLLM last asked (get_kv_connector_stats): role mismatches."""
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         self._kv_cache_manager = kv_cache_manager
@@ -70,6 +88,7 @@ class SchedulerSide:
     # ---- matching and allocation ------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params or {}
+        self._check_role(request, params)
         if self.is_producer:
             if params.get("do_remote_decode") and request.request_id not in self._send_known:
                 problem = check_params(params, decode=False)
@@ -108,6 +127,28 @@ class SchedulerSide:
             request.kv_transfer_params["do_remote_prefill"] = False
         if problem:
             log.error("request %s: %s; failing it (kv_load_failure_policy applies)", req_id, problem)
+
+    def _check_role(self, request: Any, params: dict[str, Any]) -> None:
+        """A request that asks this engine for the other role's work runs as a plain request and moves no KV: say so
+        (the deployment's roles or router URLs are swapped) and count it (`role_mismatches`)."""
+        key, mine, theirs, routed = MISMATCH[self.is_producer]
+        if not params.get(key) or request.request_id in self._mismatched:
+            return
+        self._mismatched.add(request.request_id)
+        self._mismatch_count += 1
+        self._stats.add(role_mismatches=1)
+        now = time.monotonic()
+        if now - self._mismatch_logged_at >= ROLE_MISMATCH_LOG_EVERY_S:
+            self._mismatch_logged_at = now
+            log.warning("request %s asks this %s engine to %s, which only a %s engine does: the router sent %s, or "
+                        "the two engines' kv_role are swapped); it runs as a plain request and no KV moves (%d such "
+                        "request(s) so far, counted in vllm:sparse_kv_role_mismatches_total)", request.request_id,
+                        mine, key, theirs, routed, self._mismatch_count)
+
+    def take_stats(self) -> SparseKVConnectorStats | None:
+        """What happened since the last call, or None (vLLM then ships nothing)."""
+        out, self._stats = self._stats, SparseKVConnectorStats()
+        return None if out.is_empty() else out
 
     @staticmethod
     def transfer_id_of(request: Any) -> str:
@@ -163,6 +204,7 @@ class SchedulerSide:
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
         params = request.kv_transfer_params or {}
+        self._mismatched.discard(req_id)
         if self.is_producer:
             known = self._send_known.get(req_id)
             if known is None:
