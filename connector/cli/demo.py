@@ -20,16 +20,20 @@ def add_subcommands(subs: Any) -> None:
     demo = subs.add_parser("demo", help="prefill and decode ranks as OS processes; stream every pool over NIXL and "
                                         "verify every byte on decode")
     add_common(demo)
-    demo.add_argument("--prefill", default="tp=1,pp=1", metavar="tp=T,pp=P[,layers=a:b:c]")
-    demo.add_argument("--decode", default="tp=1,pp=1", metavar="tp=T,pp=P[,layers=a:b:c]")
+    demo.add_argument("--prefill", default="tp=1,pp=1", metavar="tp=T,pp=P[,layers=a:b:c]",
+                      help="prefill's layout: TP size, PP size and optionally layers per PP stage")
+    demo.add_argument("--decode", default="tp=1,pp=1", metavar="tp=T,pp=P[,layers=a:b:c]",
+                      help="decode's layout, as --prefill")
     _add_run_args(demo)
-    demo.add_argument("--mode", choices=["stream", "bulk"], default="stream")
+    demo.add_argument("--mode", choices=["stream", "bulk"], default="stream",
+                      help="stream: each layer leaves as prefill computes it; bulk: everything after compute (what "
+                           "a connector without per-layer streaming does)")
     demo.add_argument("--chunks", type=int_in(1, MAX_TOKENS), default=1,
                       help="chunked prefill: forwards per prompt (at most --tokens)")
     demo.add_argument("--prefix-tokens", type=int_in(0, MAX_TOKENS), default=0,
                       help="decode prefix-cache hit, block-aligned")
     demo.add_argument("--late-register", action="store_true", help="decode registers after prefill finished")
-    demo.add_argument("--requests", type=int_in(1, MAX_REQUESTS), default=1)
+    demo.add_argument("--requests", type=int_in(1, MAX_REQUESTS), default=1, help="requests, one after another")
     demo.set_defaults(run=run_demo)
 
     bench = subs.add_parser("bench", help="raw NIXL vs connector bulk vs connector stream, one process pair")
@@ -46,14 +50,16 @@ def add_subcommands(subs: Any) -> None:
 
 
 def _add_run_args(p: argparse.ArgumentParser, layer_ms: float | None = 2.0) -> None:
-    p.add_argument("--tokens", type=int_in(1, MAX_TOKENS), default=1024 if layer_ms is not None else 4096)
-    p.add_argument("--block-size", type=int_in(1, MAX_BLOCK_SIZE), default=16)
+    p.add_argument("--tokens", type=int_in(1, MAX_TOKENS), default=1024 if layer_ms is not None else 4096,
+                   help="prompt tokens per request")
+    p.add_argument("--block-size", type=int_in(1, MAX_BLOCK_SIZE), default=16, help="tokens per KV-cache block")
     p.add_argument("--layer-ms", type=float_in(0, 60_000), default=layer_ms,
-                   help="simulated compute per layer" + ("" if layer_ms is not None else
+                   help="simulated prefill compute per layer, ms" + ("" if layer_ms is not None else
                                                           " (default: from --compute-tflops)"))
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="where the simulated KV caches live (cuda: VRAM to VRAM over NIXL)")
     p.add_argument("--run-blocks", type=int_in(1, MAX_TOKENS), default=1,
-                   help="allocate block ids in runs of this length")
+                   help="allocate block ids in runs of this length (1: scattered, as a busy vLLM does)")
     p.add_argument("--staging-mb", type=int_in(0, 1 << 20), default=None,
                    help="per-rank staging buffer in MiB: scattered blocks move as gathered chunks (0 = off; default: "
                         "the connector's default for --device)")
@@ -127,6 +133,10 @@ def run_demo(args: argparse.Namespace) -> int:
 def run_bench(args: argparse.Namespace) -> int:
     from connector.sim.bench import bench
 
+    if args.plot:
+        from connector.sim.plot import check_plotting
+
+        check_plotting()
     compute = None
     if args.layer_ms is None:
         from connector.core.compute import active_params

@@ -100,7 +100,7 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
         if unknown:
             hints = [f"{key!r} (value {extra[key]!r}){did_you_mean(key, cls.__struct_fields__)}" for key in unknown]
             raise ConfigError(f"SparseKVConnector: unknown kv_connector_extra_config key(s) {unknown}: "
-                              f"{'; '.join(hints)}. Valid keys are {sorted(cls.__struct_fields__)}")
+                              f"{'; '.join(hints)}; valid keys are {sorted(cls.__struct_fields__)}")
         try:
             settings = msgspec.convert(extra, cls, strict=False)
         except msgspec.ValidationError as exc:

@@ -28,6 +28,7 @@ from typing import Any
 
 from connector.core.errors import ConfigError
 from connector.vllm.config import ConnectorSettings, default_host
+from connector.vllm.logs import adopt_vllm_logging
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +120,7 @@ def check_transfer_config(ktc: Any, starting: Any = None) -> ConnectorSettings |
             check_ports_free(settings, starting.parallel_config)
     except ConfigError as exc:
         _checked[key] = exc
+        adopt_vllm_logging()  # the entry point may have imported us before vLLM set up its log handlers
         log.error("%s", exc)
         raise
     _checked[key] = None
