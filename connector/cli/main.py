@@ -18,12 +18,18 @@ from connector.cli.args import add_common, parse_side
 from connector.cli.bench_pd import add_subcommand as add_bench_pd
 from connector.cli.checks import Parser
 from connector.cli.demo import add_subcommands
+from connector.cli.doctor import add_subcommand as add_doctor
+from connector.cli.serve_local import add_subcommand as add_serve_local
+from connector.cli.settings import add_subcommand as add_settings
 from connector.core.errors import InputError
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="python -m connector", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     subs = parser.add_subparsers(dest="command", required=True)
+    add_serve_local(subs)
+    add_doctor(subs)
+    add_settings(subs)
     plan = subs.add_parser("plan", help="print which prefill rank sends which (pool, layer, heads) to which decode rank")
     add_common(plan)
     plan.add_argument("--prefill", required=True, metavar="tp=T,pp=P[,layers=a:b:c]",

@@ -6,9 +6,12 @@ not come up raises with the tail of its log."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 import urllib.error
@@ -94,32 +97,46 @@ class ServerSpec:
         return cmd + list(self.extra_args)
 
 
-class VllmServer:
-    """One `vllm serve` process group. `start()`, `wait_healthy()`, then `stop()` (or use as a context manager)."""
+def die_with_parent() -> None:
+    """In a child, before exec: the kernel sends it SIGTERM when the process that started it dies, even by SIGKILL
+    (PR_SET_PDEATHSIG; Linux only, a no-op elsewhere). vLLM's API server then ends its engine core and workers."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
 
-    def __init__(self, spec: ServerSpec, python: str, log_dir: Path) -> None:
-        self.spec, self.python = spec, python
-        self.log_path = Path(log_dir) / f"{spec.name}-{spec.port}.log"
-        self.proc: subprocess.Popen | None = None
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.spec.port}"
+PR_SET_PDEATHSIG = 1
+
+
+class ProcessGroup:
+    """One process started in a process group of its own (start_new_session), its output in `log_path`, ended by
+    signalling that group: whatever it started (vLLM's engine core and workers) ends with it, and nothing else."""
+
+    name: str
+    log_path: Path
+    proc: subprocess.Popen | None = None
 
     @property
     def pid(self) -> int:
-        assert self.proc is not None, "server not started"
+        assert self.proc is not None, f"{self.name} not started"
         return self.proc.pid
 
-    def start(self) -> "VllmServer":
-        env = {**os.environ, **CPU_ENGINE_ENV, **self.spec.env}
+    def _popen(self, command: list[str], env: dict[str, str], cpus: tuple[int, ...] | None = None,
+               tie_to_parent: bool = False) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+
+        def before_exec() -> None:
+            if cpus:
+                os.sched_setaffinity(0, cpus)
+            if tie_to_parent:
+                die_with_parent()
+
         with open(self.log_path, "ab") as log:
-            cpus = self.spec.cpus
-            self.proc = subprocess.Popen(self.spec.command(self.python), stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, env=env, start_new_session=True,
-                                         preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
-        return self
+            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=env, start_new_session=True,
+                                         preexec_fn=before_exec if cpus or tie_to_parent else None)
 
     def log_tail(self, lines: int = 40) -> str:
         try:
@@ -133,30 +150,8 @@ class VllmServer:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def wait_healthy(self, timeout_s: float = 300.0) -> "VllmServer":
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if not self.alive():
-                raise ServerError(f"{self.spec.name} server exited with {self.proc and self.proc.returncode} "
-                                  f"before it was healthy; log {self.log_path}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        return self
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(1.0)
-        raise ServerError(f"{self.spec.name} server not healthy within {timeout_s:.0f} s; log {self.log_path}:\n"
-                          f"{self.log_tail()}")
-
-    def metrics(self) -> dict[str, float]:
-        """Prometheus samples, `name{labels}` -> value, labels dropped when there is one sample of a name."""
-        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
-            text = r.read().decode()
-        return parse_metrics(text)
-
     def signal(self, sig: int) -> None:
-        """Send `sig` to the server's process group (its engine core and workers too)."""
+        """Send `sig` to the process group (its children too)."""
         if self.proc is not None and self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, sig)
@@ -175,7 +170,7 @@ class VllmServer:
         self.kill()
 
     def kill(self) -> None:
-        """SIGKILL the whole process group (also children the server process left behind) and reap it."""
+        """SIGKILL the whole process group (also children the process left behind) and reap it."""
         if self.proc is None:
             return
         try:
@@ -185,13 +180,93 @@ class VllmServer:
         try:
             self.proc.wait(10)
         except subprocess.TimeoutExpired:
-            raise ServerError(f"{self.spec.name} server pid {self.proc.pid} survived SIGKILL") from None
+            raise ServerError(f"{self.name} pid {self.proc.pid} survived SIGKILL") from None
 
-    def __enter__(self) -> "VllmServer":
+    def _died(self, what: str) -> ServerError:
+        code = self.proc.returncode if self.proc is not None else None
+        return ServerError(f"{self.name} exited with {code} {what}; log {self.log_path}, last lines:\n"
+                           f"{self.log_tail()}")
+
+    def __enter__(self):  # noqa: ANN204 - the subclass
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class VllmServer(ProcessGroup):
+    """One `vllm serve` process group. `start()`, `wait_healthy()`, then `stop()` (or use as a context manager)."""
+
+    def __init__(self, spec: ServerSpec, python: str, log_dir: Path, tie_to_parent: bool = False) -> None:
+        self.spec, self.python, self.name = spec, python, spec.name
+        self.log_path = Path(log_dir) / f"{spec.name}-{spec.port}.log"
+        self.tie_to_parent = tie_to_parent
+        """Started by a launcher (serve-local): the server gets SIGTERM if the launcher dies (die_with_parent)."""
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.spec.port}"
+
+    def start(self) -> "VllmServer":
+        self._popen(self.spec.command(self.python), {**os.environ, **CPU_ENGINE_ENV, **self.spec.env},
+                    self.spec.cpus, self.tie_to_parent)
+        return self
+
+    def wait_healthy(self, timeout_s: float = 300.0) -> "VllmServer":
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise self._died("before it was healthy")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(1.0)
+        raise ServerError(f"{self.spec.name} not healthy within {timeout_s:.0f} s; log {self.log_path}, last "
+                          f"lines:\n{self.log_tail()}")
+
+    def metrics(self) -> dict[str, float]:
+        """Prometheus samples, `name{labels}` -> value, labels dropped when there is one sample of a name."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        return parse_metrics(text)
+
+
+class ScriptServer(ProcessGroup):
+    """A Python script that serves HTTP on `port` (examples/proxy.py, examples/sequential_router.py), run as its own
+    process group. `start()`, `wait_listening()`, `stop()`."""
+
+    def __init__(self, name: str, python: str, script: Path, args: list[str], port: int, log_dir: Path,
+                 tie_to_parent: bool = False) -> None:
+        self.name, self.python, self.script, self.args, self.port = name, python, Path(script), list(args), port
+        self.log_path = Path(log_dir) / f"{name}-{port}.log"
+        self.tie_to_parent = tie_to_parent
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "ScriptServer":
+        self._popen([self.python, str(self.script), "--port", str(self.port), *self.args], dict(os.environ),
+                    tie_to_parent=self.tie_to_parent)
+        return self
+
+    def wait_listening(self, timeout_s: float = 60.0) -> "ScriptServer":
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise self._died("before it listened")
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return self
+            except OSError:
+                time.sleep(0.2)
+        raise ServerError(f"{self.name} did not listen on {self.port} within {timeout_s:.0f} s; log "
+                          f"{self.log_path}:\n{self.log_tail()}")
 
 
 def parse_metrics(text: str) -> dict[str, float]:

@@ -28,6 +28,10 @@ _TRANSPORT = {f.name: f.default for f in dataclasses.fields(TransportConfig)}
 
 
 class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`kv_connector_extra_config`, every key. A key without a docstring here means what the engine setting of the
+    same name says (connector.engine.config, connector.transport.limits, connector.transport.nixl.settings):
+    `python -m connector settings` prints them all, and the README's table is its output."""
+
     side_channel_host: str | None = None
     """Address prefill ranks listen on for decode's side channel. Default: the host vLLM reports for this node
     (VLLM_HOST_IP / its own IP detection), never 0.0.0.0 unless set explicitly."""
@@ -42,8 +46,9 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     """The name of an environment variable holding the auth token (e.g. SPARSE_KV_AUTH_TOKEN), read by every
     worker at start. At most one of auth_token, auth_token_file and auth_token_env may be set."""
     tls_cert_file: str = _SIDE.tls_cert_file
+    """Prefill: PEM certificate of the side channel (with tls_key_file: the side channel is served over TLS)."""
     tls_key_file: str = _SIDE.tls_key_file
-    """Prefill: PEM certificate and key; both set = the side channel is served over TLS."""
+    """Prefill: PEM private key of tls_cert_file."""
     tls_ca_file: str = _SIDE.tls_ca_file
     """Decode: PEM CA bundle; set = connect over TLS and verify prefill's certificate and host."""
     max_connections: PositiveInt = _LIMITS.max_connections
@@ -54,6 +59,7 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     messages_per_s: Positive = _LIMITS.messages_per_s
     max_auth_failures: PositiveInt = _LIMITS.max_auth_failures
     auth_failure_window_s: Positive = _LIMITS.auth_failure_window_s
+    """The window of max_auth_failures, in seconds."""
     max_peer_ranks: PositiveInt = _SIDE.max_peer_ranks
     max_parked_per_connection: PositiveInt = _SENDER.max_parked_per_connection
     max_parked_bytes_per_connection: PositiveInt = _SENDER.max_parked_bytes_per_connection
@@ -67,6 +73,7 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     transfer_timeout_s: Positive = _RECEIVER.transfer_timeout_s
     write_timeout_s: Positive = _SENDER.write_timeout_s
     heartbeat_interval_s: Positive = _SIDE.heartbeat_interval_s
+    """How often each side-channel connection sends a heartbeat (decode's also extend prefill's leases)."""
     dead_after_s: Positive = _SIDE.dead_after_s
     tcp_user_timeout_s: Positive | None = _TRANSPORT["tcp_user_timeout_s"]
     """UCX over TCP: a WRITE whose data stays unacknowledged this long (a cut link) fails, whatever the kernel's
