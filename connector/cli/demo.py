@@ -9,6 +9,7 @@ from typing import Any
 
 from connector.cli.args import add_common, parse_node, parse_side
 from connector.cli.checks import MAX_SIM_RANKS, check_device, check_memory, check_time, float_in, int_in
+from connector.cli.yardsticks import bench_lines, bench_verdict, demo_lines
 from connector.core.errors import CliError
 
 MAX_TOKENS = 1 << 24
@@ -117,14 +118,7 @@ def run_demo(args: argparse.Namespace) -> int:
     else:
         print(f"model {sc.model.name}: prefill tp={sc.prefill.tp} pp={sc.prefill.pp} -> decode tp={sc.decode.tp} "
               f"pp={sc.decode.pp}, {sc.tokens} tokens, block size {sc.block_size}, mode {sc.mode}, {sc.device}")
-        print(f"  exposed after compute {result.exposed_ms} ms (prefill computed {result.compute_ms} ms); "
-              f"{result.streamed_pct}% of the bytes were in decode's blocks before compute ended")
-        staged = (f"{result.staged_chunks} staged chunks, " if result.staged_chunks else "") + \
-            f"{result.nixl_descriptors} NIXL descriptors posted"
-        print(f"  {result.bytes / 2**20:.1f} MiB ({result.descriptors} block ranges; {staged}, staging "
-              f"{result.staging_mb} MiB) at {result.transfer_gbps} GB/s while transferring; "
-              f"{result.ranks['prefill']} prefill + {result.ranks['decode']} decode processes; "
-              f"layer_ready median {result.hook_us} us")
+        print("\n".join(demo_lines(result, sc)))
         print("  VERIFIED: every byte of every pool on every decode rank matches" if result.verified else
               "  FAILED:\n    " + "\n    ".join(result.problems[:20]))
     return 0 if result.verified else 1
@@ -146,8 +140,7 @@ def run_bench(args: argparse.Namespace) -> int:
     out = bench(_scenario(args), progress=sys.stderr.isatty() and not args.json, repeats=args.repeats,
                 compute=compute, plot=args.plot)
     if args.json:
-        print(json.dumps(out))
+        print(json.dumps(out | {"verdict": bench_verdict(out)}))
     else:
-        for key, value in out.items():
-            print(f"{key:>22}: {value}")
+        print("\n".join(bench_lines(out)))
     return 0 if out["verified"] else 1
