@@ -78,7 +78,8 @@ def demo_lines(r: Any, sc: Any) -> list[str]:
         f"(good: {GOOD_STREAMED_PCT:g}% or more in stream mode; {zero_reason(sc) or '0% means nothing overlapped'})",
         f"  rate while transferring: {r.transfer_gbps} GB/s   (raw NIXL on the same block ranges: {r.raw_gbps} GB/s; "
         f"while streaming, layers leave as they are computed, so the exposed time is the measure, not this rate)",
-        f"  layer_ready median {r.hook_us} us   (good: under {GOOD_HOOK_US:g} us: it only queues the layer)",
+        f"  layer_ready median {r.hook_us} us   (good: under {GOOD_HOOK_US:g} us: it only queues the layer)"
+        if sc.mode != "bulk" else "  layer_ready: not called in bulk mode (the whole request goes after compute)",
         f"  verdict: {demo_verdict(r, sc, hidden)}",
     ]
     return lines
