@@ -3,7 +3,9 @@ of processes and threads from /proc."""
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 from connector.core.layout import ModelLayout, ParallelLayout, PoolSpec
 from connector.sim.cluster import Scenario
@@ -51,3 +53,21 @@ def cpu_ticks(stat_path: str) -> tuple[str, int] | None:
         return None
     fields = stat.rsplit(")", 1)[1].split()  # the name may hold spaces and parentheses: split after its last ")"
     return stat[stat.index("(") + 1:stat.rindex(")")], int(fields[11]) + int(fields[12])
+
+
+@contextmanager
+def log_records(name: str) -> Iterator[list[logging.LogRecord]]:
+    """Log records of logger `name` at INFO and above, whether or not it propagates (once connector.vllm is imported,
+    vLLM's handlers have adopted the `connector` loggers and caplog sees nothing)."""
+    got: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = got.append
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield got
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)

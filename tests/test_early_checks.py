@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import socket
-from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
@@ -26,6 +25,7 @@ from connector.transport.ports import free_ports  # noqa: E402
 from connector.vllm import early  # noqa: E402
 from connector.vllm.config import ConnectorSettings  # noqa: E402
 from connector.vllm.stats import SparseKVConnectorStats  # noqa: E402
+from tests.helpers import log_records  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(120)]
 
@@ -35,23 +35,6 @@ def model_dir(tmp_path_factory):
     return H.write_m3_config(tmp_path_factory.mktemp("m3"), num_layers=6, dense_layers=2)
 
 
-@contextmanager
-def records(name: str):
-    """Log records of logger `name` (whether or not it propagates: vLLM's handlers may have adopted it)."""
-    got: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.DEBUG)
-    handler.emit = got.append
-    logger = logging.getLogger(name)
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        yield got
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
-
-
 @pytest.mark.parametrize("by_name", [False, True])
 def test_a_misspelt_key_fails_while_the_vllm_config_is_built(model_dir, by_name, monkeypatch):
     if by_name:  # the registry's loader (the entry point's registration), no kv_connector_module_path
@@ -59,7 +42,7 @@ def test_a_misspelt_key_fails_while_the_vllm_config_is_built(model_dir, by_name,
         monkeypatch.setattr(H, "SPARSE_KV_MODULE", None)
     monkeypatch.setattr(early, "_checked", {})  # (each config is checked and logged once per process)
     built = []
-    with records("connector.vllm.early") as logged, pytest.raises(ValueError) as err:
+    with log_records("connector.vllm.early") as logged, pytest.raises(ValueError) as err:
         cfg = H.make_vllm_config(model_dir, kv_role="kv_producer", extra_config={"side_chanel_port": 5600})
         built.append(cfg)
     assert not built  # refused inside VllmConfig(...): no scheduler, worker or model was ever made
@@ -129,7 +112,7 @@ def test_a_request_for_the_other_role_is_warned_and_counted(model_dir, role, par
     cfg = H.make_vllm_config(model_dir, kv_role=role, block_size=16)
     sched = H.make_scheduler(cfg, H.make_kv_cache_config(cfg, num_blocks=64), log_stats=True)
     counted = 0
-    with records("connector.vllm.scheduler") as logged:
+    with log_records("connector.vllm.scheduler") as logged:
         for i in range(3):
             sched.add_request(H.make_request(f"r{i}", 40, kv_transfer_params=dict(params), max_tokens=2))
         for _ in range(6):

@@ -5,7 +5,6 @@ a connection that could not be opened is "cannot reach", a prefill that answered
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager
 
 import msgspec
 import pytest
@@ -18,26 +17,11 @@ from connector.protocol.messages import HEADER, PROTOCOL_VERSION, check_header
 from connector.transport.control import ControlServer, connect
 from connector.transport.ports import free_ports
 from tests.adversary import blocks, make_scenario
+from tests.helpers import log_records
 from tests.test_control import hello
 
 pytestmark = [pytest.mark.timeout(120)]
 SERVER_LOG = "connector.transport.control"
-
-
-@contextmanager
-def records(name: str):
-    got: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.DEBUG)
-    handler.emit = got.append
-    logger = logging.getLogger(name)
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        yield got
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
 
 
 def test_an_http_answer_and_an_http_request_are_named():
@@ -75,7 +59,7 @@ async def test_a_token_that_differs_is_named_on_both_sides():
     async def never(conn, msg) -> None:
         return None
 
-    with records(SERVER_LOG) as logged:
+    with log_records(SERVER_LOG) as logged:
         async with ControlServer(hello("prefill"), never, auth_token="the-prefill-token-of-32-characters") as srv:
             with pytest.raises(ControlError, match="auth_token differs between prefill and decode: prefill's proof"):
                 await connect("127.0.0.1", srv.port, hello(), auth_token="the-decode-token-of-32-characters!",

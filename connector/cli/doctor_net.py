@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import TYPE_CHECKING
+from typing import Any
 from urllib.parse import urlsplit
 
 from connector.cli.probe import DOCTOR_ENGINE, SideChannelAnswer, http_get, port_state, probe_side_channel
@@ -15,10 +15,9 @@ from connector.protocol.addressing import PrefillAddress, side_channel_port
 from connector.transport.handshake import is_loopback
 from connector.protocol.messages import Hello
 
-if TYPE_CHECKING:
-    from connector.cli.doctor import Doctor
-
 FAIL, WARN, OK = "FAIL", "warn", "ok"
+Doctor = Any
+"""connector.cli.doctor.Doctor (its settings, tokens, models, urls, args, add()): not imported, it imports us."""
 WILDCARDS = ("0.0.0.0", "::", "")
 
 
@@ -32,7 +31,7 @@ def node_ip() -> str:
         return "127.0.0.1"
 
 
-def probe_hello(doc: "Doctor") -> Hello:
+def probe_hello(doc: Doctor) -> Hello:
     """What the probe introduces itself as: decode rank (0, 0) of the decode layout, decode's model when known."""
     model = doc.models.get("decode")
     tp, pp = doc.ranks("decode")
@@ -44,7 +43,7 @@ def probe_hello(doc: "Doctor") -> Hello:
                  layout=model.summary() if model is not None else "")
 
 
-def check_side_channel(doc: "Doctor") -> None:
+def check_side_channel(doc: Doctor) -> None:
     pre = doc.settings["prefill"]
     host = pre.side_channel_host or os.environ.get("VLLM_HOST_IP") or ""
     if not host:
@@ -94,7 +93,7 @@ def check_side_channel(doc: "Doctor") -> None:
     _check_ports(doc, address, ports, span)
 
 
-def _check_ports(doc: "Doctor", address: PrefillAddress, ports: list[int], span: str) -> None:
+def _check_ports(doc: Doctor, address: PrefillAddress, ports: list[int], span: str) -> None:
     running = doc.urls["prefill"] is not None and http_get(doc.urls["prefill"] + "/health", doc.args.timeout)[0] == 200
     token = doc.tokens.get("decode") or ""
     answers = {port: probe_side_channel(address.host, port, probe_hello(doc), token, doc.args.timeout)
@@ -122,7 +121,7 @@ def _check_ports(doc: "Doctor", address: PrefillAddress, ports: list[int], span:
         _report(doc, f"side channel {address.host}:{port}", answer, running)
 
 
-def _report(doc: "Doctor", what: str, answer: SideChannelAnswer, running: bool) -> None:
+def _report(doc: Doctor, what: str, answer: SideChannelAnswer, running: bool) -> None:
     kind = answer.kind
     if kind == "connector":
         doc.add(OK, what, f"a SparseKVConnector side channel ({answer.detail})")
@@ -148,7 +147,7 @@ def _report(doc: "Doctor", what: str, answer: SideChannelAnswer, running: bool) 
                             f"side channel; choose another side_channel_port or stop it")
 
 
-def check_engines(doc: "Doctor") -> None:
+def check_engines(doc: Doctor) -> None:
     served = {}
     for side, url in doc.urls.items():
         if not url:
@@ -181,7 +180,7 @@ def _json(text: str) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-def check_ucx(doc: "Doctor") -> None:
+def check_ucx(doc: Doctor) -> None:
     """UCX's settings in this shell (export the same for every prefill and decode process)."""
     where = " (this shell; export it for every prefill and decode process)"
     devices, tls = os.environ.get("UCX_NET_DEVICES"), os.environ.get("UCX_TLS")

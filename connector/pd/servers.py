@@ -18,7 +18,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from connector.core.errors import ServerError
 
@@ -182,6 +182,19 @@ class ProcessGroup:
         except subprocess.TimeoutExpired:
             raise ServerError(f"{self.name} pid {self.proc.pid} survived SIGKILL") from None
 
+    def _wait(self, ready: Callable[[], bool], what: str, timeout_s: float, poll_s: float):  # noqa: ANN202
+        """Poll `ready()` until it holds (returns self), the process exits or `timeout_s` passes (ServerError with
+        the log's tail either way)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise self._died(f"before it {what}")
+            if ready():
+                return self
+            time.sleep(poll_s)
+        raise ServerError(f"{self.name} not {what} within {timeout_s:.0f} s; log {self.log_path}, last lines:\n"
+                          f"{self.log_tail()}")
+
     def _died(self, what: str) -> ServerError:
         code = self.proc.returncode if self.proc is not None else None
         return ServerError(f"{self.name} exited with {code} {what}; log {self.log_path}, last lines:\n"
@@ -214,19 +227,14 @@ class VllmServer(ProcessGroup):
         return self
 
     def wait_healthy(self, timeout_s: float = 300.0) -> "VllmServer":
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if not self.alive():
-                raise self._died("before it was healthy")
+        def healthy() -> bool:
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        return self
+                    return r.status == 200
             except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(1.0)
-        raise ServerError(f"{self.spec.name} not healthy within {timeout_s:.0f} s; log {self.log_path}, last "
-                          f"lines:\n{self.log_tail()}")
+                return False
+
+        return self._wait(healthy, "was healthy", timeout_s, poll_s=1.0)
 
     def metrics(self) -> dict[str, float]:
         """Prometheus samples, `name{labels}` -> value, labels dropped when there is one sample of a name."""
@@ -256,17 +264,14 @@ class ScriptServer(ProcessGroup):
         return self
 
     def wait_listening(self, timeout_s: float = 60.0) -> "ScriptServer":
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if not self.alive():
-                raise self._died("before it listened")
+        def listening() -> bool:
             try:
                 socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                return self
+                return True
             except OSError:
-                time.sleep(0.2)
-        raise ServerError(f"{self.name} did not listen on {self.port} within {timeout_s:.0f} s; log "
-                          f"{self.log_path}:\n{self.log_tail()}")
+                return False
+
+        return self._wait(listening, f"listened on {self.port}", timeout_s, poll_s=0.2)
 
 
 def parse_metrics(text: str) -> dict[str, float]:

@@ -40,8 +40,9 @@ class Output:
             self.lines.put(line.rstrip("\n"))
         self.lines.put(None)
 
-    def until(self, needle: str, timeout_s: float) -> str:
-        """Everything printed up to the line holding `needle` (fails with what was printed)."""
+    def until(self, needle: str | None, timeout_s: float) -> str:
+        """Everything printed up to the line holding `needle` (fails with what was printed), or with None until the
+        launcher closed its stdout (or `timeout_s` passed)."""
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
             try:
@@ -51,22 +52,11 @@ class Output:
             if line is None:
                 break
             self.seen.append(line)
-            if needle in line:
+            if needle is not None and needle in line:
                 return "\n".join(self.seen)
+        if needle is None:
+            return "\n".join(self.seen)
         raise AssertionError(f"no {needle!r} from serve-local within {timeout_s:.0f} s:\n" + "\n".join(self.seen))
-
-    def rest(self, timeout_s: float) -> str:
-        """Everything printed until the launcher closed its stdout."""
-        deadline = time.monotonic() + timeout_s
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                line = self.lines.get(timeout=left)
-            except queue.Empty:
-                break
-            if line is None:
-                break
-            self.seen.append(line)
-        return "\n".join(self.seen)
 
 
 def groups_alive(pgids: set[int]) -> list[str]:
@@ -134,7 +124,7 @@ def test_serve_local_answers_token_equal_and_sigterm_leaves_nothing(tmp_path):
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         raise
-    rest = out.rest(10)
+    rest = out.until(None, 10)
     assert proc.returncode == 0, rest
     assert "SIGTERM: stopping prefill, decode and the router" in rest and "serve-local: stopped" in rest, rest
     assert groups_alive(groups | {proc.pid}) == []
