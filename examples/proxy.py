@@ -47,7 +47,7 @@ HOP_HEADERS = frozenset({"connection", "keep-alive", "transfer-encoding", "conte
 class Prefill:
     url: str
     """Base URL of the prefill instance's OpenAI server, e.g. http://10.0.0.1:8100."""
-    side_channel: str
+    side_channel_addr: str
     """HOST:PORT of its connector side channel (`side_channel_host`/`side_channel_port`), given to decode."""
 
 
@@ -93,7 +93,7 @@ def prefill_body(body: dict[str, Any], transfer_id: str) -> dict[str, Any]:
 
 def decode_body(body: dict[str, Any], transfer_id: str, prefill: Prefill) -> dict[str, Any]:
     return {**body, "kv_transfer_params": {"do_remote_prefill": True, "transfer_id": transfer_id,
-                                           "prefill_addr": prefill.side_channel}}
+                                           "prefill_addr": prefill.side_channel_addr}}
 
 
 def build_app(prefill_instances: Sequence[Prefill | str], decode_instances: Sequence[str],

@@ -18,9 +18,11 @@ from connector.protocol.auth import client_proof, identity, memory_of, new_nonce
 from connector.protocol.messages import HEADER, Hello, Message, decode_body, encode_frame
 from connector.sim.buffers import pick_blocks
 from connector.sim.cluster import Cluster, Scenario
-from tests.helpers import scenario
+from tests.helpers import bare_side_channel, scenario
 
 TOKEN = "7c1f0e9a4b2d8c6e5f3a1b0d9e8c7f6a5b4c3d2e1f0a9b8c"
+WITH_TOKEN = bare_side_channel(auth_token=TOKEN)
+"""A raw client's side channel that holds the token (no heartbeats)."""
 """The shared secret of the target and its legitimate decode ranks (48 hex characters)."""
 TOKENS, BLOCK = 64, 16
 

@@ -3,6 +3,7 @@ the test ends (loop threads, NIXL agents and engines in this process; worker pro
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -70,19 +71,12 @@ def open_rank():
 
 @pytest.fixture
 def cluster():
-    """`cluster(scenario, spawn=("prefill",))`: worker processes for those sides, ready; ended when the test ends."""
+    """`cluster(scenario, spawn=("prefill",))`: worker processes for those sides, ready; ended when the test ends
+    (in reverse order of starting)."""
     from connector.sim.cluster import Cluster
 
-    made: list[Cluster] = []
-
-    def make(sc, spawn=("prefill", "decode")) -> Cluster:
-        started = Cluster(sc, spawn=spawn).__enter__()
-        made.append(started)
-        return started
-
-    yield make
-    for started in reversed(made):
-        started.close()
+    with contextlib.ExitStack() as started:
+        yield lambda sc, spawn=("prefill", "decode"): started.enter_context(Cluster(sc, spawn=spawn))
 
 
 @pytest.fixture

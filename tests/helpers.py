@@ -1,14 +1,27 @@
-"""Builders for tests: model layouts made directly (no config files) for pure tests, and demo scenarios; CPU time
-of processes and threads from /proc."""
+"""Builders for tests: model layouts made directly (no config files), a rank's Hello and an accepted decode peer
+for pure tests of the engines' rules (no NIXL, no memory), and demo scenarios; CPU time of processes and threads from
+/proc."""
 
 from __future__ import annotations
 
+import itertools
 import logging
+import os
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-from connector.core.layout import ModelLayout, ParallelLayout, PoolSpec
+import numpy as np
+
+from connector.core.layout import ModelLayout, ParallelLayout, PoolSpec, RankLayout, Region
+from connector.engine.peers import PeerInfo
+from connector.protocol.handshake import accept_peer
+from connector.protocol.messages import Hello
 from connector.sim.cluster import Scenario
+from connector.transport.side_channel import SideChannelConfig
+
+KiB, MiB = 1 << 10, 1 << 20
+POOL_GROUP = {"kv": 0, "index_k": 1, "index_v": 1}
+"""KV-cache group per pool (as connector.sim.buffers lays them out)."""
 
 
 def make_model(kinds: str, kv_heads: int = 4, mla: bool = False, head_dim: int = 128,
@@ -53,6 +66,61 @@ def cpu_ticks(stat_path: str) -> tuple[str, int] | None:
         return None
     fields = stat.rsplit(")", 1)[1].split()  # the name may hold spaces and parentheses: split after its last ")"
     return stat[stat.index("(") + 1:stat.rindex(")")], int(fields[11]) + int(fields[12])
+
+
+def rank_regions(model: ModelLayout, parallel: ParallelLayout, rank: tuple[int, int], num_blocks: int,
+                 block_size: int) -> list[Region]:
+    """The regions rank `rank` holds, at made-up addresses 1 GiB apart (nothing is read or written through them)."""
+    lay = RankLayout(model, parallel, *rank)
+    out = []
+    for pool in model.pools:
+        spec, heads = model.pools[pool], lay.heads(pool)
+        per_block = (heads[1] - heads[0]) * spec.bytes_per_token_per_head * block_size // spec.num_parts
+        for slot, layer in enumerate(lay.layers(pool)):
+            out.append(Region(pool=pool, layer=layer, slot=slot, base_addr=(1 + len(out)) << 30,
+                              num_blocks=num_blocks, bytes_per_block=per_block, block_stride=per_block, heads=heads,
+                              num_parts=spec.num_parts, part_stride=num_blocks * per_block,
+                              group=POOL_GROUP[pool]))
+    return out
+
+
+def rank_hello(model: ModelLayout, role: str, parallel: ParallelLayout, rank: tuple[int, int] = (0, 0), *,
+               engine: str = "", block_size: int = 16, num_blocks: int = 64, staging_bytes: int = 0) -> Hello:
+    """A rank's Hello with its memory, as LocalRank.hello builds it (agent name and metadata made up)."""
+    engine = engine or f"{role}-engine"
+    regions = rank_regions(model, parallel, rank, num_blocks, block_size) if role == "decode" else []
+    return Hello(role=role, engine_id=engine, pp_rank=rank[0], tp_rank=rank[1], pp_size=parallel.pp,
+                 tp_size=parallel.tp, fingerprint=model.fingerprint(), block_size=block_size,
+                 agent_name=f"{engine}-{rank[0]}-{rank[1]}", agent_metadata=b"meta", regions=regions,
+                 stages=[tuple(st) for st in parallel.stages], staging_addr=0x5000_0000 if staging_bytes else 0,
+                 staging_bytes=staging_bytes)
+
+
+def accepted_decode_peer(own: Hello, model: ModelLayout, decode: Hello) -> PeerInfo:
+    """A decode rank as a prefill rank's PeerTable admits it (plan, regions, routes; no NIXL agent loaded)."""
+    info = PeerInfo(None, decode)
+    info.accepted = accept_peer(decode, own, model)
+    info.layer_routes = info.accepted.plan.layer_routes((own.pp_rank, own.tp_rank), info.key[1:])
+    return info
+
+
+def bare_side_channel(**fields: Any) -> SideChannelConfig:
+    """The side channel as a raw test client or server speaks it: no heartbeats and no dead-peer timeout unless
+    given (the engines' defaults send one every 2 s and drop a peer silent for 15 s)."""
+    return SideChannelConfig(**{"heartbeat_interval_s": None, "dead_after_s": None, **fields})
+
+
+_agent_ids = itertools.count()
+
+
+def agent_name(tag: str) -> str:
+    """A NIXL agent name no other agent of this test run has (tag, pid, counter)."""
+    return f"tt-{tag}-{os.getpid()}-{next(_agent_ids)}"
+
+
+def pattern(nbytes: int, seed: int) -> np.ndarray:
+    """`nbytes` seeded random bytes: what a WRITE moves, to be checked at the other end."""
+    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
 
 
 @contextmanager

@@ -19,10 +19,13 @@ from connector.protocol.messages import (HEADER, PROTOCOL_VERSION, Abort, Auth, 
                                          Register, RegisterAck, RegisterError, Reject, Welcome, decode_frame,
                                          encode_body, encode_frame)
 from connector.transport.control import ControlConnection, ControlServer, connect
+from tests.helpers import bare_side_channel
 
 pytestmark = pytest.mark.timeout(20)
 
 FP = "0123456789abcdef"
+BARE = bare_side_channel()
+"""The side channel with no heartbeats and no dead-peer timeout (what these tests start from)."""
 LOG = "connector.transport.control"
 
 
@@ -125,7 +128,8 @@ class App:
 
 
 def server(app: App, **kw) -> ControlServer:
-    return ControlServer(hello("prefill"), app.on_message, on_hello=app.on_hello, **kw)
+    """A server of the bare side channel (`kw`: SideChannelConfig fields), no heartbeats unless asked."""
+    return ControlServer(hello("prefill"), app.on_message, bare_side_channel(**kw), on_hello=app.on_hello)
 
 
 async def raw_exchange(port: int, data: bytes, timeout: float = 2.0) -> tuple[bytes, float]:
@@ -146,7 +150,7 @@ async def raw_exchange(port: int, data: bytes, timeout: float = 2.0) -> tuple[by
 
 
 async def assert_still_serves(port: int) -> None:
-    async with await connect("127.0.0.1", port, hello(), timeout=2) as conn:
+    async with await connect("127.0.0.1", port, hello(), BARE, timeout=2) as conn:
         await conn.send(Register("ok", 0, 1, [[1]], 0, 10))
         assert await conn.recv(2) == RegisterAck("ok")
 
@@ -155,7 +159,7 @@ async def test_handshake_with_regions():
     app = App()
     async with server(app) as srv:
         assert srv.port > 0
-        async with await connect("127.0.0.1", srv.port, hello(), timeout=2) as conn:
+        async with await connect("127.0.0.1", srv.port, hello(), BARE, timeout=2) as conn:
             # least privilege: the server tells who it is, never its NIXL metadata or its memory's addresses
             assert as_received(conn.peer) == identity(hello("prefill"))
             assert conn.peer.agent_metadata == b"" and conn.peer.regions == []
@@ -168,7 +172,7 @@ async def test_handshake_with_regions():
 async def test_register_ack_complete_and_heartbeat():
     app = App()
     async with server(app) as srv:
-        async with await connect("127.0.0.1", srv.port, hello(), timeout=2) as conn:
+        async with await connect("127.0.0.1", srv.port, hello(), BARE, timeout=2) as conn:
             reg = Register("t1", dst_pp=0, dst_tp=1, block_ids=[[5, 6], [9]], first_token=64, num_tokens=200)
             await conn.send(reg)
             assert await conn.recv(2) == RegisterAck("t1")
@@ -184,7 +188,7 @@ async def test_wrong_fingerprint_rejected_and_server_keeps_serving(caplog):
     caplog.set_level(logging.INFO, logger=LOG)
     async with server(App()) as srv:
         with pytest.raises(ControlError) as err:
-            await connect("127.0.0.1", srv.port, hello(fingerprint="feedfacefeedface"), timeout=2)
+            await connect("127.0.0.1", srv.port, hello(fingerprint="feedfacefeedface"), BARE, timeout=2)
         assert "feedfacefeedface" in str(err.value) and FP in str(err.value)
         assert any(r.message.startswith("closing 127.0.0.1:") and "fingerprint" in r.message for r in caplog.records)
         await assert_still_serves(srv.port)
@@ -221,7 +225,7 @@ async def test_unknown_version(caplog):
         assert "protocol version 99" in decode_frame(reply).reason
         other = PROTOCOL_VERSION + 1  # a Hello from a newer peer: refused, naming its version
         with pytest.raises(ControlError, match=f"protocol version {other}"):
-            await connect("127.0.0.1", srv.port, hello(version=other), timeout=2)
+            await connect("127.0.0.1", srv.port, hello(version=other), BARE, timeout=2)
         assert sum("closing 127.0.0.1:" in r.message for r in caplog.records) == 2
         await assert_still_serves(srv.port)
 
@@ -231,23 +235,24 @@ async def test_auth(caplog):
     app = App()
     async with server(app, auth_token="s3cret") as srv:
         with pytest.raises(ControlError, match="proof of the auth_token is wrong"):
-            await connect("127.0.0.1", srv.port, hello(), auth_token="guess", timeout=2)
+            await connect("127.0.0.1", srv.port, hello(), bare_side_channel(auth_token="guess"), timeout=2)
         with pytest.raises(ControlError, match="bad auth token"):
-            await connect("127.0.0.1", srv.port, hello(), timeout=2)
+            await connect("127.0.0.1", srv.port, hello(), BARE, timeout=2)
         assert any("bad auth token" in r.message for r in caplog.records)
-        async with await connect("127.0.0.1", srv.port, hello(), auth_token="s3cret", timeout=2) as conn:
+        token = bare_side_channel(auth_token="s3cret")
+        async with await connect("127.0.0.1", srv.port, hello(), token, timeout=2) as conn:
             assert len(conn.peer.proof) == 32 and [c.peer.proof for c in srv.connections] == [b""]
     async with server(app) as srv:  # decode with a token refuses a prefill without one
         with pytest.raises(ControlError, match="did not prove it knows the auth_token"):
-            await connect("127.0.0.1", srv.port, hello(), auth_token="s3cret", timeout=2)
+            await connect("127.0.0.1", srv.port, hello(), token, timeout=2)
 
 
 async def test_role_and_on_hello_rejections():
     async with server(App()) as srv:
         with pytest.raises(ControlError, match="roles must differ"):
-            await connect("127.0.0.1", srv.port, hello("prefill"), timeout=2)
+            await connect("127.0.0.1", srv.port, hello("prefill"), BARE, timeout=2)
         with pytest.raises(ControlError, match="banned"):
-            await connect("127.0.0.1", srv.port, hello(engine="banned"), timeout=2)
+            await connect("127.0.0.1", srv.port, hello(engine="banned"), BARE, timeout=2)
         await assert_still_serves(srv.port)
 
 
@@ -263,7 +268,7 @@ async def test_handshake_timeout(caplog):
 async def test_handler_exception_answered_and_connection_survives(caplog):
     caplog.set_level(logging.INFO, logger=LOG)
     async with server(App()) as srv:
-        async with await connect("127.0.0.1", srv.port, hello(), timeout=2) as conn:
+        async with await connect("127.0.0.1", srv.port, hello(), BARE, timeout=2) as conn:
             await conn.send(Register("explode", 0, 1, [[1]], 0, 10))
             answer = await conn.recv(2)
             assert isinstance(answer, RegisterError) and answer.transfer_id == "explode"
@@ -283,7 +288,8 @@ async def test_silent_peer_detected_by_dead_after(caplog):
         reasons: list[str] = []
         start = time.monotonic()
         # Client expects the server to heartbeat; it does not, so the client declares it dead.
-        conn = await connect("127.0.0.1", srv.port, hello(), timeout=2, dead_after_s=0.3, on_close=reasons.append)
+        conn = await connect("127.0.0.1", srv.port, hello(), bare_side_channel(dead_after_s=0.3), timeout=2,
+                             on_close=reasons.append)
         with pytest.raises(ControlError, match="silent"):
             await conn.recv(5)  # fails promptly instead of waiting the full 5 s
         elapsed = time.monotonic() - start
@@ -298,8 +304,9 @@ async def test_silent_peer_detected_by_dead_after(caplog):
 
 async def test_heartbeats_keep_connection_alive_and_server_drops_silent_client():
     async with server(App(), dead_after_s=0.3) as srv:
-        async with await connect("127.0.0.1", srv.port, hello(), timeout=2, heartbeat_interval_s=0.05) as alive:
-            silent = await connect("127.0.0.1", srv.port, hello(), timeout=2)
+        beating = bare_side_channel(heartbeat_interval_s=0.05)
+        async with await connect("127.0.0.1", srv.port, hello(), beating, timeout=2) as alive:
+            silent = await connect("127.0.0.1", srv.port, hello(), BARE, timeout=2)
             await asyncio.sleep(0.8)
             assert not alive.is_closed
             assert [as_received(c.peer) for c in srv.connections] == [hello()]  # the silent one was dropped
@@ -314,7 +321,7 @@ async def test_server_close_closes_connections():
     app = App()
     srv = server(app)
     await srv.start()
-    conn = await connect("127.0.0.1", srv.port, hello(), timeout=2)
+    conn = await connect("127.0.0.1", srv.port, hello(), BARE, timeout=2)
     await srv.aclose()
     with pytest.raises(ControlError):
         await conn.recv(2)
@@ -322,4 +329,4 @@ async def test_server_close_closes_connections():
     with pytest.raises(ControlError, match="closed"):
         await conn.send(Heartbeat())
     with pytest.raises(ControlError, match="cannot connect"):
-        await connect("127.0.0.1", srv.port, hello(), timeout=1)
+        await connect("127.0.0.1", srv.port, hello(), BARE, timeout=1)

@@ -140,6 +140,26 @@ def test_many_layers_at_once_equal_layer_by_layer():
         assert getattr(together, field).tolist() == getattr(one_by_one, field).tolist()
 
 
+def test_bytes_per_pool_add_up_to_what_the_descriptors_move():
+    from connector.core.descriptors import batch_descriptors, batch_pool_bytes
+    from connector.core.plan import Endpoint, Route
+
+    # kv: two heads, K and V parts, the route carries head 1 only; index_k: one head, one part.
+    kv_src, kv_dst = np.zeros((2, 16, 2, 32), np.uint8), np.zeros((2, 16, 1, 32), np.uint8)
+    ik_src, ik_dst = np.zeros((1, 16, 1, 8), np.uint8), np.zeros((1, 16, 1, 8), np.uint8)
+    src = {("kv", 3): buffer_region(kv_src, "kv", 3, (0, 2), 2), ("index_k", 3): buffer_region(ik_src, "index_k", 3,
+                                                                                              (0, 1), 1)}
+    dst = {("kv", 3): buffer_region(kv_dst, "kv", 3, (1, 2), 2), ("index_k", 3): buffer_region(ik_dst, "index_k", 3,
+                                                                                              (0, 1), 1)}
+    end = Endpoint(0, 0, 0)
+    routes = {3: [Route("kv", 3, end, end, (1, 2), 0), Route("index_k", 3, end, end, (0, 1), 0)]}
+    spans = [(3, 1, 5)]  # blocks 1-4 of each side's list
+    blocks = [[2, 3, 9, 10, 11, 0]]
+    by_pool = batch_pool_bytes(src, routes, spans)
+    assert by_pool == {"kv": 4 * 32 * 2, "index_k": 4 * 8}
+    assert sum(by_pool.values()) == batch_descriptors(src, dst, routes, spans, blocks, blocks).nbytes
+
+
 def test_split_pieces_covers_the_same_bytes_in_pieces_no_larger_than_asked():
     from connector.core.descriptors import Descriptors, split_pieces
 

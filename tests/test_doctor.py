@@ -19,6 +19,7 @@ from connector.protocol.messages import Hello
 from connector.transport.control import ControlServer
 from connector.transport.loop import LoopThread
 from connector.transport.ports import free_ports
+from tests.helpers import bare_side_channel
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "a-token-of-thirty-two-characters"
@@ -169,7 +170,7 @@ def side_channel():
         raise AssertionError("the probe sends no message after the handshake")
 
     loop = LoopThread("doctor-side-channel").start()
-    server = ControlServer(hello, on_message, port=free_ports(), auth_token=TOKEN, on_hello=on_hello)
+    server = ControlServer(hello, on_message, bare_side_channel(auth_token=TOKEN), port=free_ports(), on_hello=on_hello)
     loop.run(server.start(), 10)
     try:
         yield server.port, registered

@@ -17,7 +17,7 @@ from connector.protocol.messages import HEADER, PROTOCOL_VERSION, check_header
 from connector.transport.control import ControlServer, connect
 from connector.transport.ports import free_ports
 from tests.adversary import blocks, make_scenario
-from tests.helpers import log_records
+from tests.helpers import bare_side_channel, log_records
 from tests.test_control import hello
 
 pytestmark = [pytest.mark.timeout(120)]
@@ -60,14 +60,15 @@ async def test_a_token_that_differs_is_named_on_both_sides():
         return None
 
     with log_records(SERVER_LOG) as logged:
-        async with ControlServer(hello("prefill"), never, auth_token="the-prefill-token-of-32-characters") as srv:
+        async with ControlServer(hello("prefill"), never,
+                                 bare_side_channel(auth_token="the-prefill-token-of-32-characters")) as srv:
             with pytest.raises(ControlError, match="auth_token differs between prefill and decode: prefill's proof"):
-                await connect("127.0.0.1", srv.port, hello(), auth_token="the-decode-token-of-32-characters!",
-                              timeout=5)
+                await connect("127.0.0.1", srv.port, hello(),
+                              bare_side_channel(auth_token="the-decode-token-of-32-characters!"), timeout=5)
             with pytest.raises(ControlError, match="rejected the handshake: auth_token differs between prefill and "
                                                    "decode \\(bad auth token: this prefill requires auth_token and "
                                                    "the peer sent no proof\\)"):
-                await connect("127.0.0.1", srv.port, hello(), auth_token="", timeout=5)
+                await connect("127.0.0.1", srv.port, hello(), bare_side_channel(), timeout=5)
     closing = [r.getMessage() for r in logged if r.getMessage().startswith("closing")]
     assert len(closing) == 2, closing
     assert "decode engine eng-decode rank (0,1) refused this side's Hello: auth_token differs between prefill and " \
@@ -77,11 +78,12 @@ async def test_a_token_that_differs_is_named_on_both_sides():
 
 async def test_a_closed_port_is_unreachable():
     with pytest.raises(Unreachable, match="cannot connect to 127.0.0.1"):
-        await connect("127.0.0.1", free_ports(), hello(), timeout=2)
+        await connect("127.0.0.1", free_ports(), hello(), bare_side_channel(), timeout=2)
 
 
 def test_decode_says_cannot_reach_only_when_nothing_answered(open_rank, m3):
-    from connector.engine.config import ReceiverConfig, SideChannelConfig
+    from connector.engine.config import ReceiverConfig
+    from connector.transport.side_channel import SideChannelConfig
 
     sc = make_scenario(m3)
     decode = open_rank(sc.rank_spec("decode", (0, 0), run_id="decode"))
@@ -107,7 +109,8 @@ def test_decode_says_cannot_reach_only_when_nothing_answered(open_rank, m3):
         async def never(conn, msg) -> None:
             return None
 
-        async with ControlServer(prefill, never, auth_token="the-prefill-token-of-32-characters") as server:
+        async with ControlServer(prefill, never,
+                                 bare_side_channel(auth_token="the-prefill-token-of-32-characters")) as server:
             return await attempt(server.port)
 
     why = decode.run(refused(), 20)

@@ -1,4 +1,4 @@
-"""The layers of `connector/` (DESIGN.md, "Layers of the code"): each folder imports only from itself or a folder
+"""The layers of `connector/` (docs/architecture.md, "Layers"): each folder imports only from itself or a folder
 below it, there is no import cycle, and the heavy or framework imports stay where they belong. Read from the source
 with `ast` (every import, also those inside functions), so nothing is imported to check it."""
 
@@ -138,7 +138,7 @@ def tree() -> dict[str, list[tuple[str, int]]]:
 
 def test_every_folder_has_a_floor(tree):
     unknown = sorted({m.split(".")[1] for m in tree if m.count(".") >= 2 and folder(m) not in FLOORS})
-    assert not unknown, f"folders {unknown} have no floor in FLOORS: add them (and say why in DESIGN.md)"
+    assert not unknown, f"folders {unknown} have no floor in FLOORS: add them (and say why in docs/architecture.md)"
     loose = sorted(m for m in tree if m.count(".") == 1 and m.split(".")[1] not in FLOORS | {"__main__": 0})
     assert not loose, f"modules {loose} sit flat in connector/: put each in the folder of its layer"
 
@@ -193,7 +193,7 @@ def test_the_checks_catch_a_cycle_an_upward_arrow_and_a_misplaced_import(tmp_pat
 
 
 def test_every_public_exception_is_in_the_one_tree():
-    """One root (DESIGN.md): exception classes are declared in core/errors.py only, each under InputError or
+    """One root (connector/core/errors.py): exception classes are declared in core/errors.py only, each under InputError or
     PeerError (PlanError, a bug, directly under the root) and keeping its stdlib parent."""
     from connector.core import errors
 

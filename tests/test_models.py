@@ -208,6 +208,22 @@ def test_dsa_glm_and_deepseek_v3_with_indexer():
     _raises(r'unknown architecture "DeepseekV3ForCausalLM" .*without index_topk', model_from_config, v3, "v3")
 
 
+def test_an_unlisted_architecture_is_read_by_its_own_fields(tmp_path):
+    # A fine-tune or a new model class of a listed family's shape: MiniMax-M3's sparse_attention_config (top level or
+    # in text_config), DeepSeek-V3.2's MLA latent with an indexer. Sized exactly as the listed architectures.
+    m3 = _m3_top()
+    listed = model_from_config(m3, "m3")
+    m3["architectures"] = ["MyM3FineTuneForCausalLM"]
+    assert _pools(model_from_config(m3, "m3")) == _pools(listed)
+    flat = {"architectures": ["TinySparseM3ForCausalLM"], "model_type": "llama", "torch_dtype": "float32",
+            **_m3_text(num_layers=6, dense=2)}
+    assert model_from_config(flat, "tiny").pools["index_k"].layers == (2, 3, 4, 5)
+    dsa = _dsa(architectures=["MyDsaForCausalLM"], model_type="my_dsa")
+    assert _pools(model_from_config(dsa, "dsa")) == _pools(load_model("deepseek-v3.2"))
+    del dsa["index_topk"]  # an MLA model without an indexer is not recognised by its fields
+    _raises(r'unknown architecture "MyDsaForCausalLM" in <x>: supported are', model_from_config, dsa, "x")
+
+
 def test_dsa_fp8_needs_ds_mla_dims():
     msg = _raises(r"fp8_ds_mla", model_from_config, _dsa(kv_lora_rank=256), "d", "fp8")
     assert "kv_cache_dtype \"auto\"" in msg

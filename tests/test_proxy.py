@@ -270,7 +270,7 @@ async def test_round_robin_and_prefill_addr_follows_the_chosen_prefill(cluster) 
         assert status == 200 and body["choices"][0]["text"] == f"hello from d{i % 2}"
     for name in ("p0", "p1", "d0", "d1"):
         assert len(c.fakes.seen[name]) == 2
-    side = {p["kv_transfer_params"]["transfer_id"]: c.prefills[i].side_channel
+    side = {p["kv_transfer_params"]["transfer_id"]: c.prefills[i].side_channel_addr
             for i in (0, 1) for p in c.fakes.seen[f"p{i}"]}
     decoded = [d for name in ("d0", "d1") for d in c.fakes.seen[name]]
     assert {d["kv_transfer_params"]["transfer_id"] for d in decoded} == set(side)  # one transfer id per request

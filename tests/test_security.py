@@ -18,7 +18,8 @@ from connector.protocol.addressing import PrefillAddress
 from connector.protocol.messages import Abort, Heartbeat, Register, RegisterAck, RegisterError, Reject, Stopped
 from connector.sim.cluster import Cluster
 from connector.transport.control import ControlServer, connect
-from tests.adversary import TOKEN, TOKENS, Relay, Target, blocks, guess, make_scenario, send_frames
+from tests.adversary import TOKEN, TOKENS, WITH_TOKEN, Relay, Target, blocks, guess, make_scenario, send_frames
+from tests.helpers import bare_side_channel
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 RSS_SLACK = 150 * 2**20
@@ -104,7 +105,7 @@ def test_a_second_claim_of_a_live_identity_or_agent_is_refused(target, ranks):
     }
     for what, hello in spoofs.items():
         with pytest.raises(ControlError, match="already connected|names NIXL agent") as err:
-            run(connect("127.0.0.1", target.port, hello, auth_token=TOKEN, timeout=15), 20)
+            run(connect("127.0.0.1", target.port, hello, WITH_TOKEN, timeout=15), 20)
         assert "rejected the handshake" in str(err.value), what
     transfer(target, victim, receiver, "t-spoof-2", seed=3)
     assert untouched(mallory), "bytes landed in the attacker's memory"
@@ -121,7 +122,7 @@ def test_transfers_belong_to_the_engine_that_registered_them(target, ranks):
     target.wait_state("victim registered", lambda s: s["parked"] == 1)
 
     async def meddle() -> list:
-        conn = await connect("127.0.0.1", target.port, mallory.engine.hello, auth_token=TOKEN, timeout=10)
+        conn = await connect("127.0.0.1", target.port, mallory.engine.hello, WITH_TOKEN, timeout=10)
         try:
             await conn.send(Register("t-owned", 0, 0, blocks(mallory.spec.num_blocks, 5), 0, TOKENS))
             first = await conn.recv(10)
@@ -150,7 +151,7 @@ def test_an_unrelated_abort_before_registration_does_not_deny_the_transfer(targe
     target.compute("t-early-abort", index=6)
 
     async def abort() -> object:
-        conn = await connect("127.0.0.1", target.port, mallory.engine.hello, auth_token=TOKEN, timeout=10)
+        conn = await connect("127.0.0.1", target.port, mallory.engine.hello, WITH_TOKEN, timeout=10)
         try:
             await conn.send(Abort("t-early-abort", "not mine"))
             return await conn.recv(10)
@@ -171,8 +172,9 @@ def test_a_foreign_heartbeat_does_not_hold_kv_past_the_lease(target, ranks):
     began = time.monotonic()
 
     async def beat():
-        return await connect("127.0.0.1", target.port, mallory.engine.hello, auth_token=TOKEN, timeout=10,
-                             heartbeat_interval_s=0.2, heartbeat_ids=lambda: ["t-pinned"])
+        return await connect("127.0.0.1", target.port, mallory.engine.hello,
+                             bare_side_channel(auth_token=TOKEN, heartbeat_interval_s=0.2), timeout=10,
+                             heartbeat_ids=lambda: ["t-pinned"])
 
     conn = mallory.run(beat(), 20)
     try:
@@ -190,7 +192,7 @@ def test_prefill_never_hands_out_its_nixl_metadata_or_addresses(target, ranks):
 
     async def look() -> tuple:
         async with Relay(target.port) as relay:
-            conn = await connect("127.0.0.1", relay.port, mallory.engine.hello, auth_token=TOKEN, timeout=10)
+            conn = await connect("127.0.0.1", relay.port, mallory.engine.hello, WITH_TOKEN, timeout=10)
             peer = conn.peer
             await conn.aclose()
             return peer, bytes(relay.to_client)
@@ -208,7 +210,7 @@ def test_the_token_never_crosses_the_wire_and_a_recorded_handshake_does_not_repl
 
     async def record() -> Relay:
         async with Relay(target.port) as relay:
-            conn = await connect("127.0.0.1", relay.port, receiver.hello, auth_token=TOKEN, timeout=10)
+            conn = await connect("127.0.0.1", relay.port, receiver.hello, WITH_TOKEN, timeout=10)
             await conn.send(Heartbeat([]))
             await conn.aclose()
             return relay
@@ -238,7 +240,8 @@ def test_decode_checks_prefill_knows_the_token_before_sending_its_memory(open_ra
         async def never(conn, msg) -> None:
             return None
 
-        async with ControlServer(fake, never, auth_token=token) as server, Relay(server.port) as relay:
+        async with ControlServer(fake, never, bare_side_channel(auth_token=token)) as server, \
+                Relay(server.port) as relay:
             try:
                 await receiver.receive("t-fake", PrefillAddress("127.0.0.1", relay.port),
                                        blocks(victim.spec.num_blocks, 8), 0, TOKENS, timeout=10)
@@ -299,7 +302,8 @@ def test_register_without_the_token_is_refused_before_anything_is_kept(target, r
     victim, receiver, mallory = ranks
     for token in ("", "x" * 48):
         with pytest.raises(ControlError, match="bad auth token|proof of the auth_token is wrong"):
-            mallory.run(connect("127.0.0.1", target.port, mallory.engine.hello, auth_token=token, timeout=10), 20)
+            mallory.run(connect("127.0.0.1", target.port, mallory.engine.hello, bare_side_channel(auth_token=token),
+                                timeout=10), 20)
     assert target.state()["agents"] == 0
     assert_recovered(target, victim, receiver, "t-noauth-after")
 
@@ -309,7 +313,7 @@ def test_registration_ack_still_comes_for_a_parked_legitimate_registration(targe
     victim, receiver, _mallory = ranks
 
     async def register() -> object:
-        conn = await connect("127.0.0.1", target.port, receiver.hello, auth_token=TOKEN, timeout=10)
+        conn = await connect("127.0.0.1", target.port, receiver.hello, WITH_TOKEN, timeout=10)
         try:
             await conn.send(Register("t-parked-ok", 0, 0, blocks(victim.spec.num_blocks, 10), 0, TOKENS))
             return await conn.recv(10)

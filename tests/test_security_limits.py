@@ -22,7 +22,8 @@ from connector.protocol.handshake import plan_between
 from connector.protocol.messages import HEADER, PROTOCOL_VERSION, Register, RegisterAck, RegisterError, Reject
 from connector.sim.cluster import Cluster
 from connector.transport.control import connect
-from tests.adversary import TOKEN, TOKENS, Target, blocks, hello_frame, make_scenario, send_frames
+from tests.adversary import (TOKEN, TOKENS, WITH_TOKEN, Target, blocks, hello_frame, make_scenario,
+                             send_frames)
 from tests.test_security import RSS_SLACK, TARGET_CONFIG, assert_recovered, decode_config, target, transfer  # noqa: F401
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -96,8 +97,8 @@ def test_building_a_large_peer_plan_does_not_stall_the_loop(m3, open_rank):
     stop = asyncio.Event()
     ticking = prefill.loop.submit(ticker(stop, ticks))
     for tp in (0, 1):  # two ranks of the same engine: one plan
-        conn = big.run(connect("127.0.0.1", sender.port, msgspec.structs.replace(hello, tp_rank=tp),
-                               auth_token=TOKEN, timeout=30), 40)
+        conn = big.run(connect("127.0.0.1", sender.port, msgspec.structs.replace(hello, tp_rank=tp), WITH_TOKEN,
+                               timeout=30), 40)
         big.run(conn.aclose(), 10)
     prefill.loop.loop.call_soon_threadsafe(stop.set)
     ticking.result(10)
@@ -121,7 +122,7 @@ def test_waiting_registrations_are_bounded_per_connection(target, victim, open_r
     big_ids = [list(range(100_000))] * 2  # ~9.6 MB of Python objects each, parked
 
     async def flood(hello, make: list) -> list:
-        conn = await connect("127.0.0.1", target.port, hello, auth_token=TOKEN, timeout=10)
+        conn = await connect("127.0.0.1", target.port, hello, WITH_TOKEN, timeout=10)
         out = []
         try:
             for reg in make:
@@ -218,7 +219,7 @@ def test_peers_that_come_and_go_leave_nothing_behind(target, victim, open_rank):
         acked = 0
         for i in range(n):
             conn = await connect("127.0.0.1", target.port, msgspec.structs.replace(hello, engine_id=f"churn-{i}"),
-                                 auth_token=TOKEN, timeout=20)
+                                 WITH_TOKEN, timeout=20)
             await conn.send(Register(f"t-churn-{i}", 0, 0, blocks(mallory.spec.num_blocks, i), 0, TOKENS))
             acked += isinstance(await conn.recv(10), RegisterAck)
             await conn.aclose()

@@ -17,9 +17,10 @@ from connector.protocol.addressing import PrefillAddress
 from connector.protocol.messages import Register, RegisterError
 from connector.sim.buffers import pick_blocks
 from connector.sim.cluster import Cluster, Scenario
+from connector.sim.env import apply_env
 from connector.sim.rank import SimRank
 from connector.transport.control import connect
-from tests.helpers import scenario
+from tests.helpers import bare_side_channel, scenario
 
 pytestmark = pytest.mark.slow
 TOKENS, BLOCK = 64, 16
@@ -48,6 +49,7 @@ def prefill_cluster_and_decode(m3, cluster, open_rank):
 def sender_and_receiver(model, tag: str, *, lease_s: float = 120.0, staging_mb: int = 0):
     """A started StreamSender and a StreamReceiver, each on its own SimRank in this process (TP1/PP1), with staging
     buffers of `staging_mb` (one slot each). Yields (prefill, sender, port, decode, receiver); closes both ranks."""
+    apply_env()  # before the ranks' NIXL agents load (as the open_rank fixture does)
     sc = make_scenario(model, staging_mb=staging_mb)
     with SimRank(sc.rank_spec("prefill", (0, 0), run_id=f"test-{tag}")) as prefill, \
             SimRank(sc.rank_spec("decode", (0, 0), run_id=f"test-{tag}")) as decode:
@@ -82,7 +84,7 @@ def test_unknown_transfer_id_and_foreign_layer_are_refused(prefill_cluster_and_d
     start_prefill(cluster, "t-layers")
 
     async def register(port: int, **fields) -> object:
-        conn = await connect("127.0.0.1", port, receiver.hello, timeout=10)
+        conn = await connect("127.0.0.1", port, receiver.hello, bare_side_channel(), timeout=10)
         try:
             reg = dict(transfer_id="t-layers", dst_pp=0, dst_tp=0,
                        block_ids=pick_blocks(TOKENS, BLOCK, decode.spec.num_blocks, seed=2), first_token=0,
@@ -107,7 +109,7 @@ def test_incompatible_fingerprint_and_garbage_frames_leave_the_server_serving(pr
     sc, cluster, decode, receiver = prefill_cluster_and_decode()
     bad = msgspec.structs.replace(receiver.hello, fingerprint="0" * 16)
     with pytest.raises(ControlError, match="fingerprint mismatch: peer has 0000000000000000"):
-        decode.loop.run(connect("127.0.0.1", cluster.base_port, bad, timeout=10), 30)
+        decode.loop.run(connect("127.0.0.1", cluster.base_port, bad, bare_side_channel(), timeout=10), 30)
     for garbage in (b"\x00\x00\x00\x05\x00\x01hello", b"GET / HTTP/1.1\r\n\r\n", b"\xff" * 64):
         with socket.create_connection(("127.0.0.1", cluster.base_port), timeout=10) as s:
             s.sendall(garbage)
@@ -169,7 +171,7 @@ def test_decode_killed_mid_transfer_frees_the_sender_state(m3, cluster, open_ran
     ok = prefill.loop.run(sender.wait_finished(tid, 20), 25)
     assert ok is False
     assert time.monotonic() - began < 15
-    assert tid not in sender.requests and not sender._parked
+    assert tid not in sender.requests and not sender.ownership.parked
     assert prefill.transport.inflight_bytes == 0
 
 
@@ -367,7 +369,7 @@ def test_registration_after_prefill_for_an_unknown_transfer_is_refused_at_once(m
             decode.run(receiver.receive("t-gone", PrefillAddress("127.0.0.1", port), blocks, 0, TOKENS,
                                         after_prefill=True), 30)
         assert time.monotonic() - started < 5
-        assert "t-gone" not in sender._parked
+        assert "t-gone" not in sender.ownership.parked
         assert not any(bool(t.any()) for t in decode.bufs.tensors)
 
 
@@ -377,12 +379,54 @@ def test_decode_that_gives_up_before_prefill_starts_leaves_no_kv_held_for_the_le
     with sender_and_receiver(m3, "early-abort", lease_s=120.0) as (prefill, sender, port, decode, receiver):
         decode.run(receiver.abort_unregistered("t-early", PrefillAddress("127.0.0.1", port), "client left"), 10)
         deadline = time.monotonic() + 5
-        while "t-early" not in sender._given_up and time.monotonic() < deadline:
+        while "t-early" not in sender.ownership.given_up and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert "t-early" in sender._given_up, "prefill never heard of the abort"
+        assert "t-early" in sender.ownership.given_up, "prefill never heard of the abort"
         sender.start_request("t-early", TOKENS)
         sender.begin_chunk("t-early", pick_blocks(TOKENS, BLOCK, prefill.spec.num_blocks, seed=8), TOKENS)
         sender.end_chunk("t-early")
         started = time.monotonic()
         assert prefill.run(sender.wait_finished("t-early", 10), 15) is False  # released unsent, not kept
         assert time.monotonic() - started < 5 and "t-early" not in sender.requests
+
+
+def test_transfers_over_one_connection_leave_nothing_alive_on_it(m3):
+    """Retention: a decode connection lives as long as heartbeats keep it open, so what a transfer leaves on it
+    must go when the transfer does. 40 transfers over one connection (half registered before prefill started them,
+    half after) leave no SendRequest alive after gc.collect(), and no callback per transfer on the connection (the
+    sender cleans up once per connection when it closes, as httpcore's pool sweeps its closed connections)."""
+    import gc
+
+    from connector.engine.sender_state import SendRequest
+
+    n = 40
+    with sender_and_receiver(m3, "keep") as (prefill, sender, port, decode, receiver):
+        addr = PrefillAddress("127.0.0.1", port)
+        for i in range(n):
+            tid = f"t-keep-{i}"
+            blocks = pick_blocks(TOKENS, BLOCK, prefill.spec.num_blocks, seed=i)
+            dst = pick_blocks(TOKENS, BLOCK, decode.spec.num_blocks, seed=1000 + i)
+            got = None
+            if i % 2:  # decode first: the registration waits for prefill to start the request
+                got = decode.loop.submit(receiver.receive(tid, addr, dst, 0, TOKENS))
+                deadline = time.monotonic() + 15
+                while sender.parked_count == 0:
+                    assert time.monotonic() < deadline, f"{tid} never waited for its request"
+                    time.sleep(0.005)
+            sender.start_request(tid, TOKENS)
+            sender.begin_chunk(tid, blocks, TOKENS)
+            sender.end_chunk(tid)
+            if got is None:
+                decode.run(receiver.receive(tid, addr, dst, 0, TOKENS), 30)
+            else:
+                got.result(30)
+            assert prefill.run(sender.wait_finished(tid, 10), 15) is True
+        [conn] = sender.server.connections
+        assert sender.stats.sends_ok == n and not sender.requests and sender.parked_count == 0
+
+        def left() -> tuple[int, int]:
+            gc.collect()
+            alive = sum(1 for o in gc.get_objects() if type(o) is SendRequest and o.transfer_id.startswith("t-keep"))
+            return alive, len(conn.closed._callbacks or ())  # (asyncio's Future keeps its callbacks there)
+
+        assert prefill.run(asyncio.to_thread(left), 15) == (0, 1)  # the one: the server's end of the connection

@@ -10,7 +10,6 @@ import base64
 import collections
 import contextlib
 import hashlib
-import itertools
 import json
 import os
 import queue
@@ -24,17 +23,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from connector.core.errors import TransportError, WriteAbandoned
+from connector.sim.env import ENV_DEFAULTS, apply_env
+from connector.sim.raw_nixl import raw_write
+from connector.transport.nixl import Transport, TransportConfig, descs_array
+from tests.helpers import KiB, MiB, agent_name, pattern
+
 ROOT = Path(__file__).resolve().parents[1]
-ENV = {"UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "WARN", "THP_MEM_ALLOC_ENABLE": "1"}
-for _k, _v in ENV.items():  # this process hosts agents too
-    os.environ.setdefault(_k, _v)
-
-from connector.core.errors import TransportError, WriteAbandoned  # noqa: E402
-from connector.sim.raw_nixl import raw_write  # noqa: E402
-from connector.transport.nixl import Transport, TransportConfig, descs_array  # noqa: E402
-
-KiB, MiB = 1 << 10, 1 << 20
-_ids = itertools.count()
+apply_env()  # this process hosts agents too (NIXL loads with the first one)
 
 CHILD = r"""
 import asyncio, base64, hashlib, json, os, sys
@@ -83,7 +79,7 @@ class Peer:
     def __init__(self, name: str, size: int, vram: bool = False) -> None:
         # Keep any PYTHONPATH the caller set (the GPU machine installs nixl under it) and add the repo root.
         path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-        env = {**os.environ, **ENV, "PYTHONPATH": path}
+        env = {**os.environ, **ENV_DEFAULTS, "PYTHONPATH": path}
         self.name = name
         self.proc = subprocess.Popen(
             [sys.executable, "-c", CHILD, name, str(size), "1" if vram else "0"],
@@ -138,21 +134,13 @@ class Peer:
             self.kill()
 
 
-def _name(tag: str) -> str:
-    return f"tt-{tag}-{os.getpid()}-{next(_ids)}"
-
-
 @pytest.fixture(scope="module")
 def receiver():
-    peer = Peer(_name("recv"), 16 * MiB)
+    peer = Peer(agent_name("recv"), 16 * MiB)
     try:
         yield peer.hello()
     finally:
         peer.stop()
-
-
-def _pattern(n: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
 
 
 def _sha(a: np.ndarray) -> str:
@@ -167,8 +155,8 @@ async def test_scattered_write_is_byte_exact(receiver: Peer) -> None:
     import torch
 
     await receiver.call("zero")
-    src = torch.from_numpy(_pattern(4 * MiB, 1))
-    async with Transport(TransportConfig(_name("a"))) as a:
+    src = torch.from_numpy(pattern(4 * MiB, 1))
+    async with Transport(TransportConfig(agent_name("a"))) as a:
         a.register(src)
         peer = a.add_peer(receiver.md)
         assert peer == receiver.name
@@ -209,8 +197,8 @@ async def test_a_write_nixl_spreads_over_its_threads_is_byte_exact(receiver: Pee
 
     await receiver.call("zero")
     n, piece = 3000, 4 * KiB
-    src = torch.from_numpy(_pattern(n * piece, 7 + nixl_threads))
-    async with Transport(TransportConfig(_name(f"split{nixl_threads}"), nixl_threads=nixl_threads)) as a:
+    src = torch.from_numpy(pattern(n * piece, 7 + nixl_threads))
+    async with Transport(TransportConfig(agent_name(f"split{nixl_threads}"), nixl_threads=nixl_threads)) as a:
         assert a.agent.get_backend_params("UCX").get("num_threads", "0") == str(nixl_threads)
         a.register(src)
         peer = a.add_peer(receiver.md)
@@ -231,9 +219,9 @@ async def test_a_write_nixl_spreads_over_its_threads_is_byte_exact(receiver: Pee
 @pytest.mark.slow
 async def test_backpressure_never_exceeds_cap(receiver: Peer) -> None:
     cap, chunk, n = 1 * MiB, 256 * KiB, 32
-    src = _pattern(n * chunk, 3)
+    src = pattern(n * chunk, 3)
     await receiver.call("zero")
-    async with Transport(TransportConfig(_name("bp"), max_inflight_bytes=cap)) as a:
+    async with Transport(TransportConfig(agent_name("bp"), max_inflight_bytes=cap)) as a:
         a.register(src)
         peer = a.add_peer(receiver.md)
         base = src.ctypes.data
@@ -255,8 +243,8 @@ async def test_backpressure_never_exceeds_cap(receiver: Peer) -> None:
 
 @pytest.mark.slow
 async def test_posts_per_second_throttle(receiver: Peer) -> None:
-    src = _pattern(4 * KiB, 4)
-    async with Transport(TransportConfig(_name("thr"), posts_per_second=20)) as a:
+    src = pattern(4 * KiB, 4)
+    async with Transport(TransportConfig(agent_name("thr"), posts_per_second=20)) as a:
         a.register(src)
         peer = a.add_peer(receiver.md)
         t0 = time.monotonic()
@@ -267,7 +255,7 @@ async def test_posts_per_second_throttle(receiver: Peer) -> None:
     assert 0.3 <= elapsed < 5, elapsed
 
     # a write stuck behind the throttle times out as a TransportError, with nothing posted or held
-    async with Transport(TransportConfig(_name("thr1"), posts_per_second=1)) as a:
+    async with Transport(TransportConfig(agent_name("thr1"), posts_per_second=1)) as a:
         a.register(src)
         peer = a.add_peer(receiver.md)
         await a.write(peer, [(src.ctypes.data, 4 * KiB)], [(receiver.addr, 4 * KiB)])
@@ -278,8 +266,8 @@ async def test_posts_per_second_throttle(receiver: Peer) -> None:
 
 @pytest.mark.slow
 async def test_mismatched_descriptors_raise_before_posting(receiver: Peer) -> None:
-    src = _pattern(64 * KiB, 5)
-    async with Transport(TransportConfig(_name("mm"))) as a:
+    src = pattern(64 * KiB, 5)
+    async with Transport(TransportConfig(agent_name("mm"))) as a:
         a.register(src)
         peer = a.add_peer(receiver.md)
         p = src.ctypes.data
@@ -294,11 +282,11 @@ async def test_mismatched_descriptors_raise_before_posting(receiver: Peer) -> No
 
 @pytest.mark.slow
 async def test_killed_peer_raises_transport_error_without_hanging() -> None:
-    before, during = Peer(_name("v1"), 8 * MiB), Peer(_name("v2"), 64 * MiB)
+    before, during = Peer(agent_name("v1"), 8 * MiB), Peer(agent_name("v2"), 64 * MiB)
     try:
         before.hello(), during.hello()
-        src = _pattern(64 * MiB, 6)
-        async with Transport(TransportConfig(_name("k"))) as a:
+        src = pattern(64 * MiB, 6)
+        async with Transport(TransportConfig(agent_name("k"))) as a:
             a.register(src)
             p1, p2 = a.add_peer(before.md), a.add_peer(during.md)
 
@@ -360,11 +348,11 @@ async def test_an_abandoned_write_keeps_its_memory_until_nixl_ends_it_then_is_re
 
     monkeypatch.setattr(handle_cls, "release", counted)
     size = 64 * MiB
-    peer_proc = Peer(_name("stopped"), size)
+    peer_proc = Peer(agent_name("stopped"), size)
     try:
         peer_proc.hello()
-        src = _pattern(size, 11)
-        async with Transport(TransportConfig(_name("ab"))) as a:
+        src = pattern(size, 11)
+        async with Transport(TransportConfig(agent_name("ab"))) as a:
             a.register(src)
             peer = a.add_peer(peer_proc.md)
             await a.write(peer, [(src.ctypes.data, size)], [(peer_proc.addr, size)], timeout=30)
@@ -413,12 +401,12 @@ async def test_vram_write_between_two_processes() -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     size = 8 * MiB
-    recv = Peer(_name("gpu-recv"), size, vram=True)
+    recv = Peer(agent_name("gpu-recv"), size, vram=True)
     try:
         recv.hello(timeout=60)
-        src = torch.from_numpy(_pattern(size, 9)).to("cuda:0")
+        src = torch.from_numpy(pattern(size, 9)).to("cuda:0")
         torch.cuda.synchronize()
-        async with Transport(TransportConfig(_name("gpu"))) as a:
+        async with Transport(TransportConfig(agent_name("gpu"))) as a:
             a.register(src)
             peer = a.add_peer(recv.md)
             block = 256 * KiB

@@ -10,12 +10,15 @@ import pytest
 
 from connector.core.errors import TransportError
 from connector.transport.nixl import Transport, TransportConfig, descs_array
-from tests.test_transport import KiB, _name, _pattern  # also sets UCX_NET_DEVICES=lo for this process's agents
+from connector.sim.env import apply_env
+from tests.helpers import KiB, agent_name, pattern
+
+apply_env()  # this process hosts agents (NIXL loads with the first one)
 
 
 async def test_unknown_peer_raises_transport_error() -> None:
-    src = _pattern(8 * KiB, 7)
-    async with Transport(TransportConfig(_name("u"))) as a:
+    src = pattern(8 * KiB, 7)
+    async with Transport(TransportConfig(agent_name("u"))) as a:
         a.register(src)
         with pytest.raises(TransportError, match="nobody.*add_peer"):
             await a.write("nobody", [(src.ctypes.data, 4096)], [(0x1000, 4096)])
@@ -26,9 +29,9 @@ async def test_unknown_peer_raises_transport_error() -> None:
 
 
 async def test_close_is_idempotent_and_releases_everything() -> None:
-    src = _pattern(8 * KiB, 8)
-    a = Transport(TransportConfig(_name("c")))
-    async with Transport(TransportConfig(_name("other"))) as other:
+    src = pattern(8 * KiB, 8)
+    a = Transport(TransportConfig(agent_name("c")))
+    async with Transport(TransportConfig(agent_name("other"))) as other:
         other.register(src)
         async with a:
             a.register(src)
@@ -84,3 +87,22 @@ def test_descs_array_shapes() -> None:
         TransportConfig("x", progress_delay_us=0)
     with pytest.raises(ValueError, match="nixl_threads must be within 0..64, not 65"):
         TransportConfig("x", nixl_threads=65)
+
+
+def test_the_nixl_transport_is_what_the_engines_type_it_as() -> None:
+    """connector.transport.base.KVTransport (the engines' type for a transport) and the NIXL Transport agree on
+    every member: same kind (property or method), same signature."""
+    import inspect
+
+    from connector.transport.base import KVTransport
+
+    members = [n for n, v in vars(KVTransport).items() if not n.startswith("_") and (callable(v) or
+                                                                                    isinstance(v, property))]
+    assert sorted(members) == ["add_peer", "metadata", "name", "remove_peer", "write"]
+    for name in members:
+        want, got = inspect.getattr_static(KVTransport, name), inspect.getattr_static(Transport, name)
+        if isinstance(want, property):
+            assert isinstance(got, property), name
+        else:
+            assert inspect.signature(got, eval_str=True) == inspect.signature(want, eval_str=True), name
+            assert inspect.iscoroutinefunction(got) == inspect.iscoroutinefunction(want), name

@@ -4,22 +4,15 @@ end the agent's native threads even while the Transport object is still referenc
 from __future__ import annotations
 
 import asyncio
-import itertools
 import os
 import threading
 import time
 
-os.environ.setdefault("UCX_NET_DEVICES", "lo")
-os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+from connector.sim.env import apply_env
+from connector.transport.nixl import Transport, TransportConfig
+from tests.helpers import agent_name, cpu_ticks
 
-from connector.transport.nixl import Transport, TransportConfig  # noqa: E402
-from tests.helpers import cpu_ticks  # noqa: E402
-
-_ids = itertools.count()
-
-
-def _name(tag: str) -> str:
-    return f"tt-{tag}-{os.getpid()}-{next(_ids)}"
+apply_env()  # this process hosts agents (NIXL loads with the first one)
 
 
 def _thread_cpu_ticks() -> dict[str, int]:
@@ -37,7 +30,7 @@ async def test_idle_agent_does_not_spin_a_core() -> None:
     # that other tests in this pytest process left behind must not decide this test (CI once measured 26 %).
     before = set(_thread_cpu_ticks())
     main_tid = str(threading.get_native_id())
-    async with Transport(TransportConfig(_name("idle"))):
+    async with Transport(TransportConfig(agent_name("idle"))):
         await asyncio.sleep(0.2)
         mine = (set(_thread_cpu_ticks()) - before) | {main_tid}
         assert len(mine) > 1, "the transport started no threads of its own; the measurement would be empty"
@@ -50,12 +43,12 @@ async def test_idle_agent_does_not_spin_a_core() -> None:
 
 async def test_close_ends_the_agents_native_threads() -> None:
     """close() must destroy the nixl_agent (its progress and UCX threads) even while the Transport object lives."""
-    async with Transport(TransportConfig(_name("warm"))):  # the first agent may start process-wide UCX threads
+    async with Transport(TransportConfig(agent_name("warm"))):  # the first agent may start process-wide UCX threads
         pass
     base = len(_thread_cpu_ticks())
     kept = []
     for i in range(6):
-        t = Transport(TransportConfig(_name(f"threads{i}")))
+        t = Transport(TransportConfig(agent_name(f"threads{i}")))
         async with t:
             assert len(_thread_cpu_ticks()) > base
         kept.append(t)

@@ -97,6 +97,10 @@ def test_tp1_to_tp1_by_module_path(pool, m3_dir):
         # each WRITE is one NIXL post here (no staging), timed twice: its post, and post to completion
         assert len(p["post_seconds"]) == len(p["transfer_seconds"]) == p["writes"] and p["staged_chunks"] == 0
         assert (d["bytes_received"], d["recvs_ok"], d["recvs_failed"], len(d["recv_seconds"])) == (sent, 1, 0, 1)
+        # by pool, both sides agree and add up: the main KV and the index keys of the six sparse layers
+        by_pool = {pool: p[f"bytes_sent_{pool}"] for pool in ("kv", "index_k", "index_v")}
+        assert by_pool == {pool: d[f"bytes_received_{pool}"] for pool in by_pool} and sum(by_pool.values()) == sent
+        assert by_pool["index_k"] > 0 and by_pool["index_v"] == 0  # vLLM 0.33's M3 keeps no index value
         summary = trace.kv_stats[pair.P.name].aggregate(trace.kv_stats[pair.D.name]).reduce()
         assert summary["sent_MB"] == summary["received_MB"] == round(sent / 1e6, 3) and summary["recvs_ok"] == 1
 

@@ -149,6 +149,17 @@ def test_refuses_what_it_cannot_vouch_for(tmp_path):
     assert layers == [3, 6]
     assert reason == ("the layer also holds <layer>.index_value_cache, which MiniMaxM3SparseAttention._run_attention "
                       "does not write")
+    # A model whose indexer owns its index-value cache (`indexer.index_value_cache`, as tests/sparse_model's does):
+    # the method's layer writes it, so those layers get their signal too, the value cache included.
+    S.uninstall(result)
+    for layer in (3, 6):
+        name = f"{H.layer_prefix(cfg)}.layers.{layer}.self_attn.attn"
+        modules[name].indexer.index_value_cache = modules[f"{name}.index_value_cache"]
+    result = install(modules, layer_of, [])
+    assert [i.global_layer for i in result.installed] == [2, 3, 4, 5, 6, 7] and not result.skipped
+    assert [i.cache_names for i in result.installed if i.global_layer == 3] == [
+        tuple(f"{H.layer_prefix(cfg)}.layers.3.self_attn.attn{suffix}" for suffix in ("", ".index_cache",
+                                                                                    ".index_value_cache"))]
 
 
 def test_falls_back_when_this_vllm_cannot_do_it(m3_cfg, monkeypatch):

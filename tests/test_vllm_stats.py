@@ -49,6 +49,15 @@ def test_aggregate_sums_ranks_and_survives_the_process_boundary():
     assert merged.data["bytes_sent"] == 4000 and merged.data["sends_ok"] == 1 and merged.data["writes"] == 4
     assert merged.reduce() == {"sent_MB": 0.004, "streamed_pct": 50.0, "writes": 4, "descriptors": 20,
                                "sends_ok": 1, "sends_failed": 0}
+    # The index pools' share appears in the line only for a model that has them (bytes by pool, both directions).
+    sparse = _prefill_step(4_000_000, 0, ok=1)
+    sparse.add(bytes_sent_kv=3_000_000, bytes_sent_index_k=800_000, bytes_sent_index_v=200_000,
+               bytes_received=4_000_000, bytes_received_kv=3_000_000, bytes_received_index_k=800_000,
+               bytes_received_index_v=200_000, recvs_ok=1)
+    line = sparse.reduce()
+    assert (line["sent_index_k_MB"], line["sent_index_v_MB"]) == (0.8, 0.2)
+    assert (line["received_index_k_MB"], line["received_index_v_MB"]) == (0.8, 0.2)
+    assert "sent_kv_MB" not in line
     expired = SparseKVConnector.build_kv_connector_stats({"sends_failed": 1, "sends_expired": 1})
     assert merged.aggregate(expired).reduce()["sends_expired"] == 1
     # a payload from a peer that lacks some keys still aggregates

@@ -181,7 +181,7 @@ def make_instance(pool: Pool, first_worker: int, model_dir, *, role: str, tp: in
         assert info["layout"] == "LBHNC" or cfg.model_config.use_mla, info
         assert info["connector"] == "connector.vllm.connector.SparseKVConnector"
         if role == "kv_producer":
-            assert handshakes[rank].side_channel == f"127.0.0.1:{base_port + rank[0] * tp + rank[1]}"
+            assert handshakes[rank].side_channel_addr == f"127.0.0.1:{base_port + rank[0] * tp + rank[1]}"
     aggregator = KVOutputAggregator.from_connector(sched.connector, tp * pp)  # as vLLM's executor builds it
     assert aggregator._expected_finished_count == tp * pp  # a request is done once EVERY rank reported it
     return Instance(name, tp, pp, cfg, sched, workers, infos, aggregator, H.free_block_count(sched))

@@ -179,7 +179,7 @@ class Rank:
     def parked(self, transfer_id: str) -> bool:
         """Prefill: a registration for `transfer_id` arrived and waits for the request to start."""
         sender = getattr(getattr(self.connector, "_worker", None), "sender", None)
-        return sender is not None and transfer_id in sender._parked
+        return sender is not None and transfer_id in sender.ownership.parked
 
     def sender_stats(self) -> dict[str, int]:
         worker = getattr(self.connector, "_worker", None)

@@ -41,7 +41,8 @@ def field_docs(cls: type) -> dict[str, str]:
 
 def setting_docs() -> dict[str, str]:
     """ConnectorSettings' own docstrings, else the engine's for the field of the same name."""
-    from connector.engine.config import ReceiverConfig, SenderConfig, SideChannelConfig
+    from connector.engine.config import ReceiverConfig, SenderConfig
+    from connector.transport.side_channel import SideChannelConfig
     from connector.transport.limits import ServerLimits
     from connector.transport.nixl.settings import TransportConfig
     from connector.vllm.config import ConnectorSettings

@@ -1,6 +1,6 @@
 """What a model keeps per token and what one rank holds of it. Pure data, no I/O.
 
-Three pools (DESIGN.md):
+Three pools (README, first table):
   kv       the main paged K/V cache (or the MLA latent) of every layer;
   index_k  the sparse-attention index keys / indexer keys, sparse layers only;
   index_v  the index values of the sparse layers that keep one.

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 from connector.core.descriptors import Descriptors, batch_descriptors, batch_pool_bytes
 from connector.core.layout import blocks_for
@@ -21,6 +21,7 @@ from connector.engine.rank import LocalRank
 from connector.engine.sender_state import Destination, SendRequest
 from connector.engine.staging import StagedWriter
 from connector.engine.stats import SenderStats
+from connector.transport.base import KVTransport
 
 
 @dataclass
@@ -42,7 +43,7 @@ class BatchTimes:
 @dataclass
 class BatchWriter:
     me: LocalRank
-    transport: Any
+    transport: KVTransport
     config: SenderConfig
     stats: SenderStats
     staged: StagedWriter | None = None

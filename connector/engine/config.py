@@ -1,12 +1,15 @@
-"""Settings of the two engines and their defaults, in one place. The side channel is the same on both sides, so
-its settings are one object that both configs hold. `connector.vllm.config.ConnectorSettings` (the operator's
+"""Settings of the two engines and their defaults, in one place. The side channel is the same on both sides: its
+settings are one object (`SideChannelConfig`, defined where the side channel is: connector.transport.side_channel)
+that both configs hold and hand on whole. `connector.vllm.config.ConnectorSettings` (the operator's
 `kv_connector_extra_config`) takes its defaults from here and builds these objects."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from connector.transport.limits import ServerLimits
+from connector.transport.side_channel import SideChannelConfig
+
+__all__ = ["ReceiverConfig", "SenderConfig", "SideChannelConfig", "default_staging_mb", "lost_source_hold_s"]
 
 
 STAGING_MB_CUDA = 256
@@ -23,31 +26,6 @@ compute about 1.6x slower and the exposed time longer. `staging_mb` still turns 
 def default_staging_mb(cuda: bool) -> int:
     """The staging buffer a worker gets unless configured (`staging_mb`; 0 turns staging off)."""
     return STAGING_MB_CUDA if cuda else STAGING_MB_CPU
-
-
-@dataclass(frozen=True)
-class SideChannelConfig:
-    """The TCP side channel between a prefill and a decode rank (connector.transport.control)."""
-
-    auth_token: str = ""
-    """Shared secret both sides prove they hold in the handshake (challenge-response, never sent:
-    connector.protocol.auth); empty = no authentication (a warning is logged when prefill then listens on an address
-    other hosts can reach)."""
-    handshake_timeout_s: float = 10.0
-    """Connecting and the whole handshake, each way."""
-    heartbeat_interval_s: float = 2.0
-    dead_after_s: float = 15.0
-    """A peer silent for this long is treated as dead (a few heartbeat intervals)."""
-    tls_cert_file: str = ""
-    tls_key_file: str = ""
-    """Prefill: PEM certificate and key; set both to serve the side channel over TLS (connector.transport.tls)."""
-    tls_ca_file: str = ""
-    """Decode: PEM CA bundle; set it to connect over TLS and verify prefill's certificate and host."""
-    limits: ServerLimits = field(default_factory=ServerLimits)
-    """Prefill: connections, frame sizes, message rate and failed authentications (connector.transport.limits)."""
-    max_peer_ranks: int = 256
-    """The most ranks (tp_size x pp_size) a peer engine may claim; a larger claim is refused before any plan is
-    built (a plan's cost grows with the peer's ranks)."""
 
 
 @dataclass(frozen=True)

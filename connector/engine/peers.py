@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Callable
+from typing import Callable
 
 from connector.core.errors import PeerRefused
 from connector.core.layout import ModelLayout
@@ -19,6 +19,7 @@ from connector.engine.config import SenderConfig
 from connector.engine.plans import PlanCache
 from connector.protocol.handshake import AcceptedPeer, PeerKey, accept_peer, check_peer_layout, peer_key
 from connector.protocol.messages import Hello
+from connector.transport.base import KVTransport
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ class PeerInfo:
 
 
 class PeerTable:
-    def __init__(self, transport: Any, own: Hello, model: ModelLayout, rank: Rank, config: SenderConfig,
+    def __init__(self, transport: KVTransport, own: Hello, model: ModelLayout, rank: Rank, config: SenderConfig,
                  on_release: Callable[[PeerInfo], None] = lambda info: None) -> None:
         self.transport, self.own, self.model, self.rank, self.config = transport, own, model, rank, config
         self.on_release = on_release

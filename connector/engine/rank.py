@@ -11,6 +11,7 @@ from connector.core.errors import ConfigError
 from connector.core.layout import ModelLayout, ParallelLayout, Region
 from connector.core.plan import Rank
 from connector.protocol.messages import Hello, Role
+from connector.transport.base import KVTransport
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ class LocalRank:
     def staging_device(self) -> int:
         return (self.staging.device.index or 0) if self.staging is not None else 0
 
-    def hello(self, role: Role, transport: Any) -> Hello:
+    def hello(self, role: Role, transport: KVTransport) -> Hello:
         """This rank's Hello, memory included; `transport` (a connector.transport.nixl.Transport) gives the NIXL
         agent's name and metadata, so build it after every region is registered. (The handshake sends the memory
         only where the protocol needs it: connector.protocol.auth.)"""

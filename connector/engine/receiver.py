@@ -1,46 +1,34 @@
 """Receiving side (decode rank): registers its blocks with every prefill rank the plan names, then waits for a
 completion from each. Framework-agnostic asyncio on the process's one event loop.
 
-A prefill engine is known by the address of its rank (0, 0); the other ranks listen where
-`connector.protocol.addressing` says. Rank (0, 0)'s Hello tells the prefill layout, from which the plan, and so the
-sources of this rank, follow.
-
-Blocks are handed back only once every source writes nothing more into them. A source says so (Complete, Stopped,
-Abort, RegisterError) over its side channel. When that connection is lost instead (a cut link, a silent peer),
-NIXL's WRITEs on prefill may still be running and land later: decode cannot stop them (it gets no NIXL error, and
-dropping its side of the connection does not stop them either; measured). So it asks again over a new connection
-(`_confirm_stopped`) until the source answers, is gone (connection refused: its process, and with it its
-connections, died), or `lost_source_hold_s` has passed, by which time UCX's TCP user timeout on prefill has ended
-every WRITE still stuck on the dead link.
+The prefill engines themselves, their connections and the confirmation that a lost source stopped writing are
+connector.engine.sources' (the mirror of the sender's connector.engine.peers); this module keeps the transfers:
+what each waits for, the messages about them, and the staged chunks' scatter. Blocks are handed back only once every
+source writes nothing more into them (`_Pending.stopped`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
-from connector.core.errors import (ConnectorError, ControlError, LayoutError, PeerError, StagingError, TransferFailed,
-                                   Unreachable)
+from connector.core.errors import ConnectorError, ControlError, PeerError, StagingError, TransferFailed, Unreachable
 from connector.core.layout import Region
-from connector.core.plan import Rank, TransferPlan
+from connector.core.plan import Rank
 from connector.core.staging_ranges import allowed_ranges
 from connector.engine.config import ReceiverConfig
 from connector.engine.rank import LocalRank
+from connector.engine.sources import SourceEngine, SourceTable
 from connector.engine.staging import StagedReader
-from connector.engine.plans import PlanCache
 from connector.protocol.addressing import PrefillAddress
-from connector.protocol.handshake import accept_peer, check_peer_layout, layout_key
 from connector.protocol.messages import (MAX_TRANSFER_ID, Abort, Complete, Error, Register, RegisterAck,
                                          RegisterError, Scatter, Scattered, Stopped)
-from connector.transport.control import ControlConnection, connect
+from connector.transport.base import KVTransport
+from connector.transport.control import ControlConnection
 from connector.transport.loop import OwnedTasks
-from connector.transport.tls import client_context
 
 log = logging.getLogger(__name__)
 
@@ -57,22 +45,9 @@ class ReceiveResult:
 
 
 @dataclass
-class _Engine:
-    address: PrefillAddress
-    plan: TransferPlan
-    conns: dict[Rank, ControlConnection] = field(default_factory=dict)
-    readers: list[asyncio.Task] = field(default_factory=list)
-    areas: dict[Rank, tuple[int, int]] = field(default_factory=dict)
-    """(offset, bytes) of the staging area per prefill rank connection (absent: that rank writes directly)."""
-
-    def port_of(self, src: Rank) -> int:
-        return self.address.port_of(src, self.plan.prefill.tp)
-
-
-@dataclass
 class _Pending:
     transfer_id: str
-    engine: _Engine
+    engine: SourceEngine
     completes: dict[Rank, asyncio.Future]
     """Per source: its Complete, or an exception."""
     stopped: dict[Rank, asyncio.Future]
@@ -95,7 +70,7 @@ class _Pending:
 
 
 class StreamReceiver:
-    def __init__(self, me: LocalRank, transport: Any, config: ReceiverConfig) -> None:
+    def __init__(self, me: LocalRank, transport: KVTransport, config: ReceiverConfig) -> None:
         """`transport`: this rank's connector.transport.nixl.Transport, with `me.regions` (and `me.staging`, if
         any) registered; prefill ranks WRITE into them (decode posts nothing itself). With a staging buffer, prefill
         ranks that have one too send scattered blocks as staged chunks (connector.engine.staging)."""
@@ -103,96 +78,35 @@ class StreamReceiver:
         self._staged = StagedReader(me, config.staging_slot_bytes)
         """The areas of this rank's staging buffer, one per prefill rank connection, and the staged chunks' scatter."""
         self.hello = me.hello("decode", transport)
-        self._ssl = client_context(config.side_channel.tls_ca_file)
-        self._plans = PlanCache(me.model, self.hello)
-        self._engines: dict[PrefillAddress, _Engine] = {}
-        self._connecting: dict[PrefillAddress, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._pending: dict[str, _Pending] = {}
-        self._confirming: dict[tuple[int, Rank], asyncio.Task] = {}
-        """Lost sources being asked whether they still write (`_confirm_stopped`)."""
         self._tasks = OwnedTasks(f"decode rank {me.rank}")
+        self.sources = SourceTable(self.hello, me.model, config, self._staged, self._tasks, self)
+        """The prefill engines this rank receives from (connector.engine.sources)."""
 
     @property
     def busy(self) -> dict[str, int]:
         """Transfers still waiting, and lost prefill ranks still being asked whether they write (0 and 0: idle)."""
-        return {"pending": len(self._pending), "confirming": len(self._confirming)}
+        return {"pending": len(self._pending), "confirming": len(self.sources.confirming)}
 
     async def aclose(self) -> None:
         """Close every side-channel connection; every reader task is cancelled and awaited."""
-        for engine in list(self._engines.values()):
-            await self._drop_engine(engine, "receiver closed")
+        await self.sources.aclose()
         await self._tasks.aclose()
 
-    # ---- connections -----------------------------------------------------------------------------------------
-    async def _connect(self, address: PrefillAddress, port: int, timeout: float | None = None) -> ControlConnection:
-        side = self.config.side_channel
-        return await connect(address.host, port, self.hello, auth_token=side.auth_token, ssl_context=self._ssl,
-                             timeout=timeout or side.handshake_timeout_s,
-                             heartbeat_interval_s=side.heartbeat_interval_s, dead_after_s=side.dead_after_s,
-                             heartbeat_ids=lambda p=port: self._wanted_from(address, p))
-
-    def _wanted_from(self, address: PrefillAddress, port: int) -> list[str]:
+    # ---- what the sources ask (connector.engine.sources.Transfers) --------------------------------------------
+    def wanted_from(self, address: PrefillAddress, port: int) -> list[str]:
         """Transfers still waiting on the prefill rank at `port`: heartbeats extend their leases there."""
         return [p.transfer_id for p in self._pending.values() if p.engine.address == address
                 and any(not f.done() and p.engine.port_of(src) == port for src, f in p.completes.items())]
 
-    async def _engine(self, address: PrefillAddress) -> _Engine:
-        async with self._connecting[address]:
-            engine = self._engines.get(address)
-            if engine is not None:
-                return engine
-            first = await self._connect(address, address.port)
-            engine = None
-            try:
-                # A prefill's claimed layout is checked before the plan is built, off the loop (a fake prefill
-                # claiming thousands of ranks must not stall this process).
-                check_peer_layout(first.peer, self.hello, self.me.model, self.config.side_channel.max_peer_ranks)
-                plan = await self._plans.plan_for(first.peer)
-                engine = _Engine(address, accept_peer(first.peer, self.hello, self.me.model, plan).plan)
-                # Every prefill rank, also those the plan routes nothing from to this rank: each must hear of
-                # every transfer to release its blocks at once (see StreamSender._validate).
-                for src in engine.plan.prefill.ranks():
-                    port = engine.port_of(src)
-                    conn = first if port == address.port else await self._connect(address, port)
-                    if (conn.peer.pp_rank, conn.peer.tp_rank) != src:
-                        raise LayoutError(f"{address.host}:{port} is prefill rank ({conn.peer.pp_rank},"
-                                          f"{conn.peer.tp_rank}), expected {src}: ranks must listen on "
-                                          f"port + pp * tp_size + tp")
-                    if layout_key(conn.peer) != layout_key(first.peer):
-                        raise LayoutError(f"{address.host}:{port} describes another prefill layout than rank (0, 0) "
-                                          f"does: all ranks of one prefill engine must run the same configuration")
-                    accept_peer(conn.peer, self.hello, self.me.model, engine.plan)
-                    engine.conns[src] = conn
-                    # none left: this rank writes directly, which is always correct
-                    area = self._staged.take_area(len(engine.plan.prefill.ranks()))
-                    if area is not None:
-                        engine.areas[src] = area
-                    engine.readers.append(self._tasks.spawn(self._read(engine, src, conn), name=f"read {src}"))
-            except BaseException:
-                await first.aclose("handshake checks failed")
-                if engine is not None:
-                    await self._drop_engine(engine, "handshake checks failed")
-                raise
-            self._engines[address] = engine
-            return engine
+    def stop_waits(self, engine: SourceEngine, src: Rank) -> dict[str, asyncio.Future]:
+        """Transfers through `engine` (those connections, not a later one to the same address) still waiting for
+        `src` to stop, with the future that says it has."""
+        return {p.transfer_id: p.stopped[src] for p in self._pending.values() if p.engine is engine
+                and src in p.stopped and not p.stopped[src].done()}
 
-    async def _drop_engine(self, engine: _Engine, reason: str) -> None:
-        """Stop talking to that prefill engine: its readers are cancelled and awaited (all but the caller, when a
-        reader drops it on its way out), its connections closed, its staging areas given back."""
-        if self._engines.get(engine.address) is engine:
-            del self._engines[engine.address]
-        readers, engine.readers = engine.readers, []
-        await self._tasks.cancel(readers, timeout_s=10.0)
-        for conn in engine.conns.values():
-            await conn.aclose(reason)
-        for src, conn in engine.conns.items():
-            self._confirm_later(engine, src, conn)  # (a source some transfer still waits on keeps its area)
-        # The others confirmed they stopped and the readers are done, so no staged chunk lands in these areas now.
-        areas, engine.areas = engine.areas, {}
-        for area in areas.values():
-            self._staged.give_back(area)
-
-    async def _read(self, engine: _Engine, src: Rank, conn: ControlConnection) -> None:
+    # ---- messages from the sources -------------------------------------------------------------------------------
+    async def read_source(self, engine: SourceEngine, src: Rank, conn: ControlConnection) -> None:
         """Prefill rank `src` -> this rank, in order, one method per message, until the connection closes."""
         async for msg in conn:
             match msg:
@@ -219,7 +133,7 @@ class StreamReceiver:
                 # Failed now; stopped only once confirmed (see the module docstring).
                 pend.source_failed(src, TransferFailed(f"prefill rank {src} at {conn.address} went away before "
                                                        f"completing {pend.transfer_id!r}: {reason}"), stopped=False)
-        await self._drop_engine(engine, f"prefill rank {src} went away")
+        await self.sources.drop(engine, f"prefill rank {src} went away")
 
     def _waiting(self, src: Rank, msg: Complete | RegisterError | Abort | Stopped) -> _Pending | None:
         """The transfer `msg` is about, if it still waits on `src`."""
@@ -244,7 +158,7 @@ class StreamReceiver:
         if pend is not None:
             pend.source_failed(src, TransferFailed(f"prefill rank {src} {why}"), stopped=True)
 
-    async def _on_scatter(self, engine: _Engine, src: Rank, conn: ControlConnection, msg: Scatter) -> None:
+    async def _on_scatter(self, engine: SourceEngine, src: Rank, conn: ControlConnection, msg: Scatter) -> None:
         """Scatter a staged chunk from this source's staging area (connector.engine.staging) and answer Scattered
         either way: its slot is free again then. In line: a Complete that follows on this connection is dispatched
         only after every chunk before it is in place."""
@@ -262,7 +176,7 @@ class StreamReceiver:
         except ControlError as exc:
             log.warning("could not answer staged chunk %d of %s: %s", msg.seq, msg.transfer_id, exc)
 
-    async def _scatter(self, engine: _Engine, src: Rank, pend: _Pending, msg: Scatter) -> Scattered:
+    async def _scatter(self, engine: SourceEngine, src: Rank, pend: _Pending, msg: Scatter) -> Scattered:
         """Scatter one chunk of a transfer being received; a chunk refused or failed fails the transfer from this
         source at once (prefill hears why in the answer, and stops)."""
         try:
@@ -296,7 +210,7 @@ class StreamReceiver:
             raise TransferFailed(f"transfer id of {len(transfer_id)} characters is longer than the side channel's "
                                  f"{MAX_TRANSFER_ID}: use a shorter id")
         try:
-            engine = await self._engine(prefill)
+            engine = await self.sources.engine(prefill)
         except Unreachable as exc:  # nothing answered at that address
             raise TransferFailed(f"cannot reach prefill {prefill} for {transfer_id!r}: {exc}") from exc
         except ConnectorError as exc:  # it answered: a refused handshake, or a layout that does not fit ours
@@ -354,7 +268,7 @@ class StreamReceiver:
     async def abort_unregistered(self, transfer_id: str, prefill: PrefillAddress, reason: str) -> None:
         """Decode gave up on a transfer before registering it: tell every prefill rank, so it frees the request's
         blocks now instead of after its lease. Nothing was registered, so nothing can land here."""
-        engine = await self._engine(prefill)
+        engine = await self.sources.engine(prefill)
         for src, conn in engine.conns.items():
             try:
                 await conn.send(Abort(transfer_id, reason))
@@ -367,7 +281,7 @@ class StreamReceiver:
             if src not in pend.stopped or pend.stopped[src].done():
                 continue
             if conn.is_closed:
-                self._confirm_later(pend.engine, src, conn)
+                self.sources.confirm_later(pend.engine, src, conn)
                 continue
             try:
                 await conn.send(Abort(pend.transfer_id, reason))
@@ -380,62 +294,3 @@ class StreamReceiver:
                 late = sorted(src for src, f in pend.stopped.items() if not f.done())
                 log.error("transfer %s: prefill ranks %s did not confirm they stopped writing within %.0f s; "
                           "handing the blocks back anyway", pend.transfer_id, late, self.config.stop_timeout_s)
-
-    # ---- sources lost before they confirmed -------------------------------------------------------------------
-    def _waiting_on(self, engine: _Engine, src: Rank) -> list[_Pending]:
-        """Transfers through `engine` (those connections, not a later one to the same address) still waiting for
-        `src` to stop."""
-        return [p for p in self._pending.values() if p.engine is engine and src in p.stopped
-                and not p.stopped[src].done()]
-
-    def _confirm_later(self, engine: _Engine, src: Rank, lost: ControlConnection) -> None:
-        """Start `_confirm_stopped` for `src` if a transfer waits on it and none runs; it takes the source's area."""
-        key = (id(engine), src)  # (the task holds `engine`, so its id stays unique meanwhile)
-        if key in self._confirming or not self._waiting_on(engine, src):
-            return
-        area = engine.areas.pop(src, None)
-        self._confirming[key] = self._tasks.spawn(self._confirm_stopped(engine, src, lost, area),
-                                                  name=f"confirm {src}")
-
-    async def _confirm_stopped(self, engine: _Engine, src: Rank, lost: ControlConnection,
-                               area: tuple[int, int] | None) -> None:
-        """Ask prefill rank `src` over new connections, until `lost_source_hold_s`, to confirm it writes nothing
-        more for the transfers still waiting on it (Abort -> Stopped, which it answers once no WRITE of the
-        transfer runs). Then they count as stopped, and the source's staging area is free again."""
-        hold_s, address, port = self.config.lost_source_hold_s, engine.address, engine.port_of(src)
-        deadline = time.monotonic() + hold_s
-        why = f"no answer within lost_source_hold_s={hold_s:g} s"
-        try:
-            while self._waiting_on(engine, src) and (left := deadline - time.monotonic()) > 0:
-                try:
-                    conn = await self._connect(address, port, min(left, self.config.side_channel.handshake_timeout_s))
-                except ControlError as exc:
-                    if isinstance(exc.__cause__, ConnectionRefusedError):
-                        why = "its process is gone (connection refused)"
-                        break
-                    await asyncio.sleep(min(1.0, max(0.0, deadline - time.monotonic())))  # unreachable: again
-                    continue
-                async with conn:
-                    if conn.peer.agent_name != lost.peer.agent_name:
-                        why = f"it restarted (agent {conn.peer.agent_name}, was {lost.peer.agent_name})"
-                        break
-                    try:
-                        await self._ask_stopped(conn, engine, src, deadline)
-                    except (ControlError, TimeoutError):
-                        continue  # lost again, or the hold is over
-        finally:
-            for pend in self._waiting_on(engine, src):
-                log.warning("transfer %s: prefill rank %s counts as stopped: %s", pend.transfer_id, src, why)
-                pend.stopped[src].set_result(None)
-            if area is not None:
-                self._staged.give_back(area)
-            self._confirming.pop((id(engine), src), None)
-
-    async def _ask_stopped(self, conn: ControlConnection, engine: _Engine, src: Rank, deadline: float) -> None:
-        for pend in self._waiting_on(engine, src):
-            await conn.send(Abort(pend.transfer_id, "decode lost its connection; confirm nothing more is written"))
-        while (waiting := {p.transfer_id: p for p in self._waiting_on(engine, src)}):
-            msg = await conn.recv(max(0.0, deadline - time.monotonic()))
-            if isinstance(msg, (Stopped, Complete, Abort, RegisterError)) and msg.transfer_id in waiting:
-                log.info("transfer %s: prefill rank %s confirmed it writes nothing more", msg.transfer_id, src)
-                waiting[msg.transfer_id].stopped[src].set_result(None)

@@ -14,31 +14,31 @@ import time
 from collections import deque
 from typing import Any, Callable
 
-from connector.core.errors import WriteAbandoned
+from connector.core.errors import InputError, WriteAbandoned
 from connector.core.plan import fold_ranges
 from connector.engine.batch_writer import BatchWriter
 from connector.engine.config import SenderConfig
+from connector.engine.ownership import Ownership
 from connector.engine.peers import PeerTable
 from connector.engine.rank import LocalRank
-from connector.engine.sender_inbound import InboundMixin
-from connector.engine.sender_state import (Destination, FinishedInfo, Parked, PeerInfo, RecentIds, SendRequest,
-                                          lease_expiry_note)
+from connector.engine.sender_state import Destination, FinishedInfo, PeerInfo, SendRequest, lease_expiry_note
 from connector.engine.stats import SenderStats
 from connector.protocol.handshake import PeerKey
-from connector.protocol.messages import Abort, Complete, RegisterError
+from connector.protocol.messages import (Abort, Complete, Heartbeat, Message, Register, RegisterAck, RegisterError,
+                                         Scattered, Stopped)
+from connector.transport.base import KVTransport
 from connector.transport.control import ControlConnection, ControlServer
 from connector.transport.loop import OwnedTasks, wait_out
-from connector.transport.tls import server_context
 
 log = logging.getLogger(__name__)
 
 
-class StreamSender(InboundMixin):
+class StreamSender:
     """One prefill rank. Thread-safe entry points (`start_request`, `begin_chunk`, `layer_ready`, `end_chunk`,
-    `abort`) return at once and hand the work to the event loop; everything else runs on the loop. What decode ranks
-    send is handled in connector.engine.sender_inbound, the decode ranks themselves in connector.engine.peers."""
+    `abort`) return at once and hand the work to the event loop; everything else runs on the loop. Who may act on
+    which transfer is connector.engine.ownership's to say, the decode ranks themselves are connector.engine.peers'."""
 
-    def __init__(self, me: LocalRank, transport: Any, config: SenderConfig, loop: asyncio.AbstractEventLoop,
+    def __init__(self, me: LocalRank, transport: KVTransport, config: SenderConfig, loop: asyncio.AbstractEventLoop,
                  on_finished: Callable[[str, bool], None] | None = None) -> None:
         """`transport`: this rank's connector.transport.nixl.Transport, with `me.regions` (and `me.staging`, if
         any) registered. With a staging buffer, decode ranks that have one too get scattered blocks as staged
@@ -47,21 +47,17 @@ class StreamSender(InboundMixin):
         self.on_finished = on_finished
         self.stats = SenderStats()
         self.writer = BatchWriter(me, transport, config, self.stats)
-        self.requests: dict[str, SendRequest] = {}
-        self._parked: dict[str, list[Parked]] = {}
-        """Registrations that came before their request started, by transfer id (all of one decode engine)."""
-        self._released = RecentIds(config.released_memory_s)
-        self._given_up = RecentIds(config.released_memory_s)
-        """Transfers decode aborted before prefill started them -> the engine that did (forgotten after
-        released_memory_s, or past the most ids it keeps)."""
+        self.ownership = Ownership(config, me.rank, me.stage, me.block_size)
+        self.requests: dict[str, SendRequest] = self.ownership.requests
+        """Requests started and not released (the ownership's table, read here on every path)."""
         self.finished_info: dict[str, FinishedInfo] = {}
-        """Finished transfers, kept as long as `_released` (stats, late waiters)."""
+        """Finished transfers, kept as long as their ids are remembered as released (stats, late waiters)."""
         self._tasks = OwnedTasks(f"prefill rank {me.rank}")
         self._server: ControlServer | None = None
         self._inbox: deque = deque()
         self._wake = asyncio.Event()
         self.hello = me.hello("prefill", transport)
-        self._table = PeerTable(transport, self.hello, me.model, me.rank, config)  # staged lanes end with conns
+        self._table = PeerTable(transport, self.hello, me.model, me.rank, config)
 
     @property
     def port(self) -> int:
@@ -76,18 +72,14 @@ class StreamSender(InboundMixin):
     @property
     def parked_count(self) -> int:
         """Registrations waiting for their request to start."""
-        return sum(len(entries) for entries in self._parked.values())
+        return self.ownership.parked_count
 
     # ---- lifetime -------------------------------------------------------------------------------------------
     async def start(self) -> int:
         """Start the side-channel server; returns the bound port."""
-        side = self.config.side_channel
-        self._server = ControlServer(
-            self.hello, self._on_message, host=self.config.host, port=self.config.port,
-            auth_token=side.auth_token, on_hello=self._table.admit, peek=self._table.peek,
-            handshake_timeout_s=side.handshake_timeout_s, limits=side.limits,
-            ssl_context=server_context(side.tls_cert_file, side.tls_key_file),
-            heartbeat_interval_s=side.heartbeat_interval_s, dead_after_s=side.dead_after_s)
+        self._server = ControlServer(self.hello, self._on_message, self.config.side_channel, host=self.config.host,
+                                     port=self.config.port, on_hello=self._table.admit, peek=self._table.peek,
+                                     on_closed=self._connection_closed)
         await self._server.start()
         self._tasks.spawn(self._lease_loop())
         self._tasks.spawn(self._drain_loop())
@@ -136,7 +128,7 @@ class StreamSender(InboundMixin):
         while True:
             # Poll only while some request is still computing (hooks can come); requests that wait for decode
             # or their lease need no polling.
-            if self._inbox or any(not r.final for r in self.requests.values()):
+            if self._inbox or any(not r.all_computed for r in self.requests.values()):
                 await asyncio.sleep(self.config.poll_interval_s)
             else:
                 self._wake.clear()
@@ -158,13 +150,11 @@ class StreamSender(InboundMixin):
             log.error("transfer %s started twice; ignoring the second start", transfer_id)
             return
         req = SendRequest(transfer_id, num_tokens, [], finished=self.loop.create_future())
-        self.requests[transfer_id] = req
-        req.given_up_by = self._given_up.get(transfer_id)
-        if self._given_up.discard(transfer_id):
+        for p, refused in self.ownership.start(req, time.monotonic()):
+            self._tasks.spawn(self._send_quiet(p.conn, self._answer(p.peer, p.register, refused)))
+        if req.given_up_by is not None:
             log.info("transfer %s: decode engine %r gave it up before prefill started; its KV is kept only %g s",
                      transfer_id, req.given_up_by, self.config.given_up_keep_s)
-        for p in self._drop_parked(transfer_id):
-            self._tasks.spawn(self._accept(p.conn, p.peer, p.register))
 
     def _begin_chunk(self, transfer_id: str, block_ids: list[list[int]], computed_tokens: int) -> None:
         req = self.requests.get(transfer_id)
@@ -204,17 +194,11 @@ class StreamSender(InboundMixin):
         for layer in layers:
             req.ready_tokens[layer] = max(req.ready_tokens.get(layer, 0), tokens)
         if global_layer is None and tokens >= req.num_tokens:
-            req.final = True
-            req.lease_deadline = time.monotonic() + self._lease_of(req)
+            self.ownership.all_computed(req, time.monotonic())
         self._pump(req)
 
-    def _lease_of(self, req: SendRequest) -> float:
-        """How long a finished request keeps its KV: the lease, or, if decode gave it up before registering, only
-        as long as a registration from another decode engine may still come (see sender_inbound)."""
-        return self.config.given_up_keep_s if req.given_up_by is not None else self.config.lease_s
-
     def _abort(self, transfer_id: str, reason: str) -> None:
-        self._drop_parked(transfer_id)
+        self.ownership.drop_parked(transfer_id)
         req = self.requests.get(transfer_id)
         if req is None:
             return
@@ -223,8 +207,81 @@ class StreamSender(InboundMixin):
                 self._stop_dest(req, dest, Abort(transfer_id, f"prefill aborted: {reason}"))
         # Nothing new is posted; writes already reading the source blocks finish first, so the blocks are only
         # handed back (finished) once nobody reads them, and decode hears of it only once nothing more lands.
-        req.final, req.failed, req.expected = True, True, set()
+        req.all_computed, req.failed, req.expected = True, True, set()
         self._check_finished(req, ok=False)
+
+    # ---- what decode ranks send (each acts only on what its connection owns: connector.engine.ownership) -------
+    async def _on_message(self, conn: ControlConnection, msg: Message) -> None:
+        """Decode rank -> this rank, in order, one method per message."""
+        peer: PeerInfo = conn.session
+        match msg:
+            case Register():
+                await self._on_register(conn, peer, msg)
+            case Scattered():
+                if self.writer.staged is not None:
+                    self.writer.staged.on_scattered(conn, msg)  # only chunks sent on this connection wait under it
+            case Heartbeat():
+                self.ownership.heartbeat(conn, peer.key, msg.transfer_ids, time.monotonic())
+            case Abort():
+                await self._on_abort(conn, peer, msg)
+            case _:
+                log.warning("prefill %s: unexpected %s from %s", self.me.rank, type(msg).__name__, conn.address)
+
+    async def _on_register(self, conn: ControlConnection, peer: PeerInfo, msg: Register) -> None:
+        tid = msg.transfer_id
+        if tid not in self.requests:
+            self._drain_inbox()  # a start_request still queued from the framework thread counts
+        serve = tid in self.requests or tid in self.ownership.released
+        try:
+            if serve:
+                req, _dest = self.ownership.serve(conn, peer, msg, time.monotonic())
+            else:
+                self.ownership.park(conn, peer, msg, time.monotonic())
+        except InputError as exc:
+            await self._send_quiet(conn, self._answer(peer, msg, exc))
+            return
+        await self._send_quiet(conn, RegisterAck(tid))
+        if serve:
+            self._pump(req)
+
+    def _answer(self, peer: PeerInfo, reg: Register, refused: InputError | None) -> RegisterAck | RegisterError:
+        if refused is None:
+            return RegisterAck(reg.transfer_id)
+        log.warning("refusing registration of %s from decode %s: %s", reg.transfer_id, peer.key, refused)
+        return RegisterError(reg.transfer_id, str(refused))
+
+    async def _on_abort(self, conn: ControlConnection, peer: PeerInfo, msg: Abort) -> None:
+        """Decode gave up: write nothing more there, and answer Stopped once no WRITE to it is in flight. An abort
+        of a transfer another engine owns changes nothing (and is answered Stopped: nothing of it goes here)."""
+        tid, key = msg.transfer_id, peer.key
+        stopped = Stopped(tid, *self.me.rank)
+        verdict = self.ownership.abort(conn, key, tid)
+        if verdict.foreign_owner is not None:
+            log.warning("ignoring abort of %s from decode %s: the transfer belongs to decode engine %r", tid, key,
+                        verdict.foreign_owner)
+            await self._send_quiet(conn, stopped)
+            return
+        log.info("transfer %s: decode %s aborted: %s", tid, key, msg.reason)
+        if verdict.destination is None:
+            await self._send_quiet(conn, stopped)  # nothing was ever written there
+        else:
+            self._stop_dest(verdict.request, verdict.destination, stopped)
+        if verdict.fails_request:
+            self._check_finished(verdict.request, ok=False)
+        elif verdict.gives_up:
+            self._drain_inbox()  # a start already queued by the framework thread counts as started
+            self.ownership.give_up(tid, key[0], time.monotonic())
+
+    def _connection_closed(self, conn: ControlConnection) -> None:
+        """A decode connection closed (the server calls this once per connection): everything that ran on it ends
+        here, its destinations dropped, its staged chunks unanswered, its waiting registrations forgotten."""
+        peer: PeerInfo = conn.session
+        for req, dest in self.ownership.connection_closed(conn, peer.key):
+            log.warning("transfer %s: decode %s went away (%s); dropping it", req.transfer_id, dest.key,
+                        conn.close_reason)
+            self._check_finished(req, ok=False)
+        if self.writer.staged is not None:
+            self.writer.staged.connection_closed(conn)
 
     # ---- writes ----------------------------------------------------------------------------------------------
     def _pump(self, req: SendRequest) -> None:
@@ -248,11 +305,11 @@ class StreamSender(InboundMixin):
                 dest.batches_in_flight += 1
                 self._tasks.spawn(self._write_batch(req, dest, batch))
             self._maybe_complete(req, dest)
-        self._check_finished(req)  # e.g. final now, and every destination already done or dropped
+        self._check_finished(req)  # e.g. all computed now, and every destination already done or dropped
 
     async def _write_batch(self, req: SendRequest, dest: Destination, batch: list[tuple[int, int]]) -> None:
         req.first_write_at = req.first_write_at or time.time()
-        during_compute = not req.final
+        during_compute = not req.all_computed
         layers = [layer for layer, _ in batch]
         generation = req.generation
         by_pool = self.writer.pool_bytes(dest, batch)  # before sent_tokens moves on: the spans this WRITE moves
@@ -315,7 +372,7 @@ class StreamSender(InboundMixin):
             self._tasks.spawn(self._send_quiet(dest.conn, notice))
 
     def _maybe_complete(self, req: SendRequest, dest: Destination) -> None:
-        if dest.done or not req.final or dest.writing:
+        if dest.done or not req.all_computed or dest.writing:
             return
         end = dest.register.num_tokens
         if end > dest.register.first_token and any(dest.sent_tokens.get(layer, 0) < end for layer in dest.layer_routes):
@@ -333,16 +390,15 @@ class StreamSender(InboundMixin):
     def _check_finished(self, req: SendRequest, ok: bool = True) -> None:
         req.failed |= not ok
         # Staged chunks decode has not answered yet keep the request: a refusal must still fail it.
-        if req.expected is not None and not req.expected and req.final \
+        if req.expected is not None and not req.expected and req.all_computed \
                 and all(d.done and not d.batches_in_flight and not self.writer.unanswered(d, req.transfer_id)
                         for d in req.dests.values()):
             self._release(req, ok=not req.failed,
                           why="some decode ranks failed" if req.failed else "all decode ranks completed")
 
     def _release(self, req: SendRequest, ok: bool, why: str) -> None:
-        if self.requests.pop(req.transfer_id, None) is None:
+        if not self.ownership.release(req, time.monotonic()):
             return
-        self._released.add(req.transfer_id)
         if ok:
             self.stats.sends_ok += 1
         else:
@@ -365,13 +421,13 @@ class StreamSender(InboundMixin):
             await asyncio.sleep(1.0)
             now = time.monotonic()
             for req in list(self.requests.values()):
-                if req.final and now > req.lease_deadline and req.given_up_by is not None and not req.dests:
+                if req.all_computed and now > req.lease_deadline and req.given_up_by is not None and not req.dests:
                     log.info("transfer %s: decode engine %r gave it up before registering and no other engine "
                              "registered it within %g s; freeing its KV", req.transfer_id, req.given_up_by,
                              self.config.given_up_keep_s)
                     req.expected = set()
                     self._check_finished(req, ok=False)
-                elif req.final and now > req.lease_deadline:
+                elif req.all_computed and now > req.lease_deadline:
                     log.warning("%s", lease_expiry_note(req, self.config.lease_s))
                     for dest in req.dests.values():
                         if not dest.done:
@@ -379,14 +435,12 @@ class StreamSender(InboundMixin):
                     req.expected, req.failed = set(), True
                     self.stats.sends_expired += 1
                     self._check_finished(req, ok=False)  # released once no WRITE is in flight
-            for tid, parked in list(self._parked.items()):
-                if now - parked[0].at > self.config.lease_s:
-                    why = f"prefill rank {self.me.rank} never started {tid!r} within {self.config.lease_s:.0f} s"
-                    for p in self._drop_parked(tid):
-                        self._tasks.spawn(self._send_quiet(p.conn, RegisterError(tid, why)))
-            for tid in self._released.expire(now):
+            for tid, parked in self.ownership.expired_waits(now):
+                why = f"prefill rank {self.me.rank} never started {tid!r} within {self.config.lease_s:.0f} s"
+                for p in parked:
+                    self._tasks.spawn(self._send_quiet(p.conn, RegisterError(tid, why)))
+            for tid in self.ownership.forget_old(now):
                 self.finished_info.pop(tid, None)
-            self._given_up.expire(now)
 
     async def wait_finished(self, transfer_id: str, timeout: float) -> bool:
         req = self.requests.get(transfer_id)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,7 +49,9 @@ class SendRequest:
     block_ids: list[list[int]]
     computed_tokens: int = 0
     ready_tokens: dict[int, int] = field(default_factory=dict)
-    final: bool = False
+    all_computed: bool = False
+    """Nothing more will become ready: prefill computed every token (the last chunk's sweep ran; the lease runs from
+    then, `lease_deadline`), or aborted the request."""
     dests: dict[PeerKey, Destination] = field(default_factory=dict)
     expected: set[PeerKey] | None = None
     lease_deadline: float = math.inf
@@ -60,12 +61,14 @@ class SendRequest:
     first_write_at: float = 0.0
     """Wall-clock time (time.time()) the first WRITE of this request was posted; 0 = none yet."""
     finished: asyncio.Future | None = None
+    """Resolves to True/False once the request is released (every decode rank completed / some failed, or it was
+    aborted or expired): its blocks are free then."""
     owner: str | None = None
     """The decode engine this transfer belongs to: the first to register it. Registrations from other engines are
     refused, their aborts and heartbeats change nothing."""
     given_up_by: str | None = None
     """A decode engine that aborted the transfer before any registration: the request keeps its KV only
-    `given_up_keep_s` after it finished (not the lease), for a registration from another engine (an unrelated
+    `given_up_keep_s` after it was computed (not the lease), for a registration from another engine (an unrelated
     peer's abort must not deny a transfer)."""
 
 
@@ -184,9 +187,10 @@ class RecentIds:
         self.keep_s, self.max_ids = keep_s, max_ids
         self._at: dict[str, tuple[float, Any]] = {}
 
-    def add(self, transfer_id: str, value: Any = None) -> None:
+    def add(self, transfer_id: str, now: float, value: Any = None) -> None:
+        """Remember `transfer_id` (with `value`) from `now` (time.monotonic())."""
         self._at.pop(transfer_id, None)  # (re)inserted last: the dict stays oldest-first
-        self._at[transfer_id] = (time.monotonic(), value)
+        self._at[transfer_id] = (now, value)
         while len(self._at) > self.max_ids:
             del self._at[next(iter(self._at))]
 

@@ -30,6 +30,7 @@ from connector.core.staging_ranges import (Extents, Rows, Segment, check_destina
                                            chunk_segments)
 from connector.engine.rank import LocalRank
 from connector.protocol.messages import Register, Scatter, Scattered, StagedRows
+from connector.transport.base import KVTransport
 from connector.transport.control import ControlConnection
 from connector.transport.device_copy import BlockCopier
 from connector.transport.loop import wait_out
@@ -108,7 +109,7 @@ class _Lane:
 
 
 class StagedWriter:
-    def __init__(self, transport: Any, me: LocalRank, timeout_s: float,
+    def __init__(self, transport: KVTransport, me: LocalRank, timeout_s: float,
                  on_write: Callable[[WriteTiming], None] = lambda timing: None, ring_slots: int = 4) -> None:
         """`me.staging`: a contiguous tensor on the KV device, registered with `transport`. `on_write` hears the
         timing of every chunk's NIXL WRITE."""
@@ -151,8 +152,15 @@ class StagedWriter:
                 self._close_lane(conn, lane, "decode moved this connection's staging area")
             lane = self._lanes[conn] = _Lane(reg.staging_offset, reg.staging_bytes, self.ring_slots,
                                              self.writes_per_lane)
-            conn.closed.add_done_callback(lambda _f, c=conn, ln=lane: self._close_lane(c, ln, "the connection closed"))
+            if conn.is_closed:  # its one cleanup (connection_closed) may have run already: fail the lane now
+                self._close_lane(conn, lane, "the connection closed")
         return lane
+
+    def connection_closed(self, conn: ControlConnection) -> None:
+        """`conn` closed (the sender's one cleanup per connection): its lane fails, its chunks count unanswered."""
+        lane = self._lanes.get(conn)
+        if lane is not None:
+            self._close_lane(conn, lane, "the connection closed")
 
     def _close_lane(self, conn: ControlConnection, lane: _Lane, why: str) -> None:
         if self._lanes.get(conn) is lane:

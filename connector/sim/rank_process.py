@@ -93,7 +93,7 @@ class PrefillCommands:
             sender, server, t = self.sender, self.sender.server, self.rank.transport
             return {"peers": len(sender.peers), "agents": len(t.peers),
                     "connections": len(server.connections) if server else 0, "parked": sender.parked_count,
-                    "requests": len(sender.requests), "given_up": len(sender._given_up),
+                    "requests": len(sender.requests), "given_up": len(sender.ownership.given_up),
                     "open_by_host": sum(server.guard.open.values()) if server else 0,
                     "open_handles": t.open_handles, "inflight_bytes": t.inflight_bytes,
                     "abandoned": t.stats.abandoned, "reconnects": t.stats.reconnects,

@@ -8,10 +8,11 @@ import time
 from typing import Any
 
 from connector.core.errors import TransportError
+from connector.transport.nixl import Transport
 from connector.transport.nixl.glue import descs_array, pair_check
 
 
-def raw_write(transport: Any, peer: str, local: Any, remote: Any, mem_type: str = "DRAM",
+def raw_write(transport: Transport, peer: str, local: Any, remote: Any, mem_type: str = "DRAM",
               timeout: float = 30.0) -> float:
     """WRITE local[i] -> remote[i] (pairs or Nx2/Nx3 arrays) to `peer`, a peer `transport` (an open
     connector.transport.nixl.Transport) has added: build the lists, initialize_xfer, transfer, poll to DONE (yielding,

@@ -23,8 +23,10 @@ from connector.protocol.messages import (DEFAULT_MAX_FRAME_BYTES, Auth, Error, H
 from connector.transport.handshake import (PeekHook, ServerHandshake, client_handshake, end_session, format_addr,
                                            is_loopback, read_frame)
 
-__all__ = ["ControlConnection", "ControlServer", "connect", "format_addr", "read_frame"]
-from connector.transport.limits import AdmissionGuard, RateLimiter, ServerLimits
+from connector.transport.limits import AdmissionGuard, RateLimiter
+from connector.transport.side_channel import SideChannelConfig
+
+__all__ = ["ControlConnection", "ControlServer", "SideChannelConfig", "connect", "format_addr", "read_frame"]
 
 log = logging.getLogger(__name__)
 
@@ -219,16 +221,17 @@ class ControlConnection:
                 await self._writer.drain()
 
 
-async def connect(host: str, port: int, hello: Hello, *, auth_token: str = "", ssl_context: ssl.SSLContext | None = None,
-                  timeout: float = 10.0, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, send_timeout_s: float = 10.0,
-                  heartbeat_interval_s: float | None = None, dead_after_s: float | None = None,
-                  heartbeat_ids: Callable[[], Iterable[str]] | None = None,
+async def connect(host: str, port: int, hello: Hello, config: SideChannelConfig = SideChannelConfig(), *,
+                  timeout: float | None = None, heartbeat_ids: Callable[[], Iterable[str]] | None = None,
                   on_close: Callable[[str], None] | None = None) -> ControlConnection:
-    """Open a connection and run the handshake (connector.protocol.messages) in at most `timeout` s: send who we are,
-    check the server's Hello (version, role, fingerprint, and with `auth_token` its proof), and only then send
-    `hello`'s memory (NIXL metadata, regions, staging buffer) with our proof, and wait for Welcome.
+    """Open a connection (over TLS with `config.tls_ca_file`) and run the handshake (connector.protocol.messages) in
+    at most `timeout` s (default `config.handshake_timeout_s`): send who we are, check the server's Hello (version,
+    role, fingerprint, and with `config.auth_token` its proof), and only then send `hello`'s memory (NIXL metadata,
+    regions, staging buffer) with our proof, and wait for Welcome. The connection then sends `heartbeat_ids()`
+    every `config.heartbeat_interval_s` and closes itself after `config.dead_after_s` of silence.
     Raises ControlError if the peer rejects us (with its reason), fails a check, or answers with something else."""
-    where = f"{host}:{port}"
+    where, ssl_context = f"{host}:{port}", config.client_ssl()
+    timeout = timeout or config.handshake_timeout_s
     try:
         async with asyncio.timeout(timeout):
             reader, writer = await asyncio.open_connection(host, port, ssl=ssl_context,
@@ -240,7 +243,7 @@ async def connect(host: str, port: int, hello: Hello, *, auth_token: str = "", s
         raise Unreachable(f"cannot connect to {where}: {exc!r}") from exc
     try:
         async with asyncio.timeout(timeout):
-            reply = await client_handshake(reader, writer, hello, auth_token, where)
+            reply = await client_handshake(reader, writer, hello, config.auth_token, where)
     except BaseException as exc:
         writer.close()
         if isinstance(exc, TimeoutError):
@@ -250,8 +253,8 @@ async def connect(host: str, port: int, hello: Hello, *, auth_token: str = "", s
         if isinstance(exc, (ConnectionError, OSError)) and not isinstance(exc, ControlError):
             raise ControlError(f"handshake with {where} failed: {exc!r}") from exc
         raise
-    return ControlConnection(reader, writer, reply, max_frame_bytes=max_frame_bytes, send_timeout_s=send_timeout_s,
-                             heartbeat_interval_s=heartbeat_interval_s, dead_after_s=dead_after_s,
+    return ControlConnection(reader, writer, reply, max_frame_bytes=config.limits.max_frame_bytes,
+                             heartbeat_interval_s=config.heartbeat_interval_s, dead_after_s=config.dead_after_s,
                              heartbeat_ids=heartbeat_ids, on_close=on_close)
 
 
@@ -259,36 +262,37 @@ class ControlServer:
     """Accepts side-channel connections. Use as `async with ControlServer(...) as server:`; `server.port` is the
     bound port (useful with port=0).
 
-    Per connection: `limits` decide whether it may start (connections in all and per address, handshakes in
+    Everything configurable comes in `config` (connector.transport.side_channel). Per connection: `config.limits`
+    decide whether it may start (connections in all and per address, handshakes in
     progress, addresses locked out after failed authentications). The handshake (connector.protocol.messages) runs
-    within `handshake_timeout_s` with frames of at most `limits.handshake_frame_bytes`: the peer's Hello is checked
-    against `hello` (version, role, fingerprint) and by `peek` (cheap checks), answered with our identity, a nonce and,
-    with `auth_token`, our proof; its Auth must carry a valid proof. Then `on_hello` gets the peer's Hello with its
+    within `handshake_timeout_s` with frames of at most `limits.handshake_frame_bytes` (over TLS with a certificate):
+    the peer's Hello is checked against `hello` (version, role, fingerprint) and by `peek` (cheap checks), answered
+    with our identity, a nonce and, with `auth_token`, our proof; its Auth must carry a valid proof. Then `on_hello` gets the peer's Hello with its
     memory (raise to reject, the message is the reason), and the server answers Welcome and awaits
     `on_message(conn, msg)` for each further message, in order. A handler exception is logged and answered with
-    RegisterError (for Register) or Error; the connection stays up."""
+    RegisterError (for Register) or Error; the connection stays up. `on_closed(conn)` runs once per handshaken
+    connection, soon after it closed (from the loop, never inside the code that closed it): the one cleanup of
+    everything that ran on it, rather than a callback per use hooked on `conn.closed`."""
 
-    def __init__(self, hello: Hello, on_message: MessageHandler, *, host: str = "127.0.0.1", port: int = 0,
-                 auth_token: str = "", on_hello: HelloHook | None = None, peek: PeekHook | None = None,
-                 handshake_timeout_s: float = 10.0, limits: ServerLimits | None = None,
-                 ssl_context: ssl.SSLContext | None = None, send_timeout_s: float = 10.0,
-                 heartbeat_interval_s: float | None = None, dead_after_s: float | None = None,
-                 heartbeat_ids: Callable[[], Iterable[str]] | None = None) -> None:
+    def __init__(self, hello: Hello, on_message: MessageHandler, config: SideChannelConfig = SideChannelConfig(), *,
+                 host: str = "127.0.0.1", port: int = 0, on_hello: HelloHook | None = None,
+                 peek: PeekHook | None = None, on_closed: Callable[[ControlConnection], None] | None = None) -> None:
         self.hello = hello
         self.host = host
         self.port = port
         """The bound port once started."""
         self._on_message = on_message
-        self._auth_token = auth_token
+        self._auth_token = config.auth_token
         self._on_hello = on_hello
-        self._handshake_timeout_s = handshake_timeout_s
-        self.limits = limits or ServerLimits()
+        self._on_closed = on_closed
+        self._handshake_timeout_s = config.handshake_timeout_s
+        self.limits = config.limits
         self.guard = AdmissionGuard(self.limits)
-        self._hs = ServerHandshake(hello, auth_token, self.limits, self.guard, peek)
-        self._ssl = ssl_context
-        self._conn_kwargs = dict(max_frame_bytes=self.limits.max_frame_bytes, send_timeout_s=send_timeout_s,
-                                 heartbeat_interval_s=heartbeat_interval_s, dead_after_s=dead_after_s,
-                                 heartbeat_ids=heartbeat_ids, messages_per_s=self.limits.messages_per_s)
+        self._hs = ServerHandshake(hello, config.auth_token, self.limits, self.guard, peek)
+        self._ssl = config.server_ssl()
+        self._conn_kwargs = dict(max_frame_bytes=self.limits.max_frame_bytes,
+                                 heartbeat_interval_s=config.heartbeat_interval_s, dead_after_s=config.dead_after_s,
+                                 messages_per_s=self.limits.messages_per_s)
         self._server: asyncio.Server | None = None
         self._handlers: set[asyncio.Task[Any]] = set()
         self.connections: set[ControlConnection] = set()
@@ -416,7 +420,10 @@ class ControlServer:
             return None
         log.info("control handshake with %s: %s engine %s pp%d/tp%d", addr, peer.role, peer.engine_id,
                  peer.pp_rank, peer.tp_rank)
-        return ControlConnection(reader, writer, peer, session=session, **self._conn_kwargs)
+        conn = ControlConnection(reader, writer, peer, session=session, **self._conn_kwargs)
+        if self._on_closed is not None:
+            conn.closed.add_done_callback(lambda _f: self._on_closed(conn))
+        return conn
 
     async def _serve(self, conn: ControlConnection) -> None:
         async for msg in conn:

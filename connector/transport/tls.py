@@ -5,6 +5,7 @@ auth token (connector.protocol.auth) still decides who may connect."""
 
 from __future__ import annotations
 
+import functools
 import ssl
 
 from connector.core.errors import ConfigError
@@ -27,8 +28,10 @@ def server_context(cert_file: str, key_file: str) -> ssl.SSLContext | None:
     return ctx
 
 
+@functools.lru_cache(maxsize=8)
 def client_context(ca_file: str) -> ssl.SSLContext | None:
-    """Decode's context, verifying prefill's certificate against `ca_file`, or None when TLS is off."""
+    """Decode's context, verifying prefill's certificate against `ca_file`, or None when TLS is off. Built once per
+    bundle: every connection of the process shares it (a context is reusable, loading the bundle is not free)."""
     if not ca_file:
         return None
     try:

@@ -18,13 +18,16 @@ CONNECTOR_NAME = "SparseKVConnector"
 
 
 def __getattr__(name: str) -> Any:
-    """`SparseKVConnector`, loaded on first use, after checking the configuration of whoever asks for it (vLLM's
-    KVConnectorFactory.get_connector_class, directly or through its loader: connector.vllm.early)."""
+    """`SparseKVConnector`, imported when first asked for (vLLM's loader does `getattr(module, name)`), so that
+    reading the settings (`connector.vllm.config`) does not import vllm and torch (some 10 s here); and before it is
+    handed out, the configuration of whoever asks is checked (vLLM's KVConnectorFactory.get_connector_class,
+    directly or through its loader: connector.vllm.early)."""
     if name != CONNECTOR_NAME:  # before any import: `from connector.vllm import worker` asks here first
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     from connector.vllm.connector import SparseKVConnector
     from connector.vllm.early import check_on_lookup
 
+    adopt_vllm_logging()  # (vllm has configured its logger by now, if it had not at the first call)
     check_on_lookup(sys._getframe(1))
     return SparseKVConnector
 

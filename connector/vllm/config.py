@@ -1,26 +1,30 @@
 """`kv_connector_extra_config` -> typed settings, and the engine and transport configs built from them.
 
-The defaults are the engines' own (connector.engine.config, connector.transport.nixl.TransportConfig): one set of
-defaults, read here. The dict is converted with `msgspec.convert` in its lax mode: a string that spells a number is
-accepted (configs built from environment variables), but `true` or `1.5` for an integer is refused, naming the key.
-Unknown keys are a startup error listing the valid ones."""
+The defaults are the engines' own (connector.engine.config, connector.transport.side_channel,
+connector.transport.limits, connector.transport.nixl.TransportConfig): one set of defaults, read here, and one
+generic conversion (`build`: a setting fills the config field of its name). The dict is converted with
+`msgspec.convert` in its lax mode: a string that spells a number is accepted (configs built from environment
+variables), but `true` or `1.5` for an integer is refused, naming the key. Unknown keys are a startup error listing
+the valid ones."""
 
 from __future__ import annotations
 
 import dataclasses
+import dataclasses
 import difflib
 import os
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 from msgspec import Meta
 
 from connector.core.errors import ConfigError
-from connector.engine.config import (ReceiverConfig, SenderConfig, SideChannelConfig, default_staging_mb,
-                                      lost_source_hold_s)
+from connector.engine.config import ReceiverConfig, SenderConfig, default_staging_mb, lost_source_hold_s
 from connector.transport.limits import ServerLimits
 from connector.transport.nixl import TransportConfig
+from connector.transport.side_channel import SideChannelConfig
 
+T = TypeVar("T")
 Positive = Annotated[float, Meta(gt=0)]
 PositiveInt = Annotated[int, Meta(gt=0)]
 _SIDE, _SENDER, _RECEIVER, _LIMITS = SideChannelConfig(), SenderConfig(), ReceiverConfig(), ServerLimits()
@@ -144,32 +148,27 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
         return self.auth_token
 
     def side_channel(self) -> SideChannelConfig:
-        limits = ServerLimits(max_connections=self.max_connections,
-                              max_connections_per_host=self.max_connections_per_host,
-                              max_handshakes=self.max_handshakes, handshake_frame_bytes=self.handshake_frame_bytes,
-                              max_frame_bytes=self.max_frame_bytes, messages_per_s=self.messages_per_s,
-                              max_auth_failures=self.max_auth_failures,
-                              auth_failure_window_s=self.auth_failure_window_s)
-        return SideChannelConfig(auth_token=self.token(), handshake_timeout_s=self.handshake_timeout_s,
-                                 heartbeat_interval_s=self.heartbeat_interval_s, dead_after_s=self.dead_after_s,
-                                 tls_cert_file=self.tls_cert_file, tls_key_file=self.tls_key_file,
-                                 tls_ca_file=self.tls_ca_file, limits=limits, max_peer_ranks=self.max_peer_ranks)
+        return build(SideChannelConfig, self, auth_token=self.token(), limits=build(ServerLimits, self))
 
     def sender_config(self, host: str, port: int) -> SenderConfig:
-        return SenderConfig(host=host, port=port, side_channel=self.side_channel(), lease_s=self.lease_s,
-                            write_timeout_s=self.write_timeout_s, given_up_keep_s=self.given_up_keep_s,
-                            max_parked_per_connection=self.max_parked_per_connection,
-                            max_parked_bytes_per_connection=self.max_parked_bytes_per_connection)
+        return build(SenderConfig, self, host=host, port=port, side_channel=self.side_channel())
 
     def receiver_config(self) -> ReceiverConfig:
-        return ReceiverConfig(side_channel=self.side_channel(), transfer_timeout_s=self.transfer_timeout_s,
-                              staging_slot_bytes=self.staging_slot_mb << 20,
-                              lost_source_hold_s=lost_source_hold_s(self.tcp_user_timeout_s, self.heartbeat_interval_s))
+        return build(ReceiverConfig, self, side_channel=self.side_channel(),
+                     staging_slot_bytes=self.staging_slot_mb << 20,
+                     lost_source_hold_s=lost_source_hold_s(self.tcp_user_timeout_s, self.heartbeat_interval_s))
 
     def transport_config(self, name: str) -> TransportConfig:
-        return TransportConfig(name=name, max_inflight_bytes=self.max_inflight_bytes,
-                               posts_per_second=self.posts_per_second, progress_delay_us=self.progress_delay_us,
-                               tcp_user_timeout_s=self.tcp_user_timeout_s, nixl_threads=self.nixl_threads)
+        return build(TransportConfig, self, name=name)
+
+
+def build(config_type: type[T], settings: ConnectorSettings, **derived: Any) -> T:
+    """An engine or transport config (a dataclass) from the settings: every field that has a setting of the same
+    name takes its value, `derived` gives the others that depend on the settings, and the rest keep their defaults
+    (tests/test_settings.py holds that every field is one of the three, on purpose)."""
+    own = {f.name: getattr(settings, f.name) for f in dataclasses.fields(config_type)
+           if f.name in settings.__struct_fields__ and f.name not in derived}
+    return config_type(**own, **derived)
 
 
 TOKEN_SOURCES = ("auth_token", "auth_token_file", "auth_token_env")

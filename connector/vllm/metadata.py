@@ -62,5 +62,5 @@ class SparseKVHandshake(KVConnectorHandshakeMetadata):
     pp_rank: int
     tp_rank: int
     fingerprint: str
-    side_channel: str
-    """host:port this rank listens on (prefill), or "" (decode)."""
+    side_channel_addr: str
+    """host:port this rank's side channel listens on (prefill), or "" (decode)."""

@@ -62,7 +62,7 @@ class SchedulerSide:
         self.is_producer = kv_role == "kv_producer"
         self.engine_id = engine_id
         self.settings = settings or ConnectorSettings()
-        self._side_channel: str | None = None
+        self._side_channel_addr: str | None = None
         """host:port of prefill rank (pp0, tp0)'s side channel, as the workers reported it (else from settings)."""
         self._kv_cache_manager: Any = None
         # decode
@@ -158,10 +158,10 @@ class SchedulerSide:
         tid = (request.kv_transfer_params or {}).get("transfer_id")
         return tid if isinstance(tid, str) and tid else str(request.request_id)
 
-    def side_channel(self) -> str:
+    def side_channel_addr(self) -> str:
         """host:port decode connects to: what prefill rank (pp0, tp0) reported, else the configured address."""
-        if self._side_channel:
-            return self._side_channel
+        if self._side_channel_addr:
+            return self._side_channel_addr
         return f"{self.settings.side_channel_host or default_host()}:{self.settings.side_channel_port}"
 
     def _all_block_ids(self, req_id: str, blocks: Any) -> tuple[list[int], ...]:
@@ -222,7 +222,7 @@ class SchedulerSide:
             # leg (vLLM's proxy pattern, llm-d) works unchanged. `prefill_finished` tells decode that this transfer
             # exists already, so a prefill that no longer knows it (restarted, lease gone) refuses at once.
             return True, {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": known[0],
-                          "prefill_addr": self.side_channel(), "prefill_engine_id": self.engine_id,
+                          "prefill_addr": self.side_channel_addr(), "prefill_engine_id": self.engine_id,
                           "prefill_finished": True, "lease_s": self.settings.lease_s}
         tid = self._recv_waiting.pop(req_id, None)
         self._matched.pop(req_id, None)
@@ -252,8 +252,8 @@ class SchedulerSide:
             raise LayoutError(f"SparseKVConnector workers disagree on the model layout fingerprint: {prints}")
         self.handshakes = dict(metadata)
         first = metadata.get((0, 0))
-        if getattr(first, "side_channel", ""):
-            self._side_channel = first.side_channel
+        if getattr(first, "side_channel_addr", ""):
+            self._side_channel_addr = first.side_channel_addr
         for (pp, tp), hs in sorted(metadata.items()):
-            if getattr(hs, "side_channel", ""):
-                log.info("SparseKVConnector prefill rank pp%d,tp%d side channel %s", pp, tp, hs.side_channel)
+            if getattr(hs, "side_channel_addr", ""):
+                log.info("SparseKVConnector prefill rank pp%d,tp%d side channel %s", pp, tp, hs.side_channel_addr)

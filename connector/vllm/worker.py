@@ -20,6 +20,7 @@ from connector.engine.sender import StreamSender
 from connector.engine.stats import StatsDelta
 from connector.protocol.addressing import PrefillAddress, side_channel_port
 from connector.transport.loop import LoopThread
+from connector.transport.nixl import Transport
 from connector.vllm import layer_signals
 from connector.vllm.config import ConnectorSettings, default_host
 from connector.vllm.early import bind_problem
@@ -55,7 +56,7 @@ class WorkerSide:
         self.rank = (pp, tp)
         self.rank_layout = RankLayout(self.model, self.parallel, pp, tp)
         self.loop = LoopThread(f"sparse-kv-{kv_role}-{pp}-{tp}")
-        self.transport: Any = None
+        self.transport: Transport | None = None
         self.sender: StreamSender | None = None
         self.receiver: StreamReceiver | None = None
         self._layer_of: dict[str, int] = {name: info.layer for name, info in classify_layers(kv_cache_config).items()}
@@ -83,8 +84,6 @@ class WorkerSide:
 
     # ---- startup ----------------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from connector.transport.nixl import Transport
-
         regions = build_regions(kv_caches, self.kv_cache_config, self.rank_layout)
         self._cuda = any(t.is_cuda for t in kv_caches.values())
         self.loop.start()

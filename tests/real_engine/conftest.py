@@ -315,3 +315,11 @@ def sparse_m3(pools):
     from tests.real_engine.sparse_engines import SparseM3Engines
 
     return pools.use("sparse-m3", SparseM3Engines)
+
+
+@pytest.fixture
+def sparse_dsa(pools):
+    """The DeepSeek-V3.2-shaped test model's pool (tests.real_engine.sparse_engines.SparseDsaEngines)."""
+    from tests.real_engine.sparse_engines import SparseDsaEngines
+
+    return pools.use("sparse-dsa", SparseDsaEngines)

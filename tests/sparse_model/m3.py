@@ -23,55 +23,26 @@ method as in vLLM's M3, which reads everything back from the caches (tests.spars
 
 from __future__ import annotations
 
-from itertools import islice
-
 import torch
 from torch import nn
 from vllm.compilation.breakable_cudagraph import eager_break_during_capture
 from vllm.config import VllmConfig, get_current_vllm_config
-from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
+from vllm.distributed import get_tensor_model_parallel_world_size
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.model_executor.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from vllm.model_executor.layers.rotary_embedding import get_rope
-from vllm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from vllm.model_executor.models.llama import LlamaAttention, LlamaForCausalLM
 from vllm.model_executor.models.utils import extract_layer_index
-from vllm.sequence import IntermediateTensors
 from vllm.utils.torch_utils import direct_register_custom_op, kv_cache_dtype_str_to_dtype
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec, MLAAttentionSpec, SparseCacheRole
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
 
 from tests.sparse_model.attention import Batch, SparseParams, attend, write_caches
 from tests.sparse_model.backend import TinySparseBackend
+from tests.sparse_model.common import IndexCache, TokenIdsDecoderLayer, TokenIdsModel, register_layer, step_batch
 
 INDEX_DTYPE = torch.bfloat16
 """MiniMax-M3's index caches are bf16 whatever the model dtype (`resolve_indexer_kv_dtype("bf16")`)."""
-
-
-def _register(module: nn.Module, name: str) -> None:
-    context = get_current_vllm_config().compilation_config.static_forward_context
-    if name in context:
-        raise ValueError(f"Duplicate layer name: {name}")
-    context[name] = module
-
-
-class IndexCache(nn.Module, AttentionLayerBase):
-    """One per-token index cache (keys or values): a KV-cache layer of its own, key only, like
-    MiniMaxM3IndexerCache."""
-
-    def __init__(self, prefix: str, head_dim: int) -> None:
-        super().__init__()
-        self.prefix, self.head_dim = prefix, head_dim
-        self.kv_cache = torch.tensor([])
-        _register(self, prefix)
-
-    def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
-        return MLAAttentionSpec(block_size=vllm_config.cache_config.block_size, num_kv_heads=1,
-                                head_size=self.head_dim, dtype=INDEX_DTYPE, cache_role=SparseCacheRole.INDEXER)
-
-    def get_attn_backend(self) -> type[TinySparseBackend]:
-        return TinySparseBackend
-
-    def forward(self) -> None: ...
 
 
 class Indexer(nn.Module):
@@ -79,8 +50,9 @@ class Indexer(nn.Module):
 
     def __init__(self, layer_name: str, index_dim: int, keeps_value: bool) -> None:
         super().__init__()
-        self.index_cache = IndexCache(f"{layer_name}.index_cache", index_dim)
-        self.index_value_cache = IndexCache(f"{layer_name}.index_value_cache", index_dim) if keeps_value else None
+        self.index_cache = IndexCache(f"{layer_name}.index_cache", index_dim, INDEX_DTYPE)
+        self.index_value_cache = (IndexCache(f"{layer_name}.index_value_cache", index_dim, INDEX_DTYPE)
+                                  if keeps_value else None)
 
 
 class SparseCore(nn.Module, AttentionLayerBase):
@@ -91,7 +63,7 @@ class SparseCore(nn.Module, AttentionLayerBase):
         self.layer_name, self.params, self.kv_dtype = layer_name, params, kv_dtype
         self.indexer = Indexer(layer_name, params.index_dim, keeps_value)
         self.kv_cache = torch.tensor([])
-        _register(self, layer_name)
+        register_layer(self, layer_name)
 
     @property
     def keeps_value(self) -> bool:
@@ -121,19 +93,14 @@ class SparseCore(nn.Module, AttentionLayerBase):
 def tiny_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torch.Tensor,
                           index_kv: torch.Tensor, output: torch.Tensor, index_output: torch.Tensor,
                           layer_name: str) -> None:
-    context = get_forward_context()
-    layer: SparseCore = context.no_compile_layers[layer_name]
-    meta = context.attn_metadata
-    if isinstance(meta, list):
-        meta = meta[0]
-    if isinstance(meta, dict):
-        meta = meta.get(layer_name)
-    if meta is None:  # vLLM's profiling and dummy runs: no cache to write or read
+    layer: SparseCore = get_forward_context().no_compile_layers[layer_name]
+    batch = step_batch(layer_name)
+    if batch is None:
         output.zero_()
         index_output.zero_()
         return
-    layer.insert(k, v, index_kv, meta)
-    layer._run_attention(q, index_q, output, index_output, meta)
+    layer.insert(k, v, index_kv, batch)
+    layer._run_attention(q, index_q, output, index_output, batch)
 
 
 def _tiny_sparse_attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_q: torch.Tensor,
@@ -148,6 +115,8 @@ direct_register_custom_op(op_name="tiny_sparse_attention", op_func=tiny_sparse_a
 
 class TinySparseAttention(nn.Module):
     """A sparse layer's `self_attn` (LlamaAttention's constructor, so LlamaDecoderLayer builds it)."""
+
+    takes_token_ids = True
 
     def __init__(self, config, hidden_size: int, num_heads: int, num_kv_heads: int,  # noqa: ANN001, PLR0913
                  max_position_embeddings: int = 8192, quant_config=None, bias: bool = False,  # noqa: ANN001
@@ -198,54 +167,16 @@ class TinySparseAttention(nn.Module):
         return out
 
 
-class TinySparseDecoderLayer(LlamaDecoderLayer):
-    def __init__(self, vllm_config: VllmConfig, prefix: str = "", config=None) -> None:  # noqa: ANN001
-        config = config or vllm_config.model_config.hf_config
+class TinySparseM3DecoderLayer(TokenIdsDecoderLayer):
+    @classmethod
+    def attention_for(cls, config, layer: int) -> type[nn.Module]:  # noqa: ANN001
         freq = config.sparse_attention_config["sparse_attention_freq"]
-        layer = extract_layer_index(prefix)
-        attn = TinySparseAttention if layer < len(freq) and freq[layer] else LlamaAttention
-        super().__init__(vllm_config, prefix, config, attn_layer_type=attn)
-
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None,
-                token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """LlamaDecoderLayer.forward, with the token ids for a sparse layer's index rows."""
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        if isinstance(self.self_attn, TinySparseAttention):
-            hidden_states = self.self_attn(positions, hidden_states, token_ids)
-        else:
-            hidden_states = self.self_attn(positions=positions, hidden_states=hidden_states)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
-
-
-class TinySparseModel(LlamaModel):
-    """LlamaModel (torch.compile-able the same way: the same forward arguments), its layers given the token ids.
-    vLLM passes every PP stage the step's input_ids (v1/worker/gpu_model_runner.py `_preprocess`), so a later
-    stage has them too."""
-
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
-                intermediate_tensors: IntermediateTensors | None,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | IntermediateTensors:
-        if get_pp_group().is_first_rank:
-            hidden_states = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
-            residual = None
-        else:
-            hidden_states, residual = intermediate_tensors["hidden_states"], intermediate_tensors["residual"]
-        for layer in islice(self.layers, self.start_layer, self.end_layer):
-            hidden_states, residual = layer(positions, hidden_states, residual, input_ids)
-        if not get_pp_group().is_last_rank:
-            return IntermediateTensors({"hidden_states": hidden_states, "residual": residual})
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
+        return TinySparseAttention if layer < len(freq) and freq[layer] else LlamaAttention
 
 
 class TinySparseM3ForCausalLM(LlamaForCausalLM):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
-        super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=TinySparseDecoderLayer)
+        super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=TinySparseM3DecoderLayer)
 
     def _init_model(self, vllm_config: VllmConfig, prefix: str = "", layer_type: type[nn.Module] = None) -> nn.Module:
-        return TinySparseModel(vllm_config=vllm_config, prefix=prefix, layer_type=layer_type)
+        return TokenIdsModel(vllm_config=vllm_config, prefix=prefix, layer_type=layer_type)

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.sparse_model.checkpoint import M3_ARCH
+from tests.sparse_model.checkpoint import DSA_ARCH, M3_ARCH
 
-MODELS = {M3_ARCH: "tests.sparse_model.m3:TinySparseM3ForCausalLM"}
+MODELS = {M3_ARCH: "tests.sparse_model.m3:TinySparseM3ForCausalLM",
+          DSA_ARCH: "tests.sparse_model.dsa:TinySparseDsaForCausalLM"}
 DIST_NAME = "sparse_kv_test_models"
 
 

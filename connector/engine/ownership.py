@@ -1,0 +1,242 @@
+"""Who owns which transfer on a prefill rank: the rules, as one object with no I/O that the sender
+(connector.engine.sender) asks before it answers decode or writes anything.
+
+- A transfer id belongs to the decode engine that first registers it (`SendRequest.owner`, or the engine of its
+  waiting registrations). A registration from another engine is refused; an abort or heartbeat from another engine
+  changes nothing.
+- An abort before any registration (decode gave up early) is pinned to the engine that sent it: the request then
+  keeps its KV only `given_up_keep_s` after it was computed instead of the lease, and a registration from any
+  engine within that time is served. So an unrelated peer's abort cannot deny a transfer, and a decode that really
+  gave up does not hold prefill's blocks for the lease.
+- A destination (decode rank) is the registering connection's own: its block ids, its regions, its NIXL agent.
+  Heartbeats extend a lease only for transfers with a destination on that connection.
+- Registrations are checked in full before anything is kept; one that waits for its request to start counts against
+  its connection's limits (count and memory), and waits at most the lease.
+- What a connection holds here (its destinations, its waiting registrations) ends with it, in one sweep when it
+  closes (`connection_closed`), the way httpcore's pool sweeps its closed connections. Nothing is hooked on the
+  connection per transfer: a connection lives as long as heartbeats keep it open, and a callback per transfer kept
+  every finished SendRequest alive for that long (measured: 40 transfers over one connection, 40 requests kept).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from connector.core.errors import InputError, RegistrationError
+from connector.engine.config import SenderConfig
+from connector.engine.sender_state import (Destination, Parked, PeerInfo, RecentIds, SendRequest,
+                                          check_against_request, check_registration, parked_cost)
+from connector.protocol.handshake import PeerKey
+from connector.protocol.messages import Register
+
+
+@dataclass(frozen=True)
+class AbortVerdict:
+    """What a decode rank's Abort of a transfer comes to (`Ownership.abort`)."""
+
+    foreign_owner: str | None = None
+    """The transfer belongs to this other decode engine: the abort changes nothing (it is answered Stopped)."""
+    request: SendRequest | None = None
+    """The request, if prefill has started it."""
+    destination: Destination | None = None
+    """That decode rank's destination, now on the asking connection: stop it (Stopped once nothing is in flight).
+    None: nothing was ever written there (answer Stopped at once)."""
+    fails_request: bool = False
+    """The request's owner gave up a destination: the request fails once its other destinations are done."""
+    gives_up: bool = False
+    """Nobody has registered the transfer yet: pin the give-up to the asking engine (`given_up`)."""
+
+
+class Ownership:
+    """The sender's transfers and the rules of who may act on them (see the module docstring). No I/O and no
+    clock: callers pass `now` (time.monotonic()) where a rule needs one, and send whatever answer it implies."""
+
+    def __init__(self, config: SenderConfig, rank: tuple[int, int], stage: tuple[int, int], block_size: int) -> None:
+        self.config, self.rank, self.stage, self.block_size = config, rank, stage, block_size
+        self.requests: dict[str, SendRequest] = {}
+        """Requests prefill has started and not released, by transfer id."""
+        self.parked: dict[str, list[Parked]] = {}
+        """Registrations that came before their request started, by transfer id (all of one decode engine)."""
+        self.released = RecentIds(config.released_memory_s)
+        """Transfers released lately: a late registration for one is refused clearly."""
+        self.given_up = RecentIds(config.released_memory_s)
+        """Transfers decode aborted before prefill started them -> the engine that did."""
+
+    @property
+    def parked_count(self) -> int:
+        return sum(len(entries) for entries in self.parked.values())
+
+    # ---- who owns it --------------------------------------------------------------------------------------------
+    def owner_of(self, transfer_id: str) -> str | None:
+        """The decode engine `transfer_id` belongs to, if any has claimed it yet."""
+        req = self.requests.get(transfer_id)
+        if req is not None and req.owner is not None:
+            return req.owner
+        parked = self.parked.get(transfer_id)
+        return parked[0].peer.key[0] if parked else None
+
+    def check_owner(self, transfer_id: str, engine: str) -> None:
+        owner = self.owner_of(transfer_id)
+        if owner is not None and owner != engine:
+            raise RegistrationError(f"transfer {transfer_id!r} belongs to decode engine {owner!r} (the first to "
+                                    f"register or abort it), not to {engine!r}: one transfer id is one request of one "
+                                    f"decode engine; check that the router sends each id to one decode instance")
+
+    def lease_of(self, req: SendRequest) -> float:
+        """How long a computed request keeps its KV: the lease, or, if decode gave it up before registering, only
+        as long as a registration from another decode engine may still come."""
+        return self.config.given_up_keep_s if req.given_up_by is not None else self.config.lease_s
+
+    # ---- requests -----------------------------------------------------------------------------------------------
+    def start(self, req: SendRequest, now: float) -> list[tuple[Parked, InputError | None]]:
+        """Prefill started `req` (its id not in `requests`); a give-up that came first is pinned to it. The
+        registrations that waited for it are served here, before any other can come between (one from another
+        engine would claim the transfer; an abort would find nothing to stop and be answered Stopped while
+        prefill was about to write): returns each with its refusal, if it got one."""
+        self.requests[req.transfer_id] = req
+        req.given_up_by = self.given_up.get(req.transfer_id)
+        self.given_up.discard(req.transfer_id)
+        served = []
+        for p in self.drop_parked(req.transfer_id):
+            try:
+                self.serve(p.conn, p.peer, p.register, now)
+                served.append((p, None))
+            except InputError as exc:
+                served.append((p, exc))
+        return served
+
+    def all_computed(self, req: SendRequest, now: float) -> None:
+        """Prefill computed every token of `req`: its lease starts."""
+        req.all_computed = True
+        req.lease_deadline = now + self.lease_of(req)
+
+    def release(self, req: SendRequest, now: float) -> bool:
+        """Forget `req` (remembering its id a while); False if it was released already."""
+        if self.requests.get(req.transfer_id) is not req:
+            return False
+        del self.requests[req.transfer_id]
+        self.released.add(req.transfer_id, now)
+        return True
+
+    def forget_old(self, now: float) -> list[str]:
+        """Forget ids older than `released_memory_s`; returns the released ones forgotten."""
+        self.given_up.expire(now)
+        return self.released.expire(now)
+
+    # ---- registrations -------------------------------------------------------------------------------------------
+    def park(self, conn: Any, peer: PeerInfo, reg: Register, now: float) -> None:
+        """Keep a registration for a request prefill has not started, once checked (raises InputError)."""
+        tid = reg.transfer_id
+        if reg.after_prefill:
+            raise RegistrationError(
+                f"prefill rank {self.rank} has no transfer {tid!r} although decode got it from prefill's response: "
+                f"this prefill instance was restarted since (its KV is gone) or the router changed the "
+                f"kv_transfer_params")
+        # Decode registers first (docs/architecture.md, "One request, prefill side"): kept until prefill starts it.
+        check_registration(reg, peer, self.rank, self.stage, self.block_size)
+        self.check_owner(tid, peer.key[0])
+        cost, cfg = parked_cost(reg), self.config
+        if peer.parked + 1 > cfg.max_parked_per_connection or \
+                peer.parked_bytes + cost > cfg.max_parked_bytes_per_connection:
+            raise RegistrationError(
+                f"decode rank {peer.key[1:]} already has {peer.parked} registrations ({peer.parked_bytes} B) waiting "
+                f"for prefill to start their requests, the most one connection may (settings "
+                f"max_parked_per_connection={cfg.max_parked_per_connection}, "
+                f"max_parked_bytes_per_connection={cfg.max_parked_bytes_per_connection})")
+        peer.parked += 1
+        peer.parked_bytes += cost
+        self.parked.setdefault(tid, []).append(Parked(conn, peer, reg, now, cost))
+        self.given_up.discard(tid)  # an early abort (maybe another engine's) does not bind this registration
+
+    def serve(self, conn: Any, peer: PeerInfo, reg: Register, now: float) -> tuple[SendRequest, Destination]:
+        """Make the registering decode rank a destination of its started request, once checked (raises
+        InputError); returns both."""
+        req = self.requests.get(reg.transfer_id)
+        if conn.is_closed:  # its sweep may have run already: nothing added now would ever be swept
+            raise RegistrationError(f"decode rank {peer.key} closed its connection")
+        check_against_request(req, reg, peer.key, self.rank)
+        self.check_owner(reg.transfer_id, peer.key[0])
+        check_registration(reg, peer, self.rank, self.stage, self.block_size)
+        req.owner = peer.key[0]
+        if req.given_up_by is not None:  # some engine gave it up early; this registration is served all the same
+            req.given_up_by = None
+            if req.all_computed:
+                req.lease_deadline = now + self.config.lease_s
+        dest = req.dests[peer.key] = Destination(peer.key, conn, peer, peer.layer_routes, reg)
+        if req.expected is None:
+            req.expected = {(peer.key[0], *r) for r in peer.accepted.plan.decode.ranks()}
+        return req, dest
+
+    def drop_parked(self, transfer_id: str, conn: Any = None) -> list[Parked]:
+        """Forget the waiting registrations of `transfer_id` (those of `conn` only, if given); returns them."""
+        entries = self.parked.pop(transfer_id, [])
+        keep = [p for p in entries if conn is not None and p.conn is not conn]
+        if keep:
+            self.parked[transfer_id] = keep
+        dropped = [p for p in entries if p not in keep]
+        for p in dropped:
+            p.peer.parked -= 1
+            p.peer.parked_bytes -= p.cost
+        return dropped
+
+    def expired_waits(self, now: float) -> list[tuple[str, list[Parked]]]:
+        """Drop (and return) the registrations whose request has not started within the lease."""
+        old = [tid for tid, entries in self.parked.items() if now - entries[0].at > self.config.lease_s]
+        return [(tid, self.drop_parked(tid)) for tid in old]
+
+    # ---- heartbeats and aborts -----------------------------------------------------------------------------------
+    def heartbeat(self, conn: Any, key: PeerKey, transfer_ids: list[str], now: float) -> None:
+        """Decode still waits for these transfers: the leases of those it registered on `conn` run on."""
+        deadline = now + self.config.lease_s
+        for tid in transfer_ids:
+            req = self.requests.get(tid)
+            dest = req.dests.get(key) if req is not None else None
+            if dest is not None and dest.conn is conn and req.all_computed:
+                req.lease_deadline = max(req.lease_deadline, deadline)
+
+    def abort(self, conn: Any, key: PeerKey, transfer_id: str) -> AbortVerdict:
+        """Decode rank `key` gave `transfer_id` up, on `conn`: its waiting registrations go at once, the rest is in
+        the verdict."""
+        self.drop_parked(transfer_id, conn)
+        owner = self.owner_of(transfer_id)
+        if owner is not None and owner != key[0]:
+            return AbortVerdict(foreign_owner=owner)
+        req = self.requests.get(transfer_id)
+        dest = req.dests.get(key) if req is not None else None
+        if dest is not None:
+            # Answer where asked: after losing a connection (a cut link) decode asks again over a new one, and must
+            # hear Stopped only once no WRITE to it is in flight. The identity is this connection's alone (a second
+            # live claim is refused), so the old connection is gone and the asker is that decode rank.
+            dest.conn = conn
+        if req is not None and req.owner is not None:
+            req.expected.discard(key)
+            return AbortVerdict(request=req, destination=dest, fails_request=True)
+        return AbortVerdict(request=req, destination=dest, gives_up=transfer_id not in self.released)
+
+    def give_up(self, transfer_id: str, engine: str, now: float) -> None:
+        """`engine` gave the transfer up before registering it (concurrent flow, a client that left at once):
+        remembered, pinned to that engine; a request (now or when it starts) keeps its KV only `given_up_keep_s`
+        after it was computed, not for the lease, unless some engine registers it meanwhile."""
+        req = self.requests.get(transfer_id)
+        if req is None:
+            self.given_up.add(transfer_id, now, engine)
+            return
+        req.given_up_by = engine
+        if req.all_computed:
+            req.lease_deadline = min(req.lease_deadline, now + self.config.given_up_keep_s)
+
+    # ---- connections -----------------------------------------------------------------------------------------------
+    def connection_closed(self, conn: Any, key: PeerKey) -> list[tuple[SendRequest, Destination]]:
+        """Decode rank `key`'s connection `conn` closed: its waiting registrations are dropped, and its
+        destinations still being written are marked done and returned (their requests fail there)."""
+        for tid in [tid for tid, entries in self.parked.items() if any(p.conn is conn for p in entries)]:
+            self.drop_parked(tid, conn)
+        gone = []
+        for req in self.requests.values():
+            dest = req.dests.get(key)
+            if dest is not None and dest.conn is conn and not dest.done:
+                dest.done = True
+                req.expected.discard(key)
+                gone.append((req, dest))
+        return gone
