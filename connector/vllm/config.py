@@ -10,7 +10,6 @@ the valid ones."""
 from __future__ import annotations
 
 import dataclasses
-import dataclasses
 import difflib
 import os
 from typing import Annotated, Any, TypeVar
