@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from connector.cli.yardsticks import bench_lines
+from connector.cli.yardsticks import bench_lines, with_yardsticks
 from connector.core.compute import active_params, prefill_ms
 from connector.core.errors import CliError, LayoutError
 from connector.core.hf_config import load_config
@@ -92,7 +92,10 @@ def test_small_bench_reports_every_field_and_verifies(m3_index_v):
     # scattered blocks went as staged chunks: fewer NIXL descriptors than block ranges
     assert 0 < out["staged_chunks"] <= out["nixl_descriptors_bulk"] < out["descriptors"]
     # every number with what good looks like, and the verdict (connector.cli.yardsticks)
+    out = with_yardsticks(out)
+    assert 0 <= out["stream_hidden_pct"] <= 100 and list(out)[-1] == "verdict"
     lines = bench_lines(out)
+    assert any(line.strip().startswith("stream_hidden_pct:") and "hid behind compute" in line for line in lines)
     assert any(line.strip().startswith("connector_vs_raw:") and "# 1.0 = raw NIXL on the same descriptors" in line
                for line in lines)
     assert lines[-1].strip().startswith("verdict: bulk at ") and "streaming leaves" in lines[-1]

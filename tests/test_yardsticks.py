@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from connector.cli.yardsticks import bench_verdict, demo_lines, hidden_pct
+from connector.cli.yardsticks import bench_lines, bench_verdict, demo_lines, hidden_pct, with_yardsticks
 from connector.sim.cluster import DemoResult
 
 
@@ -66,3 +66,16 @@ def test_a_small_demo_prints_its_yardsticks():
     assert out.returncode == 0, out.stderr[-2000:]
     assert "yardstick: those bytes after compute at raw NIXL's" in out.stdout
     assert "  verdict: " in out.stdout and "VERIFIED" in out.stdout
+
+
+def test_the_bench_gets_the_hidden_share_and_a_verdict():
+    out = with_yardsticks({"bytes": 100 * 10**6, "raw_gbps": 5.0, "stream_exposed_ms": 2.0,
+                           "stream_vs_bulk_exposed": 0.1, "streamed_pct": 98.0, "verified": True,
+                           "connector_vs_raw": 1.0})
+    assert list(out) == ["bytes", "raw_gbps", "stream_exposed_ms", "stream_vs_bulk_exposed", "stream_hidden_pct",
+                         "streamed_pct", "verified", "connector_vs_raw", "verdict"]
+    assert out["stream_hidden_pct"] == 90.0 and out["verdict"].startswith("bulk at 1.00x raw NIXL")
+    lines = bench_lines(out)
+    assert "# the share of the transfer (its bytes at raw_gbps) streaming hid behind compute; good: 50 or more" in \
+        next(line for line in lines if "stream_hidden_pct" in line)
+    assert lines[-1].strip().startswith("verdict: bulk at")

@@ -9,7 +9,7 @@ from typing import Any
 
 from connector.cli.args import add_common, parse_node, parse_side
 from connector.cli.checks import MAX_SIM_RANKS, check_device, check_memory, check_time, float_in, int_in
-from connector.cli.yardsticks import bench_lines, bench_verdict, demo_lines
+from connector.cli.yardsticks import bench_lines, demo_lines, with_yardsticks
 from connector.core.errors import CliError
 
 MAX_TOKENS = 1 << 24
@@ -139,8 +139,9 @@ def run_bench(args: argparse.Namespace) -> int:
         compute = (active_params(load_config(args.model)[0]), args.compute_tflops)
     out = bench(_scenario(args), progress=sys.stderr.isatty() and not args.json, repeats=args.repeats,
                 compute=compute, plot=args.plot)
+    out = with_yardsticks(out)
     if args.json:
-        print(json.dumps(out | {"verdict": bench_verdict(out)}))
+        print(json.dumps(out))
     else:
         print("\n".join(bench_lines(out)))
     return 0 if out["verified"] else 1

@@ -25,6 +25,8 @@ BENCH_NOTES = {
     "bulk_exposed_ms": "the whole transfer after compute: what a connector without streaming adds to TTFT",
     "stream_exposed_ms": "what streaming leaves after compute; good: a small fraction of bulk_exposed_ms",
     "stream_vs_bulk_exposed": "good: 0.2 or less (the share of bulk's exposed time streaming leaves)",
+    "stream_hidden_pct": f"the share of the transfer (its bytes at raw_gbps) streaming hid behind compute; good: "
+                         f"{GOOD_HIDDEN_PCT:g} or more",
     "streamed_pct": f"bytes in decode's blocks before compute ended (stream runs); good: {GOOD_STREAMED_PCT:g} or "
                     f"more; 0 is expected with --layer-ms 0 (no compute to hide behind)",
     "hook_us": f"the per-layer hook's median (it only queues the layer); good: under {GOOD_HOOK_US:g}",
@@ -34,13 +36,24 @@ BENCH_NOTES = {
 }
 
 
+def with_yardsticks(out: dict[str, Any]) -> dict[str, Any]:
+    """The bench's results with the derived yardsticks: stream_hidden_pct (after stream_vs_bulk_exposed) and the
+    verdict (last)."""
+    hidden = hidden_pct(out.get("stream_exposed_ms", 0.0), out.get("bytes", 0), out.get("raw_gbps", 0.0))
+    derived = {"stream_hidden_pct": round(hidden, 1) if hidden is not None else None}
+    keys = list(out)
+    at = keys.index("stream_vs_bulk_exposed") + 1 if "stream_vs_bulk_exposed" in keys else len(keys)
+    items = list(out.items())
+    return dict(items[:at] + list(derived.items()) + items[at:]) | {"verdict": bench_verdict(out)}
+
+
 def bench_lines(out: dict[str, Any]) -> list[str]:
-    """`key: value   # what good looks like` for each result, then the verdict."""
+    """`key: value   # what good looks like` for each result (with_yardsticks' output: the verdict last)."""
     lines = []
     for key, value in out.items():
         note = BENCH_NOTES.get(key)
         lines.append(f"{key:>24}: {value}" + (f"   # {note}" if note else ""))
-    return lines + [f"{'verdict':>24}: {bench_verdict(out)}"]
+    return lines
 
 
 def bench_verdict(out: dict[str, Any]) -> str:
