@@ -32,3 +32,12 @@ def test_the_links_into_docs_exist():
     for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         for target in re.findall(r"\]\(((?:\.\./|docs/)?[\w./-]+\.md)(?:#[^)]*)?\)", page.read_text()):
             assert (page.parent / target).resolve().exists(), f"{page.name} links to {target}, which is missing"
+
+
+def test_ci_runs_the_readmes_two_set_up_commands_as_written():
+    setup = (ROOT / "README.md").read_text().split("\n## Set up\n", 1)[1].split("\n## ", 1)[0]
+    commands = re.findall(r"```bash\n(.+?)\n```", setup, re.S)
+    assert len(commands) == 2, commands
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    for command in commands:
+        assert command in ci, f".ci/run does not run the README's set-up command as written: {command}"
