@@ -108,6 +108,8 @@ def die_with_parent() -> None:
 
 
 PR_SET_PDEATHSIG = 1
+HEALTH_POLL_S = 1.0
+"""How often a starting vLLM server's /health is asked."""
 
 
 class ProcessGroup:
@@ -226,15 +228,16 @@ class VllmServer(ProcessGroup):
                     self.spec.cpus, self.tie_to_parent)
         return self
 
-    def wait_healthy(self, timeout_s: float = 300.0) -> "VllmServer":
-        def healthy() -> bool:
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                    return r.status == 200
-            except (urllib.error.URLError, OSError):
-                return False
+    def healthy(self) -> bool:
+        """/health answers 200 now."""
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
 
-        return self._wait(healthy, "was healthy", timeout_s, poll_s=1.0)
+    def wait_healthy(self, timeout_s: float = 300.0) -> "VllmServer":
+        return self._wait(self.healthy, "was healthy", timeout_s, poll_s=HEALTH_POLL_S)
 
     def metrics(self) -> dict[str, float]:
         """Prometheus samples, `name{labels}` -> value, labels dropped when there is one sample of a name."""
@@ -293,13 +296,25 @@ def metric(samples: dict[str, float], name: str) -> float:
 
 
 def start_all(servers: list[VllmServer], timeout_s: float = 400.0) -> None:
-    """Start every server, then wait for all (they start in parallel). On failure, stop them all and raise."""
+    """Start every server, then wait for all at once (they start in parallel): the first that exits is named at
+    once, with its log's tail, whichever is still loading. On failure, stop them all and raise ServerError."""
     try:
         for s in servers:
             s.start()
         deadline = time.monotonic() + timeout_s
-        for s in servers:
-            s.wait_healthy(max(1.0, deadline - time.monotonic()))
+        pending = list(servers)
+        while pending:
+            for s in list(pending):
+                if not s.alive():
+                    raise s._died("before it was healthy")
+                if s.healthy():
+                    pending.remove(s)
+            if pending and time.monotonic() >= deadline:
+                first = pending[0]
+                raise ServerError(f"{', '.join(p.name for p in pending)} not healthy within {timeout_s:.0f} s; log "
+                                  f"{first.log_path}, last lines:\n{first.log_tail()}")
+            if pending:
+                time.sleep(HEALTH_POLL_S)
     except BaseException:
         for s in servers:
             s.stop(10)
