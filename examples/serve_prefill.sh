@@ -27,8 +27,8 @@ PP="${PP:-2}"
 SIDE_CHANNEL_HOST="${SIDE_CHANNEL_HOST:-${VLLM_HOST_IP:-$(hostname -I 2>/dev/null | awk '{print $1}')}}"
 SIDE_CHANNEL_PORT="${SIDE_CHANNEL_PORT:-5600}"
 LEASE_S="${LEASE_S:-120}"                    # how long finished prefill blocks wait for a slow/late decode
-# Staging buffer per GPU worker (MiB), on both sides: scattered blocks move as gathered chunks (README, "Staged
-# transfers"). It is allocated after vLLM sized its KV cache: lower --gpu-memory-utilization a little for it.
+# Staging buffer per GPU worker (MiB), on both sides: scattered blocks move as gathered chunks (docs/internals.md,
+# "Staged transfers"). It is allocated after vLLM sized its KV cache: lower --gpu-memory-utilization a little for it.
 # 0 turns it off.
 STAGING_MB="${STAGING_MB:-256}"
 PYTHON="${PYTHON:-python3}"

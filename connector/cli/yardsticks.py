@@ -1,7 +1,7 @@
 """What good looks like, next to each number `demo` and `bench` print: the raw NIXL rate on the same bytes, the
 share of the transfer hidden behind prefill's compute, a one-line verdict, and why some zeros are expected.
 
-Thresholds (GOOD_*) are what this machine's measured runs show when nothing is wrong (README, Performance): streamed
+Thresholds (GOOD_*) are what this machine's measured runs show when nothing is wrong (docs/performance.md): streamed
 98%, stream exposed 5% of bulk, the connector at 0.9-1.4x raw NIXL on its own descriptors, hooks 2-3 us."""
 
 from __future__ import annotations

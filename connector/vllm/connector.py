@@ -34,7 +34,7 @@ class SparseKVConnector(KVConnectorBase_V1, SupportsHMA):
     """Streams the main KV cache and the sparse-attention index caches from prefill to decode per layer.
 
     kv_role: `kv_producer` on prefill, `kv_consumer` on decode. Settings: `kv_connector_extra_config`
-    (see ConnectorSettings). Request protocol: README, "kv_transfer_params"."""
+    (see ConnectorSettings). Request protocol: docs/internals.md, "kv_transfer_params: two flows"."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
