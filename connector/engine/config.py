@@ -18,7 +18,7 @@ NIXL descriptor per chunk instead of one per block range; see docs/performance.m
 STAGING_MB_CPU = 0
 """Default when the KV cache is in host memory: off. There the gather and the scatter are CPU copies (three copies of
 every byte instead of the one a direct WRITE makes), so staging trades descriptors for CPU time that prefill's own
-compute needs. Measured on a 2-core box (README's performance section): bulk transfers move at about the same rate
+compute needs. Measured on a 2-core box (docs/performance.md): bulk transfers move at about the same rate
 either way (within the noise of a shared machine), but streaming during compute with staging made the simulated
 compute about 1.6x slower and the exposed time longer. `staging_mb` still turns it on for CPU memory."""
 
