@@ -163,3 +163,14 @@ def test_options_must_be_spelt_out_and_help_shows_every_command_and_default():
         assert f"  {command} " in top, command
     bench = run("bench", "--help").stdout
     assert "(default: 16)" in bench and "(default: 5)" in bench and "(default: cpu)" in bench
+
+
+def test_every_option_of_every_command_has_help():
+    import argparse
+
+    from connector.cli.main import build_parser
+
+    subs = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    bare = [(name, a.option_strings[0]) for name, p in subs.choices.items() for a in p._actions
+            if a.option_strings and a.dest != "help" and not a.help]
+    assert bare == []
