@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from connector.core.errors import ServerError
-from connector.pd.servers import ProcessGroup, start_all
+from connector.pd.servers import ProcessGroup, group_members, start_all
 
 pytestmark = [pytest.mark.timeout(60)]
 
@@ -76,8 +76,27 @@ def test_stop_ends_the_whole_group_children_included(tmp_path):
         assert time.monotonic() < deadline, group.log_tail()
         time.sleep(0.1)
     child = int(child_pid.read_text())
+    assert sorted(group_members(group.pid)) == sorted([group.pid, child])
     group.stop(timeout_s=2)  # the child ignores SIGTERM: SIGKILL to the group ends it
-    deadline = time.monotonic() + 10
-    while alive(child) and time.monotonic() < deadline:
+    # stop() returns once nothing of the group runs, the child (not the group leader's to reap) included
+    assert not alive(child) and group.proc.poll() is not None and group_members(group.pid) == []
+
+
+def test_stop_waits_for_the_group_to_end_by_itself_before_any_sigkill(tmp_path):
+    """What vLLM's API server does on SIGTERM: it exits, and its engine core ends a moment later."""
+    code = ("import subprocess, sys, time, signal\n"
+            "c = subprocess.Popen([sys.executable, '-c', 'import signal, sys, time; "
+            "signal.signal(signal.SIGTERM, lambda *a: (time.sleep(1), sys.exit(0))); time.sleep(120)'])\n"
+            "signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))\n"
+            "print(c.pid, flush=True)\n"
+            "time.sleep(120)\n")
+    group = Stand("engine", code, tmp_path).start()
+    deadline = time.monotonic() + 20
+    while not group.log_tail().strip():
+        assert time.monotonic() < deadline
         time.sleep(0.1)
-    assert not alive(child) and group.proc.poll() is not None
+    child = int(group.log_tail().split()[0])
+    began = time.monotonic()
+    group.stop(timeout_s=10)
+    assert 0.5 < time.monotonic() - began < 8  # the child's second of shutdown, not the 10 s timeout
+    assert not alive(child) and group_members(group.pid) == []

@@ -108,6 +108,24 @@ def die_with_parent() -> None:
 
 
 PR_SET_PDEATHSIG = 1
+GROUP_POLL_S = 0.1
+"""How often a stopping process group is looked at for members still running."""
+
+
+def group_members(pgid: int) -> list[int]:
+    """PIDs of the running (not zombie) processes in process group `pgid` (Linux /proc)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # (it ended while we looked)
+            continue
+        state, _ppid, group = stat[stat.rindex(")") + 2:].split()[:3]
+        if state not in "ZX" and int(group) == pgid:
+            members.append(int(entry.name))
+    return members
 HEALTH_POLL_S = 1.0
 """How often a starting vLLM server's /health is asked."""
 
@@ -161,18 +179,23 @@ class ProcessGroup:
                 pass
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM the process group, then SIGKILL what is left after `timeout_s`. Idempotent."""
+        """SIGTERM the process group and wait, at most `timeout_s`, for every process in it (vLLM's engine core and
+        workers end after the API server); then SIGKILL what is left. Returns when nothing of the group runs.
+        Idempotent."""
         if self.proc is None:
             return
         self.signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
         try:
             self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
             pass
+        self._wait_group_gone(deadline)
         self.kill()
 
     def kill(self) -> None:
-        """SIGKILL the whole process group (also children the process left behind) and reap it."""
+        """SIGKILL the whole process group (also children the process left behind), reap it and wait until no
+        process of the group runs."""
         if self.proc is None:
             return
         try:
@@ -183,6 +206,16 @@ class ProcessGroup:
             self.proc.wait(10)
         except subprocess.TimeoutExpired:
             raise ServerError(f"{self.name} pid {self.proc.pid} survived SIGKILL") from None
+        if not self._wait_group_gone(time.monotonic() + 10):
+            raise ServerError(f"{self.name}: processes {group_members(self.proc.pid)} of its group survived SIGKILL")
+
+    def _wait_group_gone(self, deadline: float) -> bool:
+        """Wait until no process of the group runs (True), or until `deadline` (False)."""
+        while group_members(self.proc.pid):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(GROUP_POLL_S)
+        return True
 
     def _wait(self, ready: Callable[[], bool], what: str, timeout_s: float, poll_s: float):  # noqa: ANN202
         """Poll `ready()` until it holds (returns self), the process exits or `timeout_s` passes (ServerError with

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from connector.pd.client import complete
+from connector.pd.servers import group_members
 from tests.real_engine.conftest import ROOT, engine_python
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(900)]
@@ -59,20 +60,9 @@ class Output:
         raise AssertionError(f"no {needle!r} from serve-local within {timeout_s:.0f} s:\n" + "\n".join(self.seen))
 
 
-def groups_alive(pgids: set[int]) -> list[str]:
-    """Processes (pid and command) whose process group is one of `pgids`."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        if fields[0] != "Z" and int(fields[2]) in pgids:
-            out.append(f"{entry.name} {(entry / 'cmdline').read_bytes()[:120]!r}")
-    return out
+def groups_alive(pgids: set[int]) -> list[int]:
+    """Running processes whose process group is one of `pgids`."""
+    return [pid for pgid in pgids for pid in group_members(pgid)]
 
 
 def port_free(port: int) -> bool:
