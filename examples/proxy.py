@@ -7,10 +7,12 @@ decode instance (the original request with `do_remote_prefill` and the prefill i
 The decode instance registers its blocks with the prefill instance's side channel, and prefill pushes the KV into
 them layer by layer while it computes. The client gets the decode response, streamed through unchanged.
 
-    python examples/proxy.py --port 8000 \
+    python examples/proxy.py --port 8001 \
         --prefill http://P_HOST:8100,P_HOST:5600 --decode http://D_HOST:8200 [--prefill ...] [--decode ...]
 
-Several instances of each kind are used round-robin. `build_app()` is the importable entry (tests use it).
+Several instances of each kind are used round-robin. The default port, 8001, leaves 8000 to
+examples/sequential_router.py, so both can run in front of the same engines. `build_app()` is the importable entry
+(tests use it).
 """
 
 from __future__ import annotations
@@ -25,8 +27,14 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Sequence
 from urllib.parse import urlsplit
 
-import aiohttp
-from aiohttp import web
+try:
+    import aiohttp
+    from aiohttp import web
+except ImportError:  # the system python has no aiohttp; vLLM's environment always has it
+    if __name__ != "__main__":
+        raise
+    raise SystemExit(f"{__file__} needs aiohttp: run it with the python of vLLM's environment (which has it), e.g. "
+                     f".venv-cpu/bin/python {__file__} ..., or `pip install aiohttp`") from None
 
 log = logging.getLogger("sparse_kv_proxy")
 
@@ -242,7 +250,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
-    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--port", type=int, default=8001, help="port to listen on (default %(default)s)")
     ap.add_argument("--prefill", action="append", required=True, type=_arg(parse_prefill), metavar="URL,SIDE_HOST:PORT",
                     help="prefill instance: OpenAI server URL and connector side-channel address; repeatable")
     ap.add_argument("--decode", action="append", required=True, type=_arg(_check_url), metavar="URL",

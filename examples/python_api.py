@@ -38,7 +38,7 @@ PROMPT = "Explain in three sentences why sparse attention needs an index cache b
 
 
 def connector_installed() -> bool:
-    """True when the package's vllm.general_plugins entry point exists (pip install sparse-kv-connector[vllm])."""
+    """True when the package's vllm.general_plugins entry point exists (`pip install -e .` from this tree)."""
     plugins = importlib.metadata.entry_points(group="vllm.general_plugins")
     return any(ep.value.split(":")[0] == "connector" for ep in plugins)
 
@@ -67,9 +67,11 @@ def main() -> None:
     # other processes: they get the name from the vllm.general_plugins entry point of the installed package, or,
     # when running from a source tree without it, from kv_connector_module_path (importable there via PYTHONPATH).
     connector.register()
-    # staging_mb (both sides): scattered blocks move as gathered chunks; see the README, "Staged transfers".
-    extra: dict[str, object] = {"auth_token": os.environ.get("SPARSE_KV_AUTH_TOKEN", ""),
-                                "staging_mb": int(os.environ.get("STAGING_MB", "256"))}
+    # staging_mb (both sides): scattered blocks move as gathered chunks; see docs/internals.md, "Staged transfers".
+    # The token is named, not written (auth_token_env): every worker reads it from its own environment.
+    extra: dict[str, object] = {"staging_mb": int(os.environ.get("STAGING_MB", "256"))}
+    if os.environ.get("SPARSE_KV_AUTH_TOKEN"):
+        extra["auth_token_env"] = "SPARSE_KV_AUTH_TOKEN"
     if producer:
         extra.update(side_channel_port=args.side_channel_port, lease_s=args.lease_s)
         if args.side_channel_host:

@@ -22,8 +22,14 @@ import itertools
 import logging
 from typing import Any, Sequence
 
-import aiohttp
-from aiohttp import web
+try:
+    import aiohttp
+    from aiohttp import web
+except ImportError:  # the system python has no aiohttp; vLLM's environment always has it
+    if __name__ != "__main__":
+        raise
+    raise SystemExit(f"{__file__} needs aiohttp: run it with the python of vLLM's environment (which has it), e.g. "
+                     f".venv-cpu/bin/python {__file__} ..., or `pip install aiohttp`") from None
 
 log = logging.getLogger("sequential_router")
 HOP_HEADERS = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding",
@@ -84,7 +90,7 @@ def build_app(prefills: Sequence[str], decodes: Sequence[str], timeout: float = 
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--port", type=int, default=8000, help="port to listen on (default %(default)s)")
     ap.add_argument("--prefill", action="append", required=True, metavar="URL", help="repeatable")
     ap.add_argument("--decode", action="append", required=True, metavar="URL", help="repeatable")
     ap.add_argument("--timeout", type=float, default=600.0)

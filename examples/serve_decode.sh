@@ -6,14 +6,15 @@
 # Needs: the MiniMax-M3 weights (MODEL: a Hugging Face id or a local folder, default MiniMaxAI/MiniMax-M3; bf16, several
 # hundred GB) and TP GPUs on this node (default 8, e.g. 8x H200) with room for the weights and the KV cache; an
 # RDMA-capable network (NIXL/UCX) to the prefill nodes, and TCP to their side-channel ports.
-# Needs the package in the same environment as vLLM 0.33.0: `pip install sparse-kv-connector[vllm]` registers the
-# name "SparseKVConnector" through the vllm.general_plugins entry point. Without the entry point (e.g. the source tree
+# Needs the package in the same environment as vLLM 0.33.0: `pip install -e .` from this tree registers the name
+# "SparseKVConnector" through the vllm.general_plugins entry point. Without the entry point (e.g. the source tree
 # on PYTHONPATH), set KV_CONNECTOR_MODULE_PATH=connector.vllm to add "kv_connector_module_path" to the config.
 #
 # Decode does not listen on a side channel: per request it connects to the prefill address that the proxy puts in
 # kv_transfer_params.prefill_addr and registers its blocks there; prefill then pushes the KV into them.
 # Give the proxy: --decode http://THIS_HOST:PORT
-# SPARSE_KV_AUTH_TOKEN must equal the prefill instances' token.
+# SPARSE_KV_AUTH_TOKEN must equal the prefill instances' token. The config names the variable (auth_token_env), so the
+# token itself is neither on the vllm command line (ps) nor in vLLM's log.
 set -euo pipefail
 
 MODEL="${1:-MiniMaxAI/MiniMax-M3}"
@@ -35,9 +36,10 @@ staging_mb = int(os.environ["STAGING_MB"])
 config = {
     "kv_connector": "SparseKVConnector",
     "kv_role": "kv_consumer",
-    "kv_connector_extra_config": {"auth_token": os.environ.get("SPARSE_KV_AUTH_TOKEN", ""),
-                                  "staging_mb": staging_mb, "staging_slot_mb": max(1, staging_mb // 8)},
+    "kv_connector_extra_config": {"staging_mb": staging_mb, "staging_slot_mb": max(1, staging_mb // 8)},
 }
+if os.environ.get("SPARSE_KV_AUTH_TOKEN"):  # each worker reads it from its environment
+    config["kv_connector_extra_config"]["auth_token_env"] = "SPARSE_KV_AUTH_TOKEN"
 if os.environ.get("KV_CONNECTOR_MODULE_PATH"):
     config["kv_connector_module_path"] = os.environ["KV_CONNECTOR_MODULE_PATH"]
 print(json.dumps(config))

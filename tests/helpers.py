@@ -5,8 +5,10 @@ for pure tests of the engines' rules (no NIXL, no memory), and demo scenarios; C
 from __future__ import annotations
 
 import itertools
+import logging
 import os
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -120,3 +122,21 @@ def agent_name(tag: str) -> str:
 def pattern(nbytes: int, seed: int) -> np.ndarray:
     """`nbytes` seeded random bytes: what a WRITE moves, to be checked at the other end."""
     return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+@contextmanager
+def log_records(name: str) -> Iterator[list[logging.LogRecord]]:
+    """Log records of logger `name` at INFO and above, whether or not it propagates (once connector.vllm is imported,
+    vLLM's handlers have adopted the `connector` loggers and caplog sees nothing)."""
+    got: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = got.append
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield got
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)

@@ -7,12 +7,13 @@ import sys
 
 import pytest
 
+from connector.cli.yardsticks import bench_lines, with_yardsticks
 from connector.core.compute import active_params, prefill_ms
 from connector.core.errors import CliError, LayoutError
 from connector.core.hf_config import load_config
 from connector.sim.bench import bench, percentile
 from connector.sim.cluster import RequestResult, busy_seconds
-from connector.sim.plot import layer_times, plot_timeline
+from connector.sim.plot import check_plotting, layer_times, plot_timeline
 from tests.helpers import scenario
 
 
@@ -55,9 +56,12 @@ def test_layer_times_from_first_post_to_last_landing_and_streamed_bytes():
 
 
 def test_plot_without_matplotlib_says_how_to_get_it(monkeypatch, tmp_path):
+    """The package is not on PyPI, so the hint is matplotlib itself; and --plot is refused before a run starts."""
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    with pytest.raises(CliError, match="pip install 'sparse-kv-connector\\[plot\\]'"):
+    with pytest.raises(CliError, match="^--plot needs matplotlib: pip install matplotlib \\(or run without --plot\\)$"):
         plot_timeline(str(tmp_path / "x.png"), {}, {})
+    with pytest.raises(CliError, match="--plot needs matplotlib"):
+        check_plotting()
 
 
 def test_plot_draws_a_png(tmp_path):
@@ -87,3 +91,11 @@ def test_small_bench_reports_every_field_and_verifies(m3_index_v):
                                             / m3_index_v.num_layers, rel=0.01)
     # scattered blocks went as staged chunks: fewer NIXL descriptors than block ranges
     assert 0 < out["staged_chunks"] <= out["nixl_descriptors_bulk"] < out["descriptors"]
+    # every number with what good looks like, and the verdict (connector.cli.yardsticks)
+    out = with_yardsticks(out)
+    assert 0 <= out["stream_hidden_pct"] <= 100 and list(out)[-1] == "verdict"
+    lines = bench_lines(out)
+    assert any(line.strip().startswith("stream_hidden_pct:") and "hid behind compute" in line for line in lines)
+    assert any(line.strip().startswith("connector_vs_raw:") and "# 1.0 = raw NIXL on the same descriptors" in line
+               for line in lines)
+    assert lines[-1].strip().startswith("verdict: bulk at ") and "streaming leaves" in lines[-1]

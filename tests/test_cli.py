@@ -151,3 +151,26 @@ def test_every_bad_cli_input_is_one_line_exit_2_at_once(args, needle, tmp_path):
     assert "Traceback" not in out.stderr and len(lines) == 1, out.stderr[-2000:]
     assert lines[0].startswith("error: ") and needle in lines[0], lines[0]
     assert out.stdout == ""
+
+
+def test_options_must_be_spelt_out_and_help_shows_every_command_and_default():
+    out = run("plan", "--model", "qwen3-8b", "--prefil", "tp=1,pp=1", "--decode", "tp=1,pp=1")
+    assert out.returncode == 2 and "the following arguments are required: --prefill" in out.stderr, out.stderr
+    out = run("demo", "--model", "qwen3-8b", "--prefil", "tp=1,pp=2")
+    assert out.returncode == 2 and "unrecognized arguments: --prefil" in out.stderr, out.stderr
+    top = run("--help").stdout
+    for command in ("serve-local", "doctor", "settings", "plan", "demo", "bench", "bench-pd"):
+        assert f"  {command} " in top, command
+    bench = run("bench", "--help").stdout
+    assert "(default: 16)" in bench and "(default: 5)" in bench and "(default: cpu)" in bench
+
+
+def test_every_option_of_every_command_has_help():
+    import argparse
+
+    from connector.cli.main import build_parser
+
+    subs = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    bare = [(name, a.option_strings[0]) for name, p in subs.choices.items() for a in p._actions
+            if a.option_strings and a.dest != "help" and not a.help]
+    assert bare == []

@@ -51,7 +51,7 @@ def test_a_refused_pair_is_told_what_differs_not_two_hashes():
     with pytest.raises(ControlError) as err:
         check_hello(decode, prefill)
     assert "different KV caches: decode decode-engine has 2 layers, prefill prefill-engine 3" in str(err.value)
-    assert "start prefill and decode with the same model" in str(err.value)
+    assert "Serve the same model" in str(err.value)
     prefill, decode = hellos("ddk", "ddk", kv_heads=2)
     with pytest.raises(ControlError, match=r"decode decode-engine keeps kv on layers 0-2 \(2 head\(s\)"):
         check_hello(decode, prefill)

@@ -34,7 +34,13 @@ def test_serve_scripts_build_a_valid_kv_transfer_config(tmp_path, script, role):
     config = json.loads(args[args.index("--kv-transfer-config") + 1])
     assert config["kv_connector"] == "SparseKVConnector" and config["kv_role"] == role
     settings = ConnectorSettings.from_extra_config(config["kv_connector_extra_config"])
-    assert settings.auth_token == 'se"cret\\' and settings.staging_mb == 256
+    assert settings.auth_token_env == "SPARSE_KV_AUTH_TOKEN" and settings.staging_mb == 256
+    assert 'se"cret' not in " ".join(args)  # the token is read from the environment, never on the command line
+    os.environ["SPARSE_KV_AUTH_TOKEN"] = 'se"cret\\'
+    try:
+        assert settings.token() == 'se"cret\\'
+    finally:
+        del os.environ["SPARSE_KV_AUTH_TOKEN"]
     if role == "kv_producer":
         assert (settings.side_channel_host, settings.side_channel_port) == ("10.0.0.5", 5600)
         assert args[args.index("--pipeline-parallel-size") + 1] == "2"

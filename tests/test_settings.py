@@ -43,7 +43,10 @@ INTERNAL = {
     ("TransportConfig", "ucx_error_handling_mode"): "peer-failure detection stays on",
 }
 """Config fields no operator sets, and why."""
-ADAPTER = {"staging_mb": "the worker allocates the staging buffer itself (ConnectorSettings.staging_bytes)"}
+ADAPTER = {"staging_mb": "the worker allocates the staging buffer itself (ConnectorSettings.staging_bytes)",
+           "auth_token_file": "read by ConnectorSettings.token() into SideChannelConfig.auth_token "
+                              "(tests/test_early_checks.py)",
+           "auth_token_env": "the same, from the environment variable it names"}
 """Settings the vLLM adapter reads itself instead of handing them to a config."""
 
 

@@ -168,7 +168,7 @@ def test_falls_back_when_this_vllm_cannot_do_it(m3_cfg, monkeypatch):
     result = install(modules, layer_of, [], decorator=lambda fn: fn)
     assert not result.installed and "returns functions unchanged" in result.unavailable
     assert result.log_lines() == [f"no per-layer signal installed: {result.unavailable}; layers that vLLM's "
-                                  f"save_kv_layer does not reach go in the wait_for_save sweep"]
+                                  f"save_kv_layer does not reach go in the wait_for_save sweep{S.EXPECTED}"]
     # torch.compile on: dynamo would trace the signal
     result = install(modules, layer_of, [], compile_mode=3)
     assert not result.installed and "torch.compile is on (compilation mode 3)" in result.unavailable

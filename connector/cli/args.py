@@ -44,7 +44,8 @@ def parse_side(text: str, model: ModelLayout, flag: str, most: int = MAX_RANKS) 
 
 def add_common(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--model", required=True, help="preset (minimax-m3, deepseek-v3.2, qwen3-8b), a config.json or its folder")
-    sub.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    sub.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                     help="vLLM's --kv-cache-dtype: fp8 halves the main KV cache (and DeepSeek's indexer keys)")
     sub.add_argument("--json", action="store_true", help="print one JSON object instead of the readable summary")
 
 

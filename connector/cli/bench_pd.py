@@ -17,11 +17,11 @@ MAX_MODEL_LEN = 4096
 def add_subcommand(subs: Any) -> None:
     p = subs.add_parser("bench-pd", help="TTFT of one vLLM engine vs PD pairs (SparseKVConnector concurrent and "
                                          "sequential, NixlConnector as shipped and clamped) on real engines")
-    p.add_argument("--requests", type=int_in(1, 10_000), default=30, help="measured requests per mode (default 30)")
-    p.add_argument("--warmup", type=int_in(0, 100), default=3, help="requests per mode before measuring (default 3)")
-    p.add_argument("--prompt-tokens", default="600,900,1000", help="prompt lengths, cycled (default 600,900,1000)")
-    p.add_argument("--max-tokens", type=int_in(1, 1024), default=16)
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {','.join(MODES)}")
+    p.add_argument("--requests", type=int_in(1, 10_000), default=30, help="measured requests per mode")
+    p.add_argument("--warmup", type=int_in(0, 100), default=3, help="requests per mode before measuring")
+    p.add_argument("--prompt-tokens", default="600,900,1000", help="prompt lengths in tokens, cycled")
+    p.add_argument("--max-tokens", type=int_in(1, 1024), default=16, help="tokens generated per request")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {','.join(MODES)} (default: all)")
     p.add_argument("--engine-python", default=".venv-cpu/bin/python",
                    help="python of the vLLM environment that serves (default: the one tools/cpu-engine-env.sh "
                         "builds)")
@@ -29,7 +29,7 @@ def add_subcommand(subs: Any) -> None:
     p.add_argument("--no-pin", action="store_true",
                    help="let every engine use every core (default: prefill and local on core 0, decode on core 1, "
                         "as on separate nodes)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(run=run)
 
 

@@ -21,9 +21,25 @@ MEMORY_FRACTION = 0.8
 """A demo/bench run may plan to use at most this share of the memory available now."""
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Help that ends each option with its default, unless the text already says it (or there is none to say)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+
+
 class Parser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line on stderr (`error: ...`) and exit code 2 (its subparsers too:
-    argparse builds them with the parent's class)."""
+    argparse builds them with the parent's class). Options must be spelt out (`--prefil` is an error, not
+    `--prefill`), and `--help` shows each option's default."""
+
+    def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003 - argparse's own signature
+        kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")

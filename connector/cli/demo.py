@@ -9,6 +9,7 @@ from typing import Any
 
 from connector.cli.args import add_common, parse_node, parse_side
 from connector.cli.checks import MAX_SIM_RANKS, check_device, check_memory, check_time, float_in, int_in
+from connector.cli.yardsticks import bench_lines, demo_lines, with_yardsticks
 from connector.core.errors import CliError
 
 MAX_TOKENS = 1 << 24
@@ -20,16 +21,20 @@ def add_subcommands(subs: Any) -> None:
     demo = subs.add_parser("demo", help="prefill and decode ranks as OS processes; stream every pool over NIXL and "
                                         "verify every byte on decode")
     add_common(demo)
-    demo.add_argument("--prefill", default="tp=1,pp=1", metavar="tp=T,pp=P[,layers=a:b:c]")
-    demo.add_argument("--decode", default="tp=1,pp=1", metavar="tp=T,pp=P[,layers=a:b:c]")
+    demo.add_argument("--prefill", default="tp=1,pp=1", metavar="tp=T,pp=P[,layers=a:b:c]",
+                      help="prefill's layout: TP size, PP size and optionally layers per PP stage")
+    demo.add_argument("--decode", default="tp=1,pp=1", metavar="tp=T,pp=P[,layers=a:b:c]",
+                      help="decode's layout, as --prefill")
     _add_run_args(demo)
-    demo.add_argument("--mode", choices=["stream", "bulk"], default="stream")
+    demo.add_argument("--mode", choices=["stream", "bulk"], default="stream",
+                      help="stream: each layer leaves as prefill computes it; bulk: everything after compute (what "
+                           "a connector without per-layer streaming does)")
     demo.add_argument("--chunks", type=int_in(1, MAX_TOKENS), default=1,
                       help="chunked prefill: forwards per prompt (at most --tokens)")
     demo.add_argument("--prefix-tokens", type=int_in(0, MAX_TOKENS), default=0,
                       help="decode prefix-cache hit, block-aligned")
     demo.add_argument("--late-register", action="store_true", help="decode registers after prefill finished")
-    demo.add_argument("--requests", type=int_in(1, MAX_REQUESTS), default=1)
+    demo.add_argument("--requests", type=int_in(1, MAX_REQUESTS), default=1, help="requests, one after another")
     demo.set_defaults(run=run_demo)
 
     bench = subs.add_parser("bench", help="raw NIXL vs connector bulk vs connector stream, one process pair")
@@ -46,14 +51,16 @@ def add_subcommands(subs: Any) -> None:
 
 
 def _add_run_args(p: argparse.ArgumentParser, layer_ms: float | None = 2.0) -> None:
-    p.add_argument("--tokens", type=int_in(1, MAX_TOKENS), default=1024 if layer_ms is not None else 4096)
-    p.add_argument("--block-size", type=int_in(1, MAX_BLOCK_SIZE), default=16)
+    p.add_argument("--tokens", type=int_in(1, MAX_TOKENS), default=1024 if layer_ms is not None else 4096,
+                   help="prompt tokens per request")
+    p.add_argument("--block-size", type=int_in(1, MAX_BLOCK_SIZE), default=16, help="tokens per KV-cache block")
     p.add_argument("--layer-ms", type=float_in(0, 60_000), default=layer_ms,
-                   help="simulated compute per layer" + ("" if layer_ms is not None else
+                   help="simulated prefill compute per layer, ms" + ("" if layer_ms is not None else
                                                           " (default: from --compute-tflops)"))
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="where the simulated KV caches live (cuda: VRAM to VRAM over NIXL)")
     p.add_argument("--run-blocks", type=int_in(1, MAX_TOKENS), default=1,
-                   help="allocate block ids in runs of this length")
+                   help="allocate block ids in runs of this length (1: scattered, as a busy vLLM does)")
     p.add_argument("--staging-mb", type=int_in(0, 1 << 20), default=None,
                    help="per-rank staging buffer in MiB: scattered blocks move as gathered chunks (0 = off; default: "
                         "the connector's default for --device)")
@@ -111,14 +118,7 @@ def run_demo(args: argparse.Namespace) -> int:
     else:
         print(f"model {sc.model.name}: prefill tp={sc.prefill.tp} pp={sc.prefill.pp} -> decode tp={sc.decode.tp} "
               f"pp={sc.decode.pp}, {sc.tokens} tokens, block size {sc.block_size}, mode {sc.mode}, {sc.device}")
-        print(f"  exposed after compute {result.exposed_ms} ms (prefill computed {result.compute_ms} ms); "
-              f"{result.streamed_pct}% of the bytes were in decode's blocks before compute ended")
-        staged = (f"{result.staged_chunks} staged chunks, " if result.staged_chunks else "") + \
-            f"{result.nixl_descriptors} NIXL descriptors posted"
-        print(f"  {result.bytes / 2**20:.1f} MiB ({result.descriptors} block ranges; {staged}, staging "
-              f"{result.staging_mb} MiB) at {result.transfer_gbps} GB/s while transferring; "
-              f"{result.ranks['prefill']} prefill + {result.ranks['decode']} decode processes; "
-              f"layer_ready median {result.hook_us} us")
+        print("\n".join(demo_lines(result, sc)))
         print("  VERIFIED: every byte of every pool on every decode rank matches" if result.verified else
               "  FAILED:\n    " + "\n    ".join(result.problems[:20]))
     return 0 if result.verified else 1
@@ -127,6 +127,10 @@ def run_demo(args: argparse.Namespace) -> int:
 def run_bench(args: argparse.Namespace) -> int:
     from connector.sim.bench import bench
 
+    if args.plot:
+        from connector.sim.plot import check_plotting
+
+        check_plotting()
     compute = None
     if args.layer_ms is None:
         from connector.core.compute import active_params
@@ -135,9 +139,9 @@ def run_bench(args: argparse.Namespace) -> int:
         compute = (active_params(load_config(args.model)[0]), args.compute_tflops)
     out = bench(_scenario(args), progress=sys.stderr.isatty() and not args.json, repeats=args.repeats,
                 compute=compute, plot=args.plot)
+    out = with_yardsticks(out)
     if args.json:
         print(json.dumps(out))
     else:
-        for key, value in out.items():
-            print(f"{key:>22}: {value}")
+        print("\n".join(bench_lines(out)))
     return 0 if out["verified"] else 1

@@ -1,4 +1,12 @@
-"""`python -m connector {plan,demo,bench}`: a thin layer over the planning and streaming code."""
+"""python -m connector: set up, check and measure SparseKVConnector PD pairs.
+
+  serve-local  a prefill engine, a decode engine and a router on this machine (the tiny model, CPU), one command
+  doctor       check a prefill/decode pair's --kv-transfer-config (and running engines) before traffic
+  settings     every kv_connector_extra_config setting, its default and meaning
+  plan         which prefill rank sends which (pool, layer, heads) to which decode rank
+  demo         prefill and decode ranks as OS processes, every byte over NIXL and verified
+  bench        raw NIXL against the connector, bulk and streamed, on one process pair
+  bench-pd     TTFT on real engines: one engine, SparseKVConnector and NixlConnector PD pairs"""
 
 from __future__ import annotations
 
@@ -10,16 +18,23 @@ from connector.cli.args import add_common, parse_side
 from connector.cli.bench_pd import add_subcommand as add_bench_pd
 from connector.cli.checks import Parser
 from connector.cli.demo import add_subcommands
+from connector.cli.doctor import add_subcommand as add_doctor
+from connector.cli.serve_local import add_subcommand as add_serve_local
+from connector.cli.settings import add_subcommand as add_settings
 from connector.core.errors import InputError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="python -m connector", description=__doc__)
+    parser = Parser(prog="python -m connector", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     subs = parser.add_subparsers(dest="command", required=True)
+    add_serve_local(subs)
+    add_doctor(subs)
+    add_settings(subs)
     plan = subs.add_parser("plan", help="print which prefill rank sends which (pool, layer, heads) to which decode rank")
     add_common(plan)
-    plan.add_argument("--prefill", required=True, metavar="tp=T,pp=P[,layers=a:b:c]")
-    plan.add_argument("--decode", required=True, metavar="tp=T,pp=P[,layers=a:b:c]")
+    plan.add_argument("--prefill", required=True, metavar="tp=T,pp=P[,layers=a:b:c]",
+                      help="prefill's layout: TP size, PP size and optionally layers per PP stage")
+    plan.add_argument("--decode", required=True, metavar="tp=T,pp=P[,layers=a:b:c]", help="decode's layout")
     add_subcommands(subs)  # (the transport stack is imported only when demo or bench runs)
     add_bench_pd(subs)
     return parser

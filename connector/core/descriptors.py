@@ -1,9 +1,9 @@
 """Block ids -> (addr, len) descriptor lists for one route. Pure, no I/O.
 
 Descriptor count is the performance lever (a NIXL WRITE costs 7-11 us per descriptor VRAM->VRAM on an H200, ~3 us
-between two processes' DRAM: README, "Staged transfers"), so runs of blocks that are contiguous on BOTH sides are
-merged into one descriptor. Source and destination descriptors are returned pairwise equal in length, ready for one
-NIXL WRITE.
+between two processes' DRAM: docs/internals.md, "Staged transfers"), so runs of blocks that are contiguous on BOTH
+sides are merged into one descriptor. Source and destination descriptors are returned pairwise equal in length,
+ready for one NIXL WRITE.
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@
       PeerError          the other side, or the path to it, failed: retrying against a healthy peer may work
         ControlError       the side channel: rejected handshake, closed or dead peer, timeout
           FrameError         a frame that cannot be accepted (too large, unknown version, malformed)
+          Unreachable        no connection to the peer's address at all (refused, no route, timed out)
+          PeerGaveUp         the client refused the server's Hello itself (its Reject in place of Auth)
         TransportError     a NIXL WRITE, post or peer operation
           WriteAbandoned     a WRITE given up on while NIXL still runs it (its memory is in use until `settled`)
         StagedWriteError   a staged chunk that did not land
@@ -74,6 +76,15 @@ class ControlError(PeerError, RuntimeError):
 
 class FrameError(ControlError):
     """A frame that cannot be accepted (too large, unknown version, malformed msgpack, unknown message type)."""
+
+
+class Unreachable(ControlError):
+    """No connection to the peer's address could be opened (nothing listens, no route, timed out): the only failure
+    that is "cannot reach"; a peer that answered and refused raises another ControlError, with its reason."""
+
+
+class PeerGaveUp(ControlError):
+    """The client refused the handshake itself, saying why (its Reject in place of Auth): nothing to answer."""
 
 
 class TransportError(PeerError, RuntimeError):

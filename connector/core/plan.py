@@ -2,7 +2,7 @@
 
 Computed once per (prefill layout, decode layout) and then only looked up, like vLLM's nixl `tp_mapping.py`.
 Every route is keyed by (pool, global layer); slots are each side's local addresses, derived from its own
-compacted list (README, "The plan": index layer 30 is slot 0 on prefill stage 1 and slot 27 on decode).
+compacted list (docs/commands.md, "The plan": index layer 30 is slot 0 on prefill stage 1 and slot 27 on decode).
 """
 
 from __future__ import annotations

@@ -14,11 +14,11 @@ __all__ = ["ReceiverConfig", "SenderConfig", "SideChannelConfig", "default_stagi
 
 STAGING_MB_CUDA = 256
 """Default staging buffer per worker when the KV cache is in GPU memory: staged chunks are the fast path there (one
-NIXL descriptor per chunk instead of one per block range; see the README's performance section)."""
+NIXL descriptor per chunk instead of one per block range; see docs/performance.md)."""
 STAGING_MB_CPU = 0
 """Default when the KV cache is in host memory: off. There the gather and the scatter are CPU copies (three copies of
 every byte instead of the one a direct WRITE makes), so staging trades descriptors for CPU time that prefill's own
-compute needs. Measured on a 2-core box (README's performance section): bulk transfers move at about the same rate
+compute needs. Measured on a 2-core box (docs/performance.md): bulk transfers move at about the same rate
 either way (within the noise of a shared machine), but streaming during compute with staging made the simulated
 compute about 1.6x slower and the exposed time longer. `staging_mb` still turns it on for CPU memory."""
 
@@ -61,7 +61,7 @@ class SenderConfig:
     stage_below_bytes: int | None = None
     """A batch is staged when its descriptors average fewer bytes than this (scattered blocks); longer runs are
     written directly. None: 4 MiB on VRAM (NIXL's per-descriptor cost dwarfs a device copy) and 64 KiB on DRAM
-    (where the copies themselves cost about as much as the descriptors they save; see the README's bench)."""
+    (where the copies themselves cost about as much as the descriptors they save; docs/performance.md, the bench)."""
     record_timeline: bool = False
     """Keep each batch's post, write and landing times per transfer (the bench's timeline plot)."""
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from connector.core.errors import ConnectorError, ControlError, PeerError, StagingError, TransferFailed
+from connector.core.errors import ConnectorError, ControlError, PeerError, StagingError, TransferFailed, Unreachable
 from connector.core.layout import Region
 from connector.core.plan import Rank
 from connector.core.staging_ranges import allowed_ranges
@@ -211,8 +211,11 @@ class StreamReceiver:
                                  f"{MAX_TRANSFER_ID}: use a shorter id")
         try:
             engine = await self.sources.engine(prefill)
-        except ConnectorError as exc:  # a dead peer, or one whose layout does not fit ours
+        except Unreachable as exc:  # nothing answered at that address
             raise TransferFailed(f"cannot reach prefill {prefill} for {transfer_id!r}: {exc}") from exc
+        except ConnectorError as exc:  # it answered: a refused handshake, or a layout that does not fit ours
+            raise TransferFailed(f"prefill {prefill} answered, but decode cannot use it for {transfer_id!r}: "
+                                 f"{exc}") from exc
         layers: dict[Rank, set[int]] = {src: set() for src in engine.conns}
         for r in engine.plan.routes_to(self.me.rank):
             layers[r.src.rank].add(r.layer)

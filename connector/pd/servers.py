@@ -6,16 +6,19 @@ not come up raises with the tail of its log."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from connector.core.errors import ServerError
 
@@ -94,32 +97,66 @@ class ServerSpec:
         return cmd + list(self.extra_args)
 
 
-class VllmServer:
-    """One `vllm serve` process group. `start()`, `wait_healthy()`, then `stop()` (or use as a context manager)."""
+def die_with_parent() -> None:
+    """In a child, before exec: the kernel sends it SIGTERM when the process that started it dies, even by SIGKILL
+    (PR_SET_PDEATHSIG; Linux only, a no-op elsewhere). vLLM's API server then ends its engine core and workers."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
 
-    def __init__(self, spec: ServerSpec, python: str, log_dir: Path) -> None:
-        self.spec, self.python = spec, python
-        self.log_path = Path(log_dir) / f"{spec.name}-{spec.port}.log"
-        self.proc: subprocess.Popen | None = None
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.spec.port}"
+PR_SET_PDEATHSIG = 1
+GROUP_POLL_S = 0.1
+"""How often a stopping process group is looked at for members still running."""
+
+
+def group_members(pgid: int) -> list[int]:
+    """PIDs of the running (not zombie) processes in process group `pgid` (Linux /proc)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # (it ended while we looked)
+            continue
+        state, _ppid, group = stat[stat.rindex(")") + 2:].split()[:3]
+        if state not in "ZX" and int(group) == pgid:
+            members.append(int(entry.name))
+    return members
+HEALTH_POLL_S = 1.0
+"""How often a starting vLLM server's /health is asked."""
+
+
+class ProcessGroup:
+    """One process started in a process group of its own (start_new_session), its output in `log_path`, ended by
+    signalling that group: whatever it started (vLLM's engine core and workers) ends with it, and nothing else."""
+
+    name: str
+    log_path: Path
+    proc: subprocess.Popen | None = None
 
     @property
     def pid(self) -> int:
-        assert self.proc is not None, "server not started"
+        assert self.proc is not None, f"{self.name} not started"
         return self.proc.pid
 
-    def start(self) -> "VllmServer":
-        env = {**os.environ, **CPU_ENGINE_ENV, **self.spec.env}
+    def _popen(self, command: list[str], env: dict[str, str], cpus: tuple[int, ...] | None = None,
+               tie_to_parent: bool = False) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+
+        def before_exec() -> None:
+            if cpus:
+                os.sched_setaffinity(0, cpus)
+            if tie_to_parent:
+                die_with_parent()
+
         with open(self.log_path, "ab") as log:
-            cpus = self.spec.cpus
-            self.proc = subprocess.Popen(self.spec.command(self.python), stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, env=env, start_new_session=True,
-                                         preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
-        return self
+            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=env, start_new_session=True,
+                                         preexec_fn=before_exec if cpus or tie_to_parent else None)
 
     def log_tail(self, lines: int = 40) -> str:
         try:
@@ -133,30 +170,8 @@ class VllmServer:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def wait_healthy(self, timeout_s: float = 300.0) -> "VllmServer":
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if not self.alive():
-                raise ServerError(f"{self.spec.name} server exited with {self.proc and self.proc.returncode} "
-                                  f"before it was healthy; log {self.log_path}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        return self
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(1.0)
-        raise ServerError(f"{self.spec.name} server not healthy within {timeout_s:.0f} s; log {self.log_path}:\n"
-                          f"{self.log_tail()}")
-
-    def metrics(self) -> dict[str, float]:
-        """Prometheus samples, `name{labels}` -> value, labels dropped when there is one sample of a name."""
-        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
-            text = r.read().decode()
-        return parse_metrics(text)
-
     def signal(self, sig: int) -> None:
-        """Send `sig` to the server's process group (its engine core and workers too)."""
+        """Send `sig` to the process group (its children too)."""
         if self.proc is not None and self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, sig)
@@ -164,18 +179,23 @@ class VllmServer:
                 pass
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM the process group, then SIGKILL what is left after `timeout_s`. Idempotent."""
+        """SIGTERM the process group and wait, at most `timeout_s`, for every process in it (vLLM's engine core and
+        workers end after the API server); then SIGKILL what is left. Returns when nothing of the group runs.
+        Idempotent."""
         if self.proc is None:
             return
         self.signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
         try:
             self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
             pass
+        self._wait_group_gone(deadline)
         self.kill()
 
     def kill(self) -> None:
-        """SIGKILL the whole process group (also children the server process left behind) and reap it."""
+        """SIGKILL the whole process group (also children the process left behind), reap it and wait until no
+        process of the group runs."""
         if self.proc is None:
             return
         try:
@@ -185,13 +205,109 @@ class VllmServer:
         try:
             self.proc.wait(10)
         except subprocess.TimeoutExpired:
-            raise ServerError(f"{self.spec.name} server pid {self.proc.pid} survived SIGKILL") from None
+            raise ServerError(f"{self.name} pid {self.proc.pid} survived SIGKILL") from None
+        if not self._wait_group_gone(time.monotonic() + 10):
+            raise ServerError(f"{self.name}: processes {group_members(self.proc.pid)} of its group survived SIGKILL")
 
-    def __enter__(self) -> "VllmServer":
+    def _wait_group_gone(self, deadline: float) -> bool:
+        """Wait until no process of the group runs (True), or until `deadline` (False)."""
+        while group_members(self.proc.pid):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(GROUP_POLL_S)
+        return True
+
+    def _wait(self, ready: Callable[[], bool], what: str, timeout_s: float, poll_s: float):  # noqa: ANN202
+        """Poll `ready()` until it holds (returns self), the process exits or `timeout_s` passes (ServerError with
+        the log's tail either way)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise self._died(f"before it {what}")
+            if ready():
+                return self
+            time.sleep(poll_s)
+        raise ServerError(f"{self.name} not {what} within {timeout_s:.0f} s; log {self.log_path}, last lines:\n"
+                          f"{self.log_tail()}")
+
+    def _died(self, what: str) -> ServerError:
+        code = self.proc.returncode if self.proc is not None else None
+        return ServerError(f"{self.name} exited with {code} {what}; log {self.log_path}, last lines:\n"
+                           f"{self.log_tail()}")
+
+    def __enter__(self):  # noqa: ANN204 - the subclass
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class VllmServer(ProcessGroup):
+    """One `vllm serve` process group. `start()`, `wait_healthy()`, then `stop()` (or use as a context manager)."""
+
+    def __init__(self, spec: ServerSpec, python: str, log_dir: Path, tie_to_parent: bool = False) -> None:
+        self.spec, self.python, self.name = spec, python, spec.name
+        self.log_path = Path(log_dir) / f"{spec.name}-{spec.port}.log"
+        self.tie_to_parent = tie_to_parent
+        """Started by a launcher (serve-local): the server gets SIGTERM if the launcher dies (die_with_parent)."""
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.spec.port}"
+
+    def start(self) -> "VllmServer":
+        self._popen(self.spec.command(self.python), {**os.environ, **CPU_ENGINE_ENV, **self.spec.env},
+                    self.spec.cpus, self.tie_to_parent)
+        return self
+
+    def healthy(self) -> bool:
+        """/health answers 200 now."""
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def wait_healthy(self, timeout_s: float = 300.0) -> "VllmServer":
+        return self._wait(self.healthy, "was healthy", timeout_s, poll_s=HEALTH_POLL_S)
+
+    def metrics(self) -> dict[str, float]:
+        """Prometheus samples, `name{labels}` -> value, labels dropped when there is one sample of a name."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        return parse_metrics(text)
+
+
+class ScriptServer(ProcessGroup):
+    """A Python script that serves HTTP on `port` (examples/proxy.py, examples/sequential_router.py), run as its own
+    process group. `start()`, `wait_listening()`, `stop()`."""
+
+    def __init__(self, name: str, python: str, script: Path, args: list[str], port: int, log_dir: Path,
+                 tie_to_parent: bool = False) -> None:
+        self.name, self.python, self.script, self.args, self.port = name, python, Path(script), list(args), port
+        self.log_path = Path(log_dir) / f"{name}-{port}.log"
+        self.tie_to_parent = tie_to_parent
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "ScriptServer":
+        self._popen([self.python, str(self.script), "--port", str(self.port), *self.args], dict(os.environ),
+                    tie_to_parent=self.tie_to_parent)
+        return self
+
+    def wait_listening(self, timeout_s: float = 60.0) -> "ScriptServer":
+        def listening() -> bool:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return True
+            except OSError:
+                return False
+
+        return self._wait(listening, f"listened on {self.port}", timeout_s, poll_s=0.2)
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -213,13 +329,25 @@ def metric(samples: dict[str, float], name: str) -> float:
 
 
 def start_all(servers: list[VllmServer], timeout_s: float = 400.0) -> None:
-    """Start every server, then wait for all (they start in parallel). On failure, stop them all and raise."""
+    """Start every server, then wait for all at once (they start in parallel): the first that exits is named at
+    once, with its log's tail, whichever is still loading. On failure, stop them all and raise ServerError."""
     try:
         for s in servers:
             s.start()
         deadline = time.monotonic() + timeout_s
-        for s in servers:
-            s.wait_healthy(max(1.0, deadline - time.monotonic()))
+        pending = list(servers)
+        while pending:
+            for s in list(pending):
+                if not s.alive():
+                    raise s._died("before it was healthy")
+                if s.healthy():
+                    pending.remove(s)
+            if pending and time.monotonic() >= deadline:
+                first = pending[0]
+                raise ServerError(f"{', '.join(p.name for p in pending)} not healthy within {timeout_s:.0f} s; log "
+                                  f"{first.log_path}, last lines:\n{first.log_tail()}")
+            if pending:
+                time.sleep(HEALTH_POLL_S)
     except BaseException:
         for s in servers:
             s.stop(10)

@@ -24,6 +24,8 @@ from connector.protocol.messages import NONCE_BYTES, PROTOCOL_VERSION, Auth, Hel
 
 DOMAIN = b"sparse-kv-connector side channel v%d\x00" % PROTOCOL_VERSION
 """Prefix of every transcript: a proof made for another protocol or version never verifies here."""
+TOKEN_DIFFERS = "auth_token differs between prefill and decode"
+"""How every failed proof starts, on both sides (decode tells prefill when it refuses prefill's proof)."""
 MEMORY_FIELDS = ("agent_metadata", "regions", "staging_addr", "staging_device", "staging_bytes")
 """The Hello fields that describe a rank's memory: sent only in Auth, and only by decode."""
 
@@ -81,11 +83,12 @@ def check_server_proof(token: str, client: Hello, server: Hello) -> None:
     if not token:
         return
     if not server.proof:
-        raise ControlError("prefill did not prove it knows the auth_token (it runs without one): set the same "
-                           "auth_token on prefill, or none on decode")
+        raise ControlError(f"{TOKEN_DIFFERS}: decode has one, and prefill did not prove it knows the auth_token (it "
+                           f"runs without one): set the same auth_token on prefill, or none on decode")
     if not hmac.compare_digest(server.proof, server_proof(token, client, server)):
-        raise ControlError("prefill's proof of the auth_token is wrong: the two sides have different tokens (or "
-                           "this is not the prefill you meant to reach); nothing about decode's memory was sent")
+        raise ControlError(f"{TOKEN_DIFFERS}: prefill's proof of the auth_token is wrong (the two sides have "
+                           f"different tokens, or this is not the prefill you meant to reach); nothing about "
+                           f"decode's memory was sent")
 
 
 def check_client_proof(token: str, client: Hello, server: Hello, auth: Auth) -> None:
@@ -93,7 +96,8 @@ def check_client_proof(token: str, client: Hello, server: Hello, auth: Auth) -> 
     if not token:
         return
     if not auth.proof:
-        raise ControlError("bad auth token: this prefill requires auth_token and the peer sent no proof (set the same "
-                           "auth_token on decode)")
+        raise ControlError(f"{TOKEN_DIFFERS} (bad auth token: this prefill requires auth_token and the peer sent no "
+                           f"proof): set the same auth_token on decode")
     if not hmac.compare_digest(auth.proof, client_proof(token, client, server, auth)):
-        raise ControlError("bad auth token: the peer's proof does not match (set the same auth_token on both sides)")
+        raise ControlError(f"{TOKEN_DIFFERS} (bad auth token: the peer's proof does not match): set the same "
+                           f"auth_token on both sides")

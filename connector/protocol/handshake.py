@@ -139,8 +139,12 @@ def check_hello(peer: Hello, own: Hello) -> None:
     if peer.role == own.role:
         raise ControlError(f"peer role {peer.role!r} cannot talk to a {own.role!r} side; the two roles must differ")
     if peer.fingerprint != own.fingerprint:
-        raise ControlError(f"the two sides run models with different KV caches: {layout_mismatch(peer, own)}; start "
-                           f"prefill and decode with the same model and cache dtypes")
+        what = [f"the two sides run models with different KV caches: {layout_mismatch(peer, own)}"]
+        if peer.block_size != own.block_size:
+            what.append(f"block size: peer {peer.block_size}, this side {own.block_size}")
+        raise ControlError(f"model/layout fingerprint mismatch: peer has {peer.fingerprint}, this side has "
+                           f"{own.fingerprint}: {'; '.join(what)}. Serve the same model (config.json, --dtype, "
+                           f"--kv-cache-dtype, --block-size) on prefill and decode")
 
 
 def layout_wire(model: ModelLayout) -> list[PoolLayout]:

@@ -52,7 +52,8 @@ History (one line per version; bump it for any change an older peer would misrea
      (Within 3: Complete.bytes_by_pool, optional.)
   4  Hello carries the model layout it was built from (`layout`, `num_layers`: per pool its layers and sizes, as
      vLLM's KV-cache specs give them), so a pair whose caches differ is refused naming what differs; it is part of
-     the authenticated transcript, which a version-3 peer would compute without it.
+     the authenticated transcript, which a version-3 peer would compute without it. A decode that refuses
+     prefill's Hello answers Reject in place of Auth, so prefill's log hears why.
 """
 DEFAULT_MAX_FRAME_BYTES = 4 * 1024 * 1024
 """Largest body a receiver accepts after the handshake unless configured otherwise. The largest real messages are
@@ -83,6 +84,10 @@ Count = Annotated[int, Meta(ge=0)]
 Proof = Annotated[bytes, Meta(max_length=NONCE_BYTES)]
 HEADER = struct.Struct(">IH")
 """Frame header: body length in bytes, protocol version."""
+HTTP_ANSWER = b"HTTP"
+"""How an HTTP server's answer starts: read as a frame header, a 1,213,486,160-byte length."""
+HTTP_REQUESTS = (b"GET ", b"POST", b"HEAD", b"PUT ", b"OPTI", b"DELE", b"PATC")
+"""How HTTP requests start (each a length far over any limit when read as a header)."""
 
 Role = Literal["prefill", "decode"]
 PoolName = Literal["kv", "index_k", "index_v"]
@@ -303,6 +308,15 @@ def check_header(header: bytes, max_frame_bytes: int) -> int:
     """Validate a 6-byte header; return the body length. Raises FrameError for size or version."""
     length, version = HEADER.unpack(header)
     if length > max_frame_bytes:
+        size = f"read as a frame header, {length} bytes, which exceeds the {max_frame_bytes}-byte limit"
+        if header.startswith(HTTP_ANSWER):
+            raise FrameError(f"the peer answered in HTTP ({size}): this address is an HTTP server (prefill's API "
+                             f"port?), not a side channel: give decode prefill's side_channel_host:side_channel_port "
+                             f"(the proxy's --prefill URL,HOST:SIDE_CHANNEL_PORT), not its HTTP port")
+        if header.startswith(HTTP_REQUESTS):
+            raise FrameError(f"the peer sent an HTTP request ({header[:4].decode()!r}..., {size}) to the side "
+                             f"channel: something (a router, a health check, curl) is pointed at side_channel_port "
+                             f"instead of the engine's HTTP port")
         raise FrameError(f"frame of {length} bytes exceeds the {max_frame_bytes}-byte limit")
     if version != PROTOCOL_VERSION:
         raise FrameError(f"frame has protocol version {version}, this side speaks {PROTOCOL_VERSION}: run the same "

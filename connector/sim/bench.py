@@ -12,6 +12,7 @@ import statistics
 import sys
 from typing import Any
 
+from connector.core.errors import ConnectorError
 from connector.core.layout import ParallelLayout, blocks_for
 from connector.sim.cluster import Cluster, Scenario
 
@@ -122,6 +123,9 @@ def bench(sc: Scenario, progress: bool = False, repeats: int = 5, compute: tuple
         from connector.sim.plot import plot_timeline  # noqa: PLC0415 - matplotlib is an optional extra
 
         pick = lambda runs: sorted(runs, key=lambda r: r.exposed_s)[len(runs) // 2]  # noqa: E731 - the median run
-        plot_timeline(plot, {"bulk": pick(bulks), "stream": pick(streams)}, out)
+        try:
+            plot_timeline(plot, {"bulk": pick(bulks), "stream": pick(streams)}, out)
+        except (OSError, ConnectorError) as exc:  # the measured run is still reported
+            out["plot_error"] = f"--plot {plot}: {exc}"
     return out
 

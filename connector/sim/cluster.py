@@ -129,6 +129,9 @@ class DemoResult:
     streamed_pct: float = 0.0
     """Share of the bytes that were in decode's memory before prefill finished computing."""
     staging_mb: int = 0
+    raw_gbps: float = 0.0
+    """The yardstick: raw NIXL on the last request's block ranges, one WRITE per rank pair, one pair at a time, no
+    compute (what NIXL itself moves of those bytes on this machine)."""
     requests: list[dict[str, Any]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
 
@@ -255,6 +258,16 @@ class Cluster:
             nixl_posts=sum(n[0] for n in nixl), nixl_descriptors=sum(n[1] for n in nixl), layer_computed=computed,
             timeline=[t for s in prefill_stats for t in s[3]])
 
+    def raw_gbps(self, seed: int) -> float:
+        """Raw NIXL's rate on request `seed`'s block ranges into the blocks decode registered last (written over
+        after they were verified), every prefill rank in turn."""
+        seconds = nbytes = 0
+        for rank, (_p, conn) in self.prefill.items():
+            _, s, b, _n = self.ask(conn, ("raw", seed, self.sc.tokens, self.registered), self.sc.timeout_s,
+                                   ("prefill", rank))
+            seconds, nbytes = seconds + s, nbytes + b
+        return round(nbytes / seconds / 1e9, 3) if seconds else 0.0
+
     def _register(self, tid: str, seed: int) -> None:
         addr = str(self.prefill_address)
         self.registered = {}
@@ -278,6 +291,7 @@ def run_scenario(sc: Scenario) -> DemoResult:
     with Cluster(sc) as cluster:
         results = [cluster.run_request(i) for i in range(sc.requests)]
         hook_ns = cluster.hook_ns
+        raw_gbps = cluster.raw_gbps(sc.requests - 1)
     total = sum(r.bytes for r in results)
     # The transfer's own active time: while some batch was between its post and its landing in decode's blocks
     # (bytes over the whole compute time would mostly measure how long prefill computed).
@@ -293,4 +307,5 @@ def run_scenario(sc: Scenario) -> DemoResult:
         staged_chunks=sum(r.staged_chunks for r in results),
         nixl_descriptors=sum(r.nixl_descriptors for r in results),
         streamed_pct=round(100.0 * sum(r.streamed_bytes for r in results) / moved, 1), staging_mb=sc.staging,
+        raw_gbps=raw_gbps,
         requests=[asdict(r) for r in results], problems=[p for r in results for p in r.problems])

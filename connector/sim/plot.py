@@ -1,6 +1,6 @@
 """The bench's timeline plot (`bench --plot FILE.png`): per layer, when prefill finished computing it, when its bytes
 were posted and when they were in decode's blocks, for a bulk and a streaming run side by side. Needs matplotlib
-(`pip install 'sparse-kv-connector[plot]'`)."""
+(`pip install matplotlib`; `pip install -e '.[plot]'` from this tree)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,17 @@ def layer_times(run: RequestResult) -> dict[int, tuple[float, float, float]]:
                     (last[layer] - t0) * 1e3) for layer in first}
 
 
+MATPLOTLIB_MISSING = "--plot needs matplotlib: pip install matplotlib (or run without --plot)"
+
+
+def check_plotting() -> None:
+    """Refuse --plot before a run when matplotlib is missing (a finished bench is not thrown away for it)."""
+    import importlib.util  # noqa: PLC0415
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise CliError(MATPLOTLIB_MISSING)
+
+
 def plot_timeline(path: str, runs: dict[str, RequestResult], summary: dict[str, Any]) -> None:
     try:
         import matplotlib  # noqa: PLC0415
@@ -31,7 +42,7 @@ def plot_timeline(path: str, runs: dict[str, RequestResult], summary: dict[str, 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt  # noqa: PLC0415
     except ImportError:
-        raise CliError("--plot needs matplotlib: pip install 'sparse-kv-connector[plot]' (or matplotlib)") from None
+        raise CliError(MATPLOTLIB_MISSING) from None
     fig, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 5), sharey=True, squeeze=False)
     for ax, (mode, run) in zip(axes[0], runs.items()):
         times = layer_times(run)

@@ -16,7 +16,7 @@ import logging
 import ssl
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
 
-from connector.core.errors import ControlError, FrameError
+from connector.core.errors import ControlError, FrameError, PeerGaveUp, Unreachable
 from connector.protocol.auth import with_memory
 from connector.protocol.messages import (DEFAULT_MAX_FRAME_BYTES, Auth, Error, Heartbeat, Hello, Message, Register,
                                          RegisterError, Reject, Welcome, encode_frame)
@@ -236,8 +236,11 @@ async def connect(host: str, port: int, hello: Hello, config: SideChannelConfig 
         async with asyncio.timeout(timeout):
             reader, writer = await asyncio.open_connection(host, port, ssl=ssl_context,
                                                            server_hostname=host if ssl_context else None)
-    except (OSError, TimeoutError, ssl.SSLError) as exc:
-        raise ControlError(f"cannot connect to {where}: {exc!r}") from exc
+    except ssl.SSLError as exc:  # (an OSError) reached, but the TLS handshake failed
+        raise ControlError(f"TLS handshake with {where} failed: {exc!r} (tls_ca_file on decode must hold the CA "
+                           f"of prefill's tls_cert_file, issued for this host)") from exc
+    except (OSError, TimeoutError) as exc:
+        raise Unreachable(f"cannot connect to {where}: {exc!r}") from exc
     try:
         async with asyncio.timeout(timeout):
             reply = await client_handshake(reader, writer, hello, config.auth_token, where)
@@ -396,6 +399,8 @@ class ControlServer:
             reason = f"no complete handshake within the {self._handshake_timeout_s} s handshake timeout"
         except asyncio.IncompleteReadError as exc:
             reason = f"peer closed the connection during the handshake after {len(exc.partial)} bytes"
+        except PeerGaveUp as exc:  # the peer already said why and left: nothing to answer
+            reason = str(exc)
         except ControlError as exc:  # FrameError included
             reason, reply = str(exc), Reject(str(exc))
         except (ConnectionError, OSError) as exc:

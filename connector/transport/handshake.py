@@ -5,13 +5,14 @@ connector.transport.control, which owns the connections."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import logging
 from typing import Any, Callable
 
 import msgspec
 
-from connector.core.errors import ControlError
+from connector.core.errors import ControlError, PeerGaveUp
 from connector.protocol.auth import (check_client_proof, check_server_proof, client_proof, identity, memory_of,
                                      new_nonce, server_proof)
 from connector.protocol.handshake import check_hello
@@ -20,6 +21,10 @@ from connector.protocol.messages import (DEFAULT_MAX_FRAME_BYTES, HANDSHAKE_MAX_
 from connector.transport.limits import AdmissionGuard, ServerLimits
 
 log = logging.getLogger(__name__)
+
+MAX_REASON_CHARS = 500
+"""Most characters of a peer's own refusal reason that are logged (it is the peer's text)."""
+
 
 PeekHook = Callable[[Hello], None]
 """Called with a peer's first Hello before anything is answered (cheap checks only); raise to refuse it."""
@@ -51,6 +56,11 @@ async def client_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamW
         check_hello(reply, hello)
         check_server_proof(auth_token, ours, reply)  # before a byte about our memory leaves
     except ControlError as exc:
+        # Tell prefill why (else it sees only a closed connection), then give up.
+        with contextlib.suppress(Exception):
+            writer.write(encode_frame(Reject(str(exc))))
+            async with asyncio.timeout(1.0):
+                await writer.drain()
         raise ControlError(f"{where}: {exc}") from None
     auth = memory_of(hello)
     if auth_token:
@@ -108,6 +118,9 @@ class ServerHandshake:
         writer.write(encode_frame(ours))
         await writer.drain()
         auth = await read_frame(reader, limit)
+        if isinstance(auth, Reject):  # decode refused our Hello (our proof, most likely): say why it gave
+            raise PeerGaveUp(f"{first.role} engine {first.engine_id} rank ({first.pp_rank},{first.tp_rank}) refused "
+                             f"this side's Hello: {auth.reason[:MAX_REASON_CHARS]!s}".replace("\n", " "))
         if not isinstance(auth, Auth):
             raise ControlError(f"second frame is {type(auth).__name__}, expected Auth")
         try:

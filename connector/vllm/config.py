@@ -10,6 +10,8 @@ the valid ones."""
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import os
 from typing import Annotated, Any, TypeVar
 
 import msgspec
@@ -29,16 +31,27 @@ _TRANSPORT = {f.name: f.default for f in dataclasses.fields(TransportConfig)}
 
 
 class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`kv_connector_extra_config`, every key. A key without a docstring here means what the engine setting of the
+    same name says (connector.engine.config, connector.transport.limits, connector.transport.nixl.settings):
+    `python -m connector settings` prints them all, and the README's table is its output."""
+
     side_channel_host: str | None = None
     """Address prefill ranks listen on for decode's side channel. Default: the host vLLM reports for this node
     (VLLM_HOST_IP / its own IP detection), never 0.0.0.0 unless set explicitly."""
     side_channel_port: Annotated[int, Meta(gt=0, lt=65536)] = 5600
     """Port of prefill rank (pp0, tp0); the others follow connector.protocol.addressing.side_channel_port."""
     auth_token: str = _SIDE.auth_token
-    """Shared secret both sides prove they hold (challenge-response; it never crosses the wire)."""
+    """Shared secret both sides prove they hold (challenge-response; it never crosses the wire). Written here it
+    shows in vLLM's "non-default args" log line and in `ps`: prefer auth_token_file or auth_token_env."""
+    auth_token_file: str = ""
+    """A file holding the auth token (one line; surrounding whitespace is dropped), read by every worker at start."""
+    auth_token_env: str = ""
+    """The name of an environment variable holding the auth token (e.g. SPARSE_KV_AUTH_TOKEN), read by every
+    worker at start. At most one of auth_token, auth_token_file and auth_token_env may be set."""
     tls_cert_file: str = _SIDE.tls_cert_file
+    """Prefill: PEM certificate of the side channel (with tls_key_file: the side channel is served over TLS)."""
     tls_key_file: str = _SIDE.tls_key_file
-    """Prefill: PEM certificate and key; both set = the side channel is served over TLS."""
+    """Prefill: PEM private key of tls_cert_file."""
     tls_ca_file: str = _SIDE.tls_ca_file
     """Decode: PEM CA bundle; set = connect over TLS and verify prefill's certificate and host."""
     max_connections: PositiveInt = _LIMITS.max_connections
@@ -49,6 +62,7 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     messages_per_s: Positive = _LIMITS.messages_per_s
     max_auth_failures: PositiveInt = _LIMITS.max_auth_failures
     auth_failure_window_s: Positive = _LIMITS.auth_failure_window_s
+    """The window of max_auth_failures, in seconds."""
     max_peer_ranks: PositiveInt = _SIDE.max_peer_ranks
     max_parked_per_connection: PositiveInt = _SENDER.max_parked_per_connection
     max_parked_bytes_per_connection: PositiveInt = _SENDER.max_parked_bytes_per_connection
@@ -62,6 +76,7 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     transfer_timeout_s: Positive = _RECEIVER.transfer_timeout_s
     write_timeout_s: Positive = _SENDER.write_timeout_s
     heartbeat_interval_s: Positive = _SIDE.heartbeat_interval_s
+    """How often each side-channel connection sends a heartbeat (decode's also extend prefill's leases)."""
     dead_after_s: Positive = _SIDE.dead_after_s
     tcp_user_timeout_s: Positive | None = _TRANSPORT["tcp_user_timeout_s"]
     """UCX over TCP: a WRITE whose data stays unacknowledged this long (a cut link) fails, whatever the kernel's
@@ -88,21 +103,51 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> "ConnectorSettings":
+        """The settings of `extra`, or a ConfigError of one line naming the key, its value and the fix (for an
+        unknown key: the closest valid key and all of them)."""
         extra = dict(extra or {})
         unknown = sorted(set(extra) - set(cls.__struct_fields__))
         if unknown:
-            raise ConfigError(f"SparseKVConnector: unknown kv_connector_extra_config key(s) {unknown}; valid keys "
-                              f"are {sorted(cls.__struct_fields__)}")
+            hints = [f"{key!r} (value {extra[key]!r}){did_you_mean(key, cls.__struct_fields__)}" for key in unknown]
+            raise ConfigError(f"SparseKVConnector: unknown kv_connector_extra_config key(s) {unknown}: "
+                              f"{'; '.join(hints)}; valid keys are {sorted(cls.__struct_fields__)}")
         try:
-            return msgspec.convert(extra, cls, strict=False)
+            settings = msgspec.convert(extra, cls, strict=False)
         except msgspec.ValidationError as exc:
             why, _, where = str(exc).rpartition(" - at `$.")
             key = where.rstrip("`")
             raise ConfigError(f"SparseKVConnector: kv_connector_extra_config[{key!r}]={extra.get(key)!r} is refused: "
                               f"{why or exc}") from None
+        sources = [name for name in TOKEN_SOURCES if getattr(settings, name)]
+        if len(sources) > 1:
+            raise ConfigError(f"SparseKVConnector: kv_connector_extra_config sets {sources}: give the auth token one "
+                              f"way only (auth_token_file or auth_token_env keep it out of vLLM's log)")
+        return settings
+
+    def token(self) -> str:
+        """The auth token, from auth_token, the file auth_token_file or the variable auth_token_env ("" = none).
+        Raises ConfigError naming the setting when the file cannot be read or the variable is unset or empty."""
+        if self.auth_token_file:
+            try:
+                with open(self.auth_token_file, encoding="utf-8") as f:
+                    token = f.read().strip()
+            except OSError as exc:
+                raise ConfigError(f"SparseKVConnector: auth_token_file {self.auth_token_file!r} cannot be read: "
+                                  f"{exc.strerror}: give a file this process can read (on every node)") from None
+            if not token:
+                raise ConfigError(f"SparseKVConnector: auth_token_file {self.auth_token_file!r} is empty: write the "
+                                  f"token into it (e.g. `openssl rand -hex 32 > {self.auth_token_file}`)")
+            return token
+        if self.auth_token_env:
+            token = os.environ.get(self.auth_token_env, "").strip()
+            if not token:
+                raise ConfigError(f"SparseKVConnector: auth_token_env names {self.auth_token_env!r}, which is unset "
+                                  f"or empty in this process: export {self.auth_token_env}=... before vllm serve")
+            return token
+        return self.auth_token
 
     def side_channel(self) -> SideChannelConfig:
-        return build(SideChannelConfig, self, limits=build(ServerLimits, self))
+        return build(SideChannelConfig, self, auth_token=self.token(), limits=build(ServerLimits, self))
 
     def sender_config(self, host: str, port: int) -> SenderConfig:
         return build(SenderConfig, self, host=host, port=port, side_channel=self.side_channel())
@@ -123,6 +168,16 @@ def build(config_type: type[T], settings: ConnectorSettings, **derived: Any) -> 
     own = {f.name: getattr(settings, f.name) for f in dataclasses.fields(config_type)
            if f.name in settings.__struct_fields__ and f.name not in derived}
     return config_type(**own, **derived)
+
+
+TOKEN_SOURCES = ("auth_token", "auth_token_file", "auth_token_env")
+"""The settings an auth token may come from (one at most)."""
+
+
+def did_you_mean(key: str, valid: Any) -> str:
+    """`: did you mean 'x'?` for the valid name closest to a misspelt `key`, or "" when none is close."""
+    close = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.6)
+    return f": did you mean {close[0]!r}?" if close else ""
 
 
 def default_host() -> str:

@@ -12,8 +12,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                  KVConnectorRole, KVConnectorTransferResults,
                                                                  SupportsHMA)
 
-from connector.core.errors import ConfigError
-from connector.vllm.config import ROLES, ConnectorSettings
+from connector.vllm.config import ConnectorSettings
+from connector.vllm.early import check_role, check_transfer_config, configs_in_callers
 from connector.vllm.metadata import SparseKVMetadata
 from connector.vllm.scheduler import SchedulerSide
 from connector.vllm.stats import SparseKVConnectorStats, SparseKVPromMetrics
@@ -21,24 +21,13 @@ from connector.vllm.worker import WorkerSide
 
 log = logging.getLogger(__name__)
 
-MAX_CALLER_FRAMES = 8
-
-
 def kv_role_holding(extra_config: dict[str, Any]) -> str | None:
     """kv_role of the KVTransferConfig whose kv_connector_extra_config IS `extra_config` (this very dict), looked up
     in the callers' `self`. vLLM 0.33 asks requires_piecewise_for_cudagraph from VllmConfig.__post_init__
     (config/vllm.py:1990) with `self.kv_transfer_config.kv_connector_extra_config` alone; that VllmConfig holds the
-    role. None when no caller within MAX_CALLER_FRAMES holds this dict (another caller, such as MultiConnector
+    role. None when no caller within early.CALLER_FRAMES holds this dict (another caller, such as MultiConnector
     passing a child's config, or a copy)."""
-    frame = sys._getframe(1)
-    for _ in range(MAX_CALLER_FRAMES):
-        if frame is None:
-            return None
-        ktc = getattr(frame.f_locals.get("self"), "kv_transfer_config", None)
-        if ktc is not None and getattr(ktc, "kv_connector_extra_config", None) is extra_config:
-            return getattr(ktc, "kv_role", None)
-        frame = frame.f_back
-    return None
+    return getattr(configs_in_callers(sys._getframe(1), extra_config).ktc, "kv_role", None)
 
 
 class SparseKVConnector(KVConnectorBase_V1, SupportsHMA):
@@ -46,16 +35,13 @@ class SparseKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     kv_role: `kv_producer` on prefill, `kv_consumer` on decode, or `kv_both` (each request by its
     kv_transfer_params). Settings: `kv_connector_extra_config`
-    (see ConnectorSettings). Request protocol: README, "kv_transfer_params"."""
+    (see ConnectorSettings). Request protocol: docs/internals.md, "kv_transfer_params: two flows"."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         ktc = vllm_config.kv_transfer_config
+        check_role(ktc.kv_role)
         self.settings = ConnectorSettings.from_extra_config(ktc.kv_connector_extra_config)
-        if ktc.kv_role not in ROLES:
-            raise ConfigError(f"SparseKVConnector: kv_role {ktc.kv_role!r} is not supported: use kv_producer on "
-                             f"prefill instances and kv_consumer on decode instances (or kv_both: each request's "
-                             f"kv_transfer_params then decide)")
         self.engine_id = str(ktc.engine_id)
         dp_index = int(getattr(vllm_config.parallel_config, "data_parallel_index", 0) or 0)
         self._scheduler = (SchedulerSide(ktc.kv_role, self.engine_id, self.settings, dp_index)
@@ -66,6 +52,8 @@ class SparseKVConnector(KVConnectorBase_V1, SupportsHMA):
     # ---- class-level ------------------------------------------------------------------------------------------
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        if getattr(vllm_config, "kv_transfer_config", None) is not None:  # the engine core, before KV-cache sizing
+            check_transfer_config(vllm_config.kv_transfer_config)
         # LBHNC (vLLM 0.33's KVCacheLayout): per layer, per block, heads outermost, so a head range of a block is
         # one contiguous run (needed to split heads when prefill and decode TP differ) and a block is one run.
         # MLA caches have one head: any layout works, keep vLLM's default.
@@ -79,8 +67,12 @@ class SparseKVConnector(KVConnectorBase_V1, SupportsHMA):
         # Prefill signals each layer from Python (save_kv_layer, the methods connector.vllm.layer_signals installs);
         # a FULL graph replay runs none of it, so prefill needs PIECEWISE. Decode does nothing per layer and keeps
         # vLLM's FULL decode graphs. vLLM 0.33 passes only the extra config; when the role cannot be told, answer
-        # as prefill (PIECEWISE is correct on both sides, only slower on decode).
-        return kv_role_holding(extra_config) != "kv_consumer"
+        # as prefill (PIECEWISE is correct on both sides, only slower on decode). vLLM asks this while it builds the
+        # VllmConfig, before anything loads: check the configuration here too (connector.vllm.early).
+        found = configs_in_callers(sys._getframe(1), extra_config)
+        if found.ktc is not None:
+            check_transfer_config(found.ktc, found.vllm_config if found.engine_start else None)
+        return getattr(found.ktc, "kv_role", None) != "kv_consumer"
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> SparseKVConnectorStats:
@@ -92,8 +84,11 @@ class SparseKVConnector(KVConnectorBase_V1, SupportsHMA):
         return SparseKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_kv_connector_stats(self) -> SparseKVConnectorStats | None:
-        # Worker: this step's transfer counters (vLLM sums the ranks). Scheduler: nothing of its own.
-        return self._worker.take_stats() if self._worker is not None else None
+        # Worker: this step's transfer counters (vLLM sums the ranks). Scheduler: its own (role mismatches), which
+        # vLLM 0.32 and 0.33 add to the workers' (Scheduler.make_stats).
+        if self._worker is not None:
+            return self._worker.take_stats()
+        return self._scheduler.take_stats() if self._scheduler is not None else None
 
     # ---- scheduler side ---------------------------------------------------------------------------------------
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:

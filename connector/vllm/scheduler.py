@@ -10,6 +10,7 @@ bookkeeping, no I/O.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from connector.core.errors import LayoutError
@@ -18,8 +19,21 @@ from connector.vllm.decode_side import DecodeScheduler
 from connector.vllm.metadata import SparseKVHandshake, SparseKVMetadata
 from connector.vllm.prefill_side import PrefillScheduler
 from connector.vllm.requests import ROUTER_HINT, check_params  # noqa: F401 - re-exported (tests, callers)
+from connector.vllm.stats import SparseKVConnectorStats
 
 log = logging.getLogger(__name__)
+
+ROLE_MISMATCH_LOG_EVERY_S = 60.0
+"""A deployment with swapped roles sends every request wrong: one warning per this interval, with the count."""
+MISMATCH = {
+    True: ("do_remote_prefill", "kv_producer (prefill)", "kv_consumer (decode)", "its decode leg to a prefill engine "
+           "(the router's decode URL points at prefill"),
+    False: ("do_remote_decode", "kv_consumer (decode)", "kv_producer (prefill)", "its prefill leg to a decode engine "
+            "(the router's prefill URL points at decode"),
+}
+"""is_producer -> (the key this role must not be asked, this role, the role that does it, what the router did).
+A kv_both engine does both, so it has no mismatch."""
+
 
 class SchedulerSide:
     def __init__(self, kv_role: str, engine_id: str, settings: ConnectorSettings | None = None,
@@ -31,6 +45,12 @@ class SchedulerSide:
         self.prefill = PrefillScheduler(engine_id, self.settings, dp_index) if sends else None
         self.decode = DecodeScheduler() if receives else None
         self.handshakes: dict[tuple[int, int], SparseKVHandshake] = {}
+        self._mismatched: set[str] = set()
+        """Requests whose kv_transfer_params ask for the other role (warned and counted once each)."""
+        self._mismatch_logged_at = -ROLE_MISMATCH_LOG_EVERY_S
+        self._mismatch_count = 0
+        self._stats = SparseKVConnectorStats()
+        """What the scheduler side observed since vLLM last asked (get_kv_connector_stats): role mismatches."""
 
     @property
     def is_producer(self) -> bool:
@@ -45,6 +65,7 @@ class SchedulerSide:
     # ---- matching and allocation ------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params or {}
+        self._check_role(request, params)
         if self.prefill is not None and params.get("do_remote_decode"):
             self.prefill.match(request, params)
             return 0, False
@@ -55,6 +76,30 @@ class SchedulerSide:
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if self.decode is not None and num_external_tokens > 0:
             self.decode.allocated(request, blocks, num_external_tokens)
+
+    def _check_role(self, request: Any, params: dict[str, Any]) -> None:
+        """A request that asks this engine for the other role's work runs as a plain request and moves no KV: say so
+        (the deployment's roles or router URLs are swapped) and count it (`role_mismatches`)."""
+        if self.prefill is not None and self.decode is not None:
+            return  # kv_both: either key is this engine's work
+        key, mine, theirs, routed = MISMATCH[self.is_producer]
+        if not params.get(key) or request.request_id in self._mismatched:
+            return
+        self._mismatched.add(request.request_id)
+        self._mismatch_count += 1
+        self._stats.add(role_mismatches=1)
+        now = time.monotonic()
+        if now - self._mismatch_logged_at >= ROLE_MISMATCH_LOG_EVERY_S:
+            self._mismatch_logged_at = now
+            log.warning("request %s asks this %s engine to %s, which only a %s engine does: the router sent %s, or "
+                        "the two engines' kv_role are swapped); it runs as a plain request and no KV moves (%d such "
+                        "request(s) so far, counted in vllm:sparse_kv_role_mismatches_total)", request.request_id,
+                        mine, key, theirs, routed, self._mismatch_count)
+
+    def take_stats(self) -> SparseKVConnectorStats | None:
+        """What happened since the last call, or None (vLLM then ships nothing)."""
+        out, self._stats = self._stats, SparseKVConnectorStats()
+        return None if out.is_empty() else out
 
     @staticmethod
     def transfer_id_of(request: Any) -> str:
@@ -88,6 +133,7 @@ class SchedulerSide:
                 self.decode.received(req_id)
 
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+        self._mismatched.discard(request.request_id)
         if self.prefill is not None and self.prefill.owns(request.request_id):
             return self.prefill.finished(request)
         if self.decode is not None:

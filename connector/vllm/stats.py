@@ -26,7 +26,11 @@ WORKER_COUNTERS = (
     "send_steps",                  # prefill: steps in which a rank computed tokens of a request it sends
     "signals_repeated",            # ... per-layer signals dropped as a layer's second one in a step (sent once)
 )
-COUNTERS = counter_names(SenderStats) + RECEIVER_COUNTERS + WORKER_COUNTERS
+SCHEDULER_COUNTERS = (
+    "role_mismatches",             # requests whose kv_transfer_params ask for the other role's work (swapped
+                                   # roles or router URLs): they ran as plain requests, no KV moved
+)
+COUNTERS = counter_names(SenderStats) + RECEIVER_COUNTERS + WORKER_COUNTERS + SCHEDULER_COUNTERS
 """Prefill's are the engine's own counters, under the engine's own names (connector.engine.stats.SenderStats)."""
 SERIES = series_names(SenderStats) + ("recv_seconds",)
 """Samples in seconds: per NIXL WRITE (post_seconds, transfer_seconds), and per received transfer (recv_seconds:
@@ -123,6 +127,8 @@ class SparseKVConnectorStats(KVConnectorStats):
                 "recv_avg_ms": round(1e3 * sum(waits) / len(waits), 2) if waits else 0.0,
                 "recv_max_ms": round(1e3 * waits[-1], 2) if waits else 0.0,
             })
+        if d["role_mismatches"]:
+            out["role_mismatches"] = d["role_mismatches"]
         if d["send_steps"]:
             # Per rank and step: how many layers were signalled on their own, how many waited for the sweep.
             # With vLLM 0.33's hooks alone MiniMax-M3 shows 3 and 57, DeepSeek-V3.2 0 and 61.

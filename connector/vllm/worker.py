@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from connector.core.errors import LayoutError
+from connector.core.errors import ConfigError, LayoutError
 from connector.core.describe import describe_model
 from connector.core.layout import ModelLayout, ParallelLayout, RankLayout
 from connector.engine.rank import LocalRank
@@ -25,6 +25,7 @@ from connector.transport.loop import LoopThread
 from connector.transport.nixl import Transport
 from connector.vllm import layer_signals
 from connector.vllm.config import ConnectorSettings, default_host, role_halves
+from connector.vllm.early import bind_problem
 from connector.vllm.metadata import SparseKVHandshake, SparseKVMetadata
 from connector.vllm.regions import build_regions, classify_layers, model_layout_from_hf
 from connector.vllm.specs import CacheFacts, draft_layer_names, gather_stages, model_from_caches, model_names
@@ -168,7 +169,11 @@ class WorkerSide:
             self.sender = StreamSender(me, self.transport, s.sender_config(host, self.port), self.loop.loop,
                                        on_finished=self._on_sent)
             self._sender_delta = StatsDelta(self.sender.stats)
-            self.loop.run(self.sender.start(), 30)
+            try:
+                self.loop.run(self.sender.start(), 30)
+            except OSError as exc:  # not a bare "[Errno 98] address already in use": name the setting and the port
+                raise ConfigError(bind_problem(exc, host, self.port, self.rank, s.side_channel_port,
+                                               self.parallel.tp * self.parallel.pp)) from None
             log.info("SparseKVConnector prefill rank %s: side channel %s:%d, %d regions", self.rank, host, self.port,
                      len(regions))
             self._signals = layer_signals.StepSignals(self._layer_of.values(), cuda=self._cuda)

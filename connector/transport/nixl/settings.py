@@ -29,7 +29,7 @@ class TransportConfig:
     this many threads of its own (0: every descriptor is posted by the calling thread). vLLM's NixlConnector uses 4
     too. Why: a scattered WRITE costs ~3 us of CPU per descriptor (on DRAM one cross-memory copy system call each),
     and on one thread it also contends with NIXL's progress thread for UCX's worker lock; with 4 threads 4096
-    tokens of MiniMax-M3 on scattered blocks move at 7.3 GB/s here instead of 4.0 (README "Performance")."""
+    tokens of MiniMax-M3 on scattered blocks move at 7.3 GB/s here instead of 4.0 (docs/performance.md)."""
     ucx_error_handling_mode: str = "peer"
     """UCX error handling; "peer" keeps peer-failure detection."""
     tcp_user_timeout_s: float | None = 10.0

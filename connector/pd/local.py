@@ -1,0 +1,142 @@
+"""A local PD pair: a prefill engine, a decode engine and a router on this machine, on free ports, with the tiny
+seeded model (connector.pd.model), for `python -m connector serve-local`.
+
+Every process is started in a process group of its own and tied to this one (connector.pd.servers.die_with_parent:
+if the launcher is killed outright, the kernel still tells each server to stop); `stop()` ends every group, router
+first. Waits are bounded, and a server that dies or does not come up is named with the last lines of its log. The
+auth token between prefill and decode is fresh per run and reaches the engines in a file (`auth_token_file`, mode
+0600 in the work folder), so vLLM prints its path, never the token."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from connector.core.errors import ConfigError
+from connector.pd import flows
+from connector.pd.client import complete, completion_body, prompt_ids
+from connector.pd.model import TinyLlama
+from connector.pd.servers import ScriptServer, ServerSpec, VllmServer, metric, sparse_kv_config, start_all
+from connector.transport.ports import free_ports
+
+ROOT = Path(__file__).resolve().parents[2]
+"""The source tree: examples/ holds the routers."""
+FLOWS = {"concurrent": "proxy.py", "sequential": "sequential_router.py"}
+"""Router script per flow: both legs at once (KV pushed while prefill computes), or vLLM's prefill-then-decode."""
+TOKEN_FILE = "auth-token"
+METRIC_WAIT_S = 15.0
+"""How long the check waits for decode's /metrics to show the transfer (vLLM publishes it with its step stats)."""
+
+
+@dataclass(frozen=True)
+class LocalConfig:
+    engine_python: str
+    """Python of a vLLM environment (tools/cpu-engine-env.sh builds .venv-cpu)."""
+    work_dir: Path
+    """The model, the request body and the logs go here."""
+    flow: str = "concurrent"
+    router_port: int | None = None
+    """None: a free port."""
+    timeout_s: float = 600.0
+    """Longest wait for the engines to be healthy (both start at once)."""
+    prompt_tokens: int = 600
+    max_tokens: int = 8
+
+
+@dataclass(frozen=True)
+class Check:
+    """One request through the router, against decode computing the same prompt alone."""
+
+    pd_tokens: list[int]
+    alone_tokens: list[int]
+    received_bytes: float
+    """Decode's vllm:sparse_kv_bytes_received_total after the PD request."""
+
+    @property
+    def token_equal(self) -> bool:
+        return self.pd_tokens == self.alone_tokens
+
+
+class LocalPair:
+    def __init__(self, config: LocalConfig, log: Callable[[str], None] = print) -> None:
+        if config.flow not in FLOWS:
+            raise ConfigError(f"flow {config.flow!r}: choose one of {sorted(FLOWS)}")
+        script = ROOT / "examples" / FLOWS[config.flow]
+        if not script.exists():
+            raise ConfigError(f"{script} is missing: serve-local runs the routers of the source tree's examples/ "
+                              f"(clone the repository and install it with `pip install -e .`)")
+        self.config, self.log = config, log
+        self.work_dir = Path(config.work_dir).resolve()
+        logs = self.work_dir / "logs"
+        model = TinyLlama().write(self.work_dir / "tiny-llama")
+        self.side_port = free_ports()
+        self.token_path = self.work_dir / TOKEN_FILE
+        self.token_path.touch(mode=0o600)
+        self.token_path.chmod(0o600)
+        self.token_path.write_text(secrets.token_hex(32) + "\n")
+        common = {"auth_token_file": str(self.token_path)}
+        prefill_kv = sparse_kv_config("kv_producer", side_channel_port=self.side_port, **common)
+        self.prefill = VllmServer(ServerSpec("prefill", model, free_ports(), kv_transfer_config=prefill_kv),
+                                  config.engine_python, logs, tie_to_parent=True)
+        self.decode = VllmServer(ServerSpec("decode", model, free_ports(),
+                                            kv_transfer_config=sparse_kv_config("kv_consumer", **common)),
+                                 config.engine_python, logs, tie_to_parent=True)
+        legs = (["--prefill", f"{self.prefill.url},{self.side_channel}"] if config.flow == "concurrent"
+                else ["--prefill", self.prefill.url])
+        self.router = ScriptServer("router", config.engine_python, script, [*legs, "--decode", self.decode.url],
+                                   config.router_port or free_ports(), logs, tie_to_parent=True)
+        self.request_path = self.work_dir / "request.json"
+
+    @property
+    def side_channel(self) -> str:
+        return f"127.0.0.1:{self.side_port}"
+
+    @property
+    def processes(self) -> list:
+        return [self.prefill, self.decode, self.router]
+
+    def start(self) -> None:
+        """Both engines at once, then the router; raises ServerError naming the one that failed (all stopped)."""
+        began = time.monotonic()
+        self.log(f"starting prefill and decode (vLLM in {self.config.engine_python}; on a laptop CPU they take 30-120 "
+                 f"s; waiting at most {self.config.timeout_s:.0f} s), logs in {self.work_dir / 'logs'}")
+        start_all([self.prefill, self.decode], timeout_s=self.config.timeout_s)
+        self.log(f"prefill and decode healthy after {time.monotonic() - began:.0f} s")
+        try:
+            self.router.start().wait_listening()
+        except BaseException:
+            self.stop()
+            raise
+        self.request_path.write_text(json.dumps(self.body()) + "\n")
+
+    def body(self, **extra: object) -> dict:
+        """The ready-to-paste request: a seeded prompt of token ids (the servers run without a tokenizer), greedy."""
+        return completion_body(prompt_ids(self.config.prompt_tokens, seed=1), self.config.max_tokens, **extra)
+
+    def check(self) -> Check:
+        """The request through the router, then the same prompt on decode alone (a fresh cache_salt: it computes
+        everything itself); and what decode's /metrics says it received."""
+        pd = complete(self.router.url, self.body()).token_ids
+        alone = flows.local(self.decode.url, self.body()["prompt"], self.config.max_tokens, stream=False,
+                            cache_salt=secrets.token_hex(8)).token_ids
+        deadline = time.monotonic() + METRIC_WAIT_S
+        received = 0.0
+        while time.monotonic() < deadline:
+            received = metric(self.decode.metrics(), "vllm:sparse_kv_bytes_received_total")
+            if received:
+                break
+            time.sleep(0.5)
+        return Check(pd, alone, received)
+
+    def dead(self) -> list[str]:
+        """Names of the processes that exited."""
+        return [p.name for p in self.processes if p.proc is not None and not p.alive()]
+
+    def stop(self) -> None:
+        """End every process group, the router first (idempotent)."""
+        for process in (self.router, self.decode, self.prefill):
+            process.stop(20)
