@@ -155,7 +155,7 @@ def test_bytes_per_pool_add_up_to_what_the_descriptors_move():
     routes = {3: [Route("kv", 3, end, end, (1, 2), 0), Route("index_k", 3, end, end, (0, 1), 0)]}
     spans = [(3, 1, 5)]  # blocks 1-4 of each side's list
     blocks = [[2, 3, 9, 10, 11, 0]]
-    by_pool = batch_pool_bytes(src, routes, spans)
+    by_pool = batch_pool_bytes(src, dst, routes, spans, blocks)
     assert by_pool == {"kv": 4 * 32 * 2, "index_k": 4 * 8}
     assert sum(by_pool.values()) == batch_descriptors(src, dst, routes, spans, blocks, blocks).nbytes
 
@@ -180,6 +180,33 @@ def test_blocks_moved_tells_a_preemption_from_a_window_that_left_blocks_behind()
     full, window = [5, 6, 7], [8, 9, 10]
     assert not blocks_moved([full, window], [full + [11], window + [12]])  # grown by a chunk
     # a sliding-window group's first blocks became vLLM's null block: not a move (nothing reads them again)
-    assert not blocks_moved([full, window], [full + [11], [NULL_BLOCK, NULL_BLOCK, 10, 12]])
-    assert blocks_moved([full, window], [[5, 20, 7], window])  # recomputed into another block: a move
-    assert blocks_moved([full, [NULL_BLOCK, 9]], [full, [NULL_BLOCK, 30]])
+    assert not blocks_moved([full, window], [full + [11], [NULL_BLOCK, NULL_BLOCK, 10, 12]], NULL_BLOCK)
+    assert blocks_moved([full, window], [[5, 20, 7], window], NULL_BLOCK)  # recomputed into another block: a move
+    assert blocks_moved([full, [NULL_BLOCK, 9]], [full, [NULL_BLOCK, 30]], NULL_BLOCK)
+    # a rank without a null block (the demo, the Python API): block 0 is data, a change to it is a move
+    assert blocks_moved([full, window], [full, [NULL_BLOCK, 9, 10]])
+
+
+def test_decode_null_blocks_are_not_written_and_a_null_source_under_a_live_destination_is_refused():
+    from connector.core.descriptors import NULL_BLOCK, batch_descriptors, batch_pool_bytes, live_pairs
+    from connector.core.errors import DescriptorError
+    from connector.core.plan import Endpoint, Route
+
+    # vLLM's sliding-window layers: decode allocated its null block where the window had left the tokens behind
+    src_ids, dst_ids = [7, 8, 9, 10], [NULL_BLOCK, NULL_BLOCK, 4, 5]
+    s, d = live_pairs(src_ids, dst_ids, (NULL_BLOCK, NULL_BLOCK))
+    assert s.tolist() == [9, 10] and d.tolist() == [4, 5]
+    # without null blocks (the demo, the Python API) block 0 is a block like any other
+    s, d = live_pairs(src_ids, dst_ids)
+    assert d.tolist() == dst_ids
+    with pytest.raises(DescriptorError, match=r"decode reads block positions \[1\] that prefill no longer holds"):
+        live_pairs([7, NULL_BLOCK, 9], [3, 4, 5], (NULL_BLOCK, NULL_BLOCK))
+    kv_src, kv_dst = np.zeros((2, 16, 1, 32), np.uint8), np.zeros((2, 16, 1, 32), np.uint8)  # K and V, one head
+    src = {("kv", 0): buffer_region(kv_src, "kv", 0, (0, 1), 2)}
+    dst = {("kv", 0): buffer_region(kv_dst, "kv", 0, (0, 1), 2)}
+    end = Endpoint(0, 0, 0)
+    routes = {0: [Route("kv", 0, end, end, (0, 1), 0)]}
+    spans = [(0, 0, 4)]
+    descs = batch_descriptors(src, dst, routes, spans, [src_ids], [dst_ids], (NULL_BLOCK, NULL_BLOCK))
+    by_pool = batch_pool_bytes(src, dst, routes, spans, [dst_ids], NULL_BLOCK)
+    assert descs.nbytes == by_pool["kv"] == 2 * 2 * 32  # two live blocks, K and V

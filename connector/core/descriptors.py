@@ -57,13 +57,34 @@ EMPTY = Descriptors(np.zeros(0, np.uint64), np.zeros(0, np.uint64), np.zeros(0, 
 NULL_BLOCK = 0
 """vLLM's null block: BlockPool keeps block 0 out of every allocation and puts it where a request needs no block,
 such as the positions a sliding-window layer's window has left behind (v1/core/single_type_kv_cache_manager.py
-remove_skipped_blocks)."""
+remove_skipped_blocks). A rank says it has one (LocalRank.null_block, Hello.null_block); elsewhere, in the demo
+and the Python API, block 0 is a block like any other."""
+NO_NULL_BLOCK = -1
+"""A rank with no null block: every block id holds data."""
 
 
-def blocks_moved(old: Sequence[Sequence[int]], new: Sequence[Sequence[int]]) -> bool:
+def blocks_moved(old: Sequence[Sequence[int]], new: Sequence[Sequence[int]], null_block: int = NO_NULL_BLOCK) -> bool:
     """Did a request's blocks move between two steps (vLLM preempted it and recomputes it elsewhere)? A position
     that became the null block did not move: its tokens left a sliding window, so nothing reads them any more."""
-    return any(n != o and n != NULL_BLOCK for new_g, old_g in zip(new, old) for n, o in zip(new_g, old_g))
+    return any(n != o and n != null_block for new_g, old_g in zip(new, old) for n, o in zip(new_g, old_g))
+
+
+def live_pairs(src_blocks: Sequence[int] | np.ndarray, dst_blocks: Sequence[int] | np.ndarray,
+               nulls: tuple[int, int] = (NO_NULL_BLOCK, NO_NULL_BLOCK), what: str = "") -> tuple[np.ndarray, np.ndarray]:
+    """The (source, destination) block pairs to copy. Decode's null block wants nothing: vLLM put it where the
+    tokens lie outside a sliding window when decode allocated (it never reads them). A null source under a live
+    destination is a block prefill no longer holds but decode will read: an error, not a silent gap. (Pairs of
+    unequal length are passed through for check_route to refuse.)"""
+    s_ids, d_ids = np.asarray(src_blocks, dtype=np.int64), np.asarray(dst_blocks, dtype=np.int64)
+    if s_ids.shape != d_ids.shape or nulls == (NO_NULL_BLOCK, NO_NULL_BLOCK):
+        return s_ids, d_ids
+    live = d_ids != nulls[1]
+    lost = live & (s_ids == nulls[0])
+    if lost.any():
+        raise DescriptorError(f"{what}decode reads block positions {np.nonzero(lost)[0][:8].tolist()} that prefill "
+                              f"no longer holds (vLLM freed them as outside its sliding window): the two sides' "
+                              f"sliding windows differ")
+    return (s_ids, d_ids) if live.all() else (s_ids[live], d_ids[live])
 
 
 def check_blocks(region: Region, block_ids: Sequence[int] | np.ndarray, who: str = "") -> np.ndarray:
@@ -161,9 +182,11 @@ def layers_descriptors(srcs: Sequence[Region], dsts: Sequence[Region], src_block
 
 def batch_descriptors(src_regions: Mapping[tuple[str, int], Region], dst_regions: Mapping[tuple[str, int], Region],
                       layer_routes: Mapping[int, Sequence[Route]], spans: Iterable[tuple[int, int, int]],
-                      src_blocks: Sequence[Sequence[int]], dst_blocks: Sequence[Sequence[int]]) -> Descriptors:
+                      src_blocks: Sequence[Sequence[int]], dst_blocks: Sequence[Sequence[int]],
+                      nulls: tuple[int, int] = (NO_NULL_BLOCK, NO_NULL_BLOCK)) -> Descriptors:
     """Descriptors of one WRITE from one prefill rank to one decode rank: for each `(global layer, first block,
-    end block)` in `spans`, every route of that layer, blocks [first, end) of each side's block-id group.
+    end block)` in `spans`, every route of that layer, blocks [first, end) of each side's block-id group, but
+    where decode has its null block (`nulls`: prefill's and decode's, see `live_pairs`).
 
     The one function that turns a batch into descriptors (the sender's WRITEs and the bench's raw-NIXL baseline
     both use it, so they move the same descriptors). Layers that move the same block range with the same geometry
@@ -177,19 +200,22 @@ def batch_descriptors(src_regions: Mapping[tuple[str, int], Region], dst_regions
             groups[key][0].append(src)
             groups[key][1].append(dst)
     return Descriptors.concat([
-        layers_descriptors(srcs, dsts, src_blocks[srcs[0].group][b0:b1], dst_blocks[dsts[0].group][b0:b1], heads)
+        layers_descriptors(srcs, dsts, *live_pairs(src_blocks[srcs[0].group][b0:b1], dst_blocks[dsts[0].group][b0:b1],
+                                                   nulls, f"{srcs[0].pool} layer {srcs[0].layer}: "), heads)
         for srcs, dsts, heads, b0, b1 in groups.values()])
 
 
-def batch_pool_bytes(src_regions: Mapping[tuple[str, int], Region], layer_routes: Mapping[int, Sequence[Route]],
-                     spans: Iterable[tuple[int, int, int]]) -> dict[str, int]:
+def batch_pool_bytes(src_regions: Mapping[tuple[str, int], Region], dst_regions: Mapping[tuple[str, int], Region],
+                     layer_routes: Mapping[int, Sequence[Route]], spans: Iterable[tuple[int, int, int]],
+                     dst_blocks: Sequence[Sequence[int]], dst_null: int = NO_NULL_BLOCK) -> dict[str, int]:
     """Bytes per pool that `batch_descriptors` moves for the same spans (what each pool costs on the wire; the
-    sum over pools equals the descriptors' nbytes)."""
+    sum over pools equals the descriptors' nbytes): decode's null blocks move nothing."""
     out: dict[str, int] = {}
     for layer, b0, b1 in spans:
         for r in layer_routes[layer]:
-            src = src_regions[(r.pool, layer)]
-            out[r.pool] = out.get(r.pool, 0) + max(0, b1 - b0) * head_span(src, r.heads)[1] * src.num_parts
+            src, dst = src_regions[(r.pool, layer)], dst_regions[(r.pool, layer)]
+            blocks = sum(1 for b in dst_blocks[dst.group][b0:b1] if b != dst_null)
+            out[r.pool] = out.get(r.pool, 0) + blocks * head_span(src, r.heads)[1] * src.num_parts
     return out
 
 

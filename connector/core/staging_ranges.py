@@ -19,7 +19,7 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from connector.core.descriptors import check_route
+from connector.core.descriptors import NO_NULL_BLOCK, check_route, live_pairs
 from connector.core.errors import StagingError
 from connector.core.layout import Region
 from connector.core.plan import Route
@@ -78,14 +78,16 @@ def route_segments(src: Region, dst: Region, src_blocks: Sequence[int] | np.ndar
 
 def batch_segments(src_regions: Mapping[tuple[str, int], Region], dst_regions: Mapping[tuple[str, int], Region],
                    layer_routes: Mapping[int, Sequence[Route]], spans: Iterable[tuple[int, int, int]],
-                   src_blocks: Sequence[Sequence[int]], dst_blocks: Sequence[Sequence[int]]) -> list[Segment]:
+                   src_blocks: Sequence[Sequence[int]], dst_blocks: Sequence[Sequence[int]],
+                   nulls: tuple[int, int] = (NO_NULL_BLOCK, NO_NULL_BLOCK)) -> list[Segment]:
     """The segments of one staged batch, the same bytes as `connector.core.descriptors.batch_descriptors` for the
     same arguments: for each `(global layer, first block, end block)`, every route of that layer."""
     out: list[Segment] = []
     for layer, b0, b1 in spans:
         for r in layer_routes[layer]:
             src, dst = src_regions[(r.pool, layer)], dst_regions[(r.pool, layer)]
-            out += route_segments(src, dst, src_blocks[src.group][b0:b1], dst_blocks[dst.group][b0:b1], r.heads)
+            out += route_segments(src, dst, *live_pairs(src_blocks[src.group][b0:b1], dst_blocks[dst.group][b0:b1],
+                                                        nulls, f"{r.pool} layer {layer}: "), r.heads)
     return out
 
 
@@ -166,7 +168,8 @@ class Extents:
         self.free = merged
 
 
-def allowed_ranges(regions: Sequence[Region], block_ids: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+def allowed_ranges(regions: Sequence[Region], block_ids: list[list[int]],
+                   null_block: int = NO_NULL_BLOCK) -> tuple[np.ndarray, np.ndarray]:
     """Sorted (starts, ends) of every byte range a transfer may write: each part of each registered block of each
     region. A staged chunk's destinations must each fall inside one of them."""
     starts, lens = [], []
@@ -174,6 +177,7 @@ def allowed_ranges(regions: Sequence[Region], block_ids: list[list[int]]) -> tup
         if r.group >= len(block_ids) or not block_ids[r.group]:
             continue
         blocks = np.asarray(block_ids[r.group], dtype=np.int64)
+        blocks = blocks[blocks != null_block]  # decode wants nothing there (outside a sliding window)
         for part in range(r.num_parts):
             starts.append(r.base_addr + part * r.part_stride + blocks * r.block_stride)
             lens.append(np.full(len(blocks), r.bytes_per_block, dtype=np.int64))

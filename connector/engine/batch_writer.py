@@ -61,11 +61,16 @@ class BatchWriter:
 
     def descriptors(self, req: SendRequest, dest: Destination, batch: list[tuple[int, int]]) -> Descriptors:
         return batch_descriptors(self.me.by_key, dest.peer.accepted.regions, dest.layer_routes,
-                                 self._spans(dest, batch), req.block_ids, dest.register.block_ids)
+                                 self._spans(dest, batch), req.block_ids, dest.register.block_ids, self._nulls(dest))
 
     def pool_bytes(self, dest: Destination, batch: list[tuple[int, int]]) -> dict[str, int]:
         """What `descriptors` of the same batch move, per pool."""
-        return batch_pool_bytes(self.me.by_key, dest.layer_routes, self._spans(dest, batch))
+        return batch_pool_bytes(self.me.by_key, dest.peer.accepted.regions, dest.layer_routes, self._spans(dest, batch),
+                                dest.register.block_ids, dest.peer.hello.null_block)
+
+    def _nulls(self, dest: Destination) -> tuple[int, int]:
+        """(prefill's, decode's) null block: positions decode's holds are not sent."""
+        return self.me.null_block, dest.peer.hello.null_block
 
     def _spans(self, dest: Destination, batch: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
         """Each layer from its first unsent token's block (a block sent partly filled is sent again from its start
@@ -93,7 +98,7 @@ class BatchWriter:
                 and len(descs) >= self.config.stage_min_descriptors \
                 and descs.nbytes < len(descs) * self.stage_below_bytes():
             segments = batch_segments(self.me.by_key, dest.peer.accepted.regions, dest.layer_routes,
-                                      self._spans(dest, batch), req.block_ids, reg.block_ids)
+                                      self._spans(dest, batch), req.block_ids, reg.block_ids, self._nulls(dest))
 
             def answered(ok: bool, why: str) -> None:
                 times.answers += 1

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+from connector.core.descriptors import NO_NULL_BLOCK
 from connector.core.errors import ConfigError
 from connector.core.layout import ModelLayout, ParallelLayout, Region
 from connector.core.plan import Rank
@@ -33,6 +34,9 @@ class LocalRank:
     staging: Any = None
     """Optional contiguous uint8 tensor on the KV device, registered with the transport. When both sides have one,
     scattered blocks move as staged chunks (connector.engine.staging)."""
+    null_block: int = NO_NULL_BLOCK
+    """The block id that holds nothing (vLLM's null block 0, connector.core.descriptors.NULL_BLOCK); -1: none.
+    Decode's is not written, prefill's is never read (a sliding window left those positions behind)."""
 
     def __post_init__(self) -> None:
         if self.mem_type not in ("DRAM", "VRAM"):
@@ -75,4 +79,4 @@ class LocalRank:
                      block_size=self.block_size, agent_name=transport.name, agent_metadata=transport.metadata,
                      regions=list(self.regions), stages=[tuple(s) for s in self.parallel.stages],
                      staging_addr=self.staging_addr, staging_device=self.staging_device,
-                     staging_bytes=self.staging_bytes)
+                     staging_bytes=self.staging_bytes, null_block=self.null_block)

@@ -57,9 +57,9 @@ class _Pending:
     allowed: tuple[np.ndarray, np.ndarray] | None = None
     """Byte ranges a staged chunk of this transfer may be scattered to (computed on the first chunk)."""
 
-    def allowed_ranges(self, regions: list[Region]) -> tuple[np.ndarray, np.ndarray]:
+    def allowed_ranges(self, regions: list[Region], null_block: int) -> tuple[np.ndarray, np.ndarray]:
         if self.allowed is None:
-            self.allowed = allowed_ranges(regions, self.block_ids)
+            self.allowed = allowed_ranges(regions, self.block_ids, null_block)
         return self.allowed
 
     def source_failed(self, src: Rank, exc: Exception, stopped: bool) -> None:
@@ -183,7 +183,7 @@ class StreamReceiver:
             area = engine.areas.get(src)
             if area is None:
                 raise StagingError(f"prefill rank {src} was given no staging area")
-            await self._staged.scatter(msg, area, pend.allowed_ranges(self.hello.regions))
+            await self._staged.scatter(msg, area, pend.allowed_ranges(self.hello.regions, self.me.null_block))
             return Scattered(msg.transfer_id, msg.seq, True)
         except StagingError as exc:
             log.warning("refusing staged chunk %d of %s from prefill rank %s: %s", msg.seq, msg.transfer_id, src,

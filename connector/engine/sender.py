@@ -162,7 +162,7 @@ class StreamSender:
         if req is None:
             log.error("begin_chunk for unknown transfer %s", transfer_id)
             return
-        moved = blocks_moved(req.block_ids, block_ids)
+        moved = blocks_moved(req.block_ids, block_ids, self.me.null_block)
         if computed_tokens < req.computed_tokens or moved:
             # vLLM preempted and is recomputing the request, possibly into other blocks: nothing counts as ready
             # until recomputed, and everything is sent again (a WRITE in flight may have read a reused block).

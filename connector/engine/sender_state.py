@@ -146,7 +146,8 @@ def check_registration(reg: Register, peer: PeerInfo, rank: tuple[int, int], sta
         if len(ids) < blocks_needed:
             raise RegistrationError(f"group {g} has {len(ids)} block ids for {reg.num_tokens} tokens, needs "
                                     f"{blocks_needed}")
-        if len(set(ids[:blocks_needed])) != blocks_needed:
+        live = [b for b in ids[:blocks_needed] if b != peer.hello.null_block]  # null: outside decode's window
+        if len(set(live)) != len(live):
             raise RegistrationError(f"group {g} block ids repeat: each token block needs its own block")
     for r in routes:  # every destination block inside its region (raises DescriptorError naming them)
         region = regions[(r.pool, r.layer)]

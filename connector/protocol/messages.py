@@ -53,7 +53,8 @@ History (one line per version; bump it for any change an older peer would misrea
   4  Hello carries the model layout it was built from (`layout`, `num_layers`: per pool its layers and sizes, as
      vLLM's KV-cache specs give them), so a pair whose caches differ is refused naming what differs; it is part of
      the authenticated transcript, which a version-3 peer would compute without it. A decode that refuses
-     prefill's Hello answers Reject in place of Auth, so prefill's log hears why.
+     prefill's Hello answers Reject in place of Auth, so prefill's log hears why. Hello.null_block: the block id
+     a rank keeps empty (vLLM's null block), never written on decode.
 """
 DEFAULT_MAX_FRAME_BYTES = 4 * 1024 * 1024
 """Largest body a receiver accepts after the handshake unless configured otherwise. The largest real messages are
@@ -143,6 +144,9 @@ class Hello(msgspec.Struct, frozen=True, tag="hello", tag_field="type"):
     proof: Proof = b""
     """Prefill's: HMAC-SHA256 of the transcript under the shared token (connector.protocol.auth); empty without one."""
     version: int = PROTOCOL_VERSION
+    null_block: Annotated[int, Meta(ge=-1)] = -1
+    """The block id this rank keeps empty (vLLM's null block 0, where a sliding window left tokens behind): decode's
+    is not written, prefill's is never read; -1: none."""
 
 
 class Auth(msgspec.Struct, frozen=True, tag="auth", tag_field="type"):

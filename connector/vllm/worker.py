@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from connector.core.descriptors import NULL_BLOCK
 from connector.core.errors import ConfigError, LayoutError
 from connector.core.describe import describe_model
 from connector.core.layout import ModelLayout, ParallelLayout, RankLayout
@@ -160,7 +161,8 @@ class WorkerSide:
         if len(set(block_size.values())) != 1:
             raise LayoutError(f"SparseKVConnector needs one block size across KV-cache groups, got {block_size}")
         me = LocalRank(self.engine_id, self.model, self.parallel, self.rank, tuple(regions),
-                       next(iter(block_size.values())), mem_type="VRAM" if self._cuda else "DRAM", staging=staging)
+                       next(iter(block_size.values())), mem_type="VRAM" if self._cuda else "DRAM", staging=staging,
+                       null_block=NULL_BLOCK)
         s = self.settings
         if self.sends:
             host = s.side_channel_host or default_host()

@@ -121,15 +121,27 @@ class Prefill:
         return f"127.0.0.1:{self.side_port}"
 
 
+VLLM_ROUTER = Path(sys.executable).parent / "vllm-router"
+"""vLLM's Rust PD router (PyPI vllm-router, in the test extra)."""
+
+
 class Proxy:
-    """An example router (examples/*.py) run as its own process, ended by PID."""
+    """A router run as its own process, ended by PID: an example (examples/*.py), or `vllm-router` (script
+    "vllm-router")."""
 
     def __init__(self, script: str, args: list[str], log_dir: Path) -> None:
         self.script, self.args = script, list(args)
         self.port = free_ports()
         self.log = open(log_dir / f"{Path(script).stem}-{self.port}.log", "wb")
-        self.proc = subprocess.Popen([sys.executable, str(ROOT / "examples" / script), "--port", str(self.port),
-                                      *args], stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        if script == "vllm-router":
+            if not VLLM_ROUTER.exists():
+                pytest.fail(f"no {VLLM_ROUTER}: install the test extra (pip install -e '.[test]')")
+            # its Prometheus exporter takes a fixed port unless told: one of its own, so two routers can run
+            cmd = [str(VLLM_ROUTER), "--host", "127.0.0.1", "--port", str(self.port), "--prometheus-host",
+                   "127.0.0.1", "--prometheus-port", str(free_ports()), *args]
+        else:
+            cmd = [sys.executable, str(ROOT / "examples" / script), "--port", str(self.port), *args]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -173,9 +185,10 @@ a core per worker and a machine that runs."""
 
 
 class Engines:
-    """prefill (TP1, chunked 256, connector by its entry-point name), prefill_tp2 and prefill_pp2 (by
+    """prefill (TP1, chunked 256, connector by its entry-point name), prefill_tp2 (kv_both) and prefill_pp2 (by
     kv_connector_module_path), spare (TP1, 4 s lease, 32-token chunks: slow to prefill, killed by a test),
-    decode (TP1, policy fail, by module path with vLLM's plugins off) and decode_recompute (policy recompute)."""
+    decode (TP1, policy fail, by module path with vLLM's plugins off) and decode_recompute (policy recompute,
+    kv_both: it can prefill for another decode too)."""
 
     def __init__(self, root: Path, python: Path) -> None:
         self.log_dir = root / "logs"
@@ -183,27 +196,30 @@ class Engines:
         py = str(python)
 
         def prefill(name: str, *, tp: int = 1, pp: int = 1, load_by: str = "name", chunk: int = CHUNK_TOKENS,
-                    extra_args: tuple[str, ...] = (), **extra) -> Prefill:
+                    extra_args: tuple[str, ...] = (), role: str = "kv_producer", **extra) -> Prefill:
             side = free_ports(tp * pp)
             spec = ServerSpec(name, self.model, free_ports(), tp=tp, pp=pp, max_num_batched_tokens=chunk,
-                              kv_transfer_config=sparse_kv_config("kv_producer", side_channel_port=side,
+                              kv_transfer_config=sparse_kv_config(role, side_channel_port=side,
                                                                   load_by=load_by, **STARVED_SIDE_CHANNEL, **extra),
                               extra_args=extra_args)
             return Prefill(VllmServer(spec, py, self.log_dir), side)
 
-        def decode(name: str, policy: str, **kw) -> VllmServer:
+        def decode(name: str, policy: str, role: str = "kv_consumer", **kw) -> VllmServer:
             spec = ServerSpec(name, self.model, free_ports(),
-                              kv_transfer_config=sparse_kv_config("kv_consumer", failure_policy=policy,
+                              kv_transfer_config=sparse_kv_config(role, failure_policy=policy,
                                                                   **STARVED_SIDE_CHANNEL, **kw),
                               env={"VLLM_PLUGINS": "none"} if kw.get("load_by") == "module_path" else {})
             return VllmServer(spec, py, self.log_dir)
 
         self.prefill = prefill("prefill", lease_s=MAIN_LEASE_S)
-        self.prefill_tp2 = prefill("prefill-tp2", tp=2, load_by="module_path")
+        # kv_both, as many NixlConnector launch scripts have it: each request's kv_transfer_params decide
+        self.prefill_tp2 = prefill("prefill-tp2", tp=2, load_by="module_path", role="kv_both")
         self.prefill_pp2 = prefill("prefill-pp2", pp=2, load_by="module_path", extra_args=PP_COMPILATION)
         self.spare = prefill("prefill-spare", chunk=SPARE_CHUNK_TOKENS, lease_s=SPARE_LEASE_S)
         self.decode = decode("decode", "fail", load_by="module_path")
-        self.decode_recompute = decode("decode-recompute", "recompute")
+        self.decode_recompute_side = free_ports()
+        self.decode_recompute = decode("decode-recompute", "recompute", role="kv_both",
+                                       side_channel_host="127.0.0.1", side_channel_port=self.decode_recompute_side)
         self.servers = [p.server for p in (self.prefill, self.prefill_tp2, self.prefill_pp2, self.spare)] + [
             self.decode, self.decode_recompute]
         self.proxies: list[Proxy] = []

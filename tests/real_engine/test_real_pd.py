@@ -105,6 +105,27 @@ def test_other_parallel_layouts_on_prefill(engines, which):
         assert got.token_ids == engines.reference(prompt), f"{which}, {n}-token prompt"
 
 
+def test_kv_both_engines_are_prefill_or_decode_per_request(engines):
+    # prefill_tp2 and decode_recompute run kv_role kv_both (as NixlConnector launch scripts do). The first request
+    # makes prefill_tp2 the prefill and decode_recompute the decode; the second makes decode_recompute the prefill
+    # (its own side channel) for the plain decode engine. Each is token-equal to one engine, and each engine's
+    # counters show the role it played.
+    both_p, both_d = engines.prefill_tp2, engines.decode_recompute
+    both_d_side = f"127.0.0.1:{engines.decode_recompute_side}"
+    before = {s.spec.name: counters(s, "sends_ok", "recvs_ok") for s in (both_p.server, both_d, engines.decode)}
+    prompt = prompt_ids(500, seed=77)
+    want = engines.reference(prompt)
+    assert flows.concurrent(both_p.url, both_p.side_channel, both_d.url, prompt,
+                            cache_salt=fresh_salt()).token_ids == want
+    assert flows.concurrent(both_d.url, both_d_side, engines.decode.url, prompt,
+                            cache_salt=fresh_salt()).token_ids == want
+
+    def moved(server, name):
+        return counters(server, name)[name] - before[server.spec.name][name]
+    wait_for("every role's counter", lambda: moved(both_p.server, "sends_ok") >= 1 and moved(
+        both_d, "recvs_ok") >= 1 and moved(both_d, "sends_ok") >= 1 and moved(engines.decode, "recvs_ok") >= 1)
+
+
 def test_decode_prefix_hit_receives_only_the_new_blocks(engines):
     salt = fresh_salt()
     p, d = engines.prefill, engines.decode
