@@ -15,6 +15,7 @@ import pytest
 
 from connector.core.hf_config import load_model
 from connector.core.layout import ParallelLayout
+from connector.protocol.handshake import layout_wire
 from connector.protocol.messages import Hello
 from connector.transport.control import ControlServer
 from connector.transport.loop import LoopThread
@@ -59,12 +60,18 @@ def test_a_good_pair_passes():
 
 @pytest.mark.parametrize("prefill_role, decode_role, needle", [
     ("kv_consumer", "kv_producer", "roles: swapped"),
-    ("kv_both", "kv_consumer", "prefill kv_role: 'kv_both': set \"kv_role\": \"kv_producer\""),
+    ("kv_consumer", "kv_consumer", "prefill kv_role: 'kv_consumer': set \"kv_role\": \"kv_producer\" (or \"kv_both\")"),
 ])
 def test_roles(prefill_role, decode_role, needle):
     out = doctor("--prefill", json.dumps({"kv_connector": "SparseKVConnector", "kv_role": prefill_role}),
                  "--decode", json.dumps({"kv_connector": "SparseKVConnector", "kv_role": decode_role}))
     assert any(needle in line for line in failures(out)), out.stdout
+
+
+def test_kv_both_is_a_role_on_either_side():
+    out = doctor("--prefill", json.dumps({"kv_connector": "SparseKVConnector", "kv_role": "kv_both"}),
+                 "--decode", json.dumps({"kv_connector": "SparseKVConnector", "kv_role": "kv_both"}))
+    assert "ok    roles: prefill kv_both, decode kv_both" in out.stdout, out.stdout
 
 
 def test_a_misspelt_key_gets_a_did_you_mean():
@@ -132,7 +139,7 @@ def test_a_side_channel_address_that_is_an_http_server():
 def test_models_whose_layouts_differ_name_what_differs():
     fails = failures(pair(None, None, "--prefill-model", "qwen3-8b", "--decode-model", "minimax-m3"))
     line = next(f for f in fails if f.startswith("FAIL  model"))
-    assert "num_layers: prefill 36, decode 60" in line and "index_k layers: prefill none, decode 3-59" in line, line
+    assert "prefill has 36 layers, decode 60" in line, line
 
 
 def test_a_plan_that_cannot_build():
@@ -160,7 +167,7 @@ def side_channel():
     layout = ParallelLayout.build(model.num_layers, 1, 1)
     hello = Hello(role="prefill", engine_id="prefill-under-test", pp_rank=0, tp_rank=0, pp_size=1, tp_size=1,
                   fingerprint=model.fingerprint(), block_size=16, agent_name="prefill-agent",
-                  stages=[tuple(s) for s in layout.stages], layout=model.summary())
+                  stages=[tuple(s) for s in layout.stages], layout=layout_wire(model), num_layers=model.num_layers)
     registered = []
 
     async def on_hello(peer):
@@ -191,6 +198,6 @@ def test_a_running_side_channel_is_probed_and_its_token_checked(side_channel):
     assert any(f"side channel 127.0.0.1:{port} auth: auth_token differs between prefill and decode" in f
                for f in fails), fails
     fails = failures(pair({"side_channel_port": port}, None, "--decode-model", "minimax-m3"))
-    assert any("refused decode's handshake: model/layout fingerprint mismatch" in f and "num_layers: peer 60, this "
-               "side 36" in f for f in fails), fails
+    assert any("refused decode's handshake: model/layout fingerprint mismatch" in f and "has 60 layers, prefill "
+               "prefill-under-test 36" in f for f in fails), fails
     assert registered == []

@@ -54,9 +54,8 @@ def test_a_misspelt_key_fails_while_the_vllm_config_is_built(model_dir, by_name,
         .split(" [type=value_error")[0]]
 
 
-def test_a_bad_role_and_an_unset_token_variable_fail_there_too(model_dir):
-    with pytest.raises(ValueError, match="kv_role 'kv_both' is not supported: use kv_producer on prefill"):
-        H.make_vllm_config(model_dir, kv_role="kv_both")
+def test_kv_both_passes_and_an_unset_token_variable_fails_there_too(model_dir):
+    H.make_vllm_config(model_dir, kv_role="kv_both")  # each request's kv_transfer_params decide (vLLM refuses others)
     with pytest.raises(ValueError, match="auth_token_env names 'SPARSE_KV_TEST_UNSET', which is unset or empty"):
         H.make_vllm_config(model_dir, kv_role="kv_consumer", extra_config={"auth_token_env": "SPARSE_KV_TEST_UNSET"})
 

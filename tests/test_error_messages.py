@@ -12,7 +12,7 @@ import pytest
 from connector.core.errors import ControlError, FrameError, TransferFailed, Unreachable
 from connector.core.hf_config import load_model
 from connector.protocol.addressing import PrefillAddress
-from connector.protocol.handshake import check_hello
+from connector.protocol.handshake import check_hello, layout_wire
 from connector.protocol.messages import HEADER, PROTOCOL_VERSION, check_header
 from connector.transport.control import ControlServer, connect
 from connector.transport.ports import free_ports
@@ -36,22 +36,22 @@ def test_an_http_answer_and_an_http_request_are_named():
 
 def test_a_fingerprint_mismatch_says_what_differs():
     m3, qwen = load_model("minimax-m3"), load_model("qwen3-8b")
-    peer = msgspec.structs.replace(hello("decode"), fingerprint=m3.fingerprint(), layout=m3.summary(),
-                                   nonce=b"n" * 32, agent_metadata=b"", regions=[])
-    own = msgspec.structs.replace(hello("prefill"), fingerprint=qwen.fingerprint(), layout=qwen.summary(),
-                                  block_size=128)
+    peer = msgspec.structs.replace(hello("decode"), fingerprint=m3.fingerprint(), layout=layout_wire(m3),
+                                   num_layers=m3.num_layers, nonce=b"n" * 32, agent_metadata=b"", regions=[])
+    own = msgspec.structs.replace(hello("prefill"), fingerprint=qwen.fingerprint(), layout=layout_wire(qwen),
+                                  num_layers=qwen.num_layers, block_size=128)
     with pytest.raises(ControlError) as err:
         check_hello(peer, own)
     text = str(err.value)
     assert f"fingerprint mismatch: peer has {m3.fingerprint()}, this side has {qwen.fingerprint()}" in text
-    for part in ("num_layers: peer 60, this side 36", "kv heads: peer 4, this side 8",
-                 "index_k layers: peer 3-59, this side none", "block size: peer 64, this side 128",
+    for part in ("has 60 layers, prefill", " 36 (a different model", "block size: peer 64, this side 128",
                  "Serve the same model"):
         assert part in text, (part, text)
     fp8 = load_model("qwen3-8b", "fp8")
-    peer = msgspec.structs.replace(peer, fingerprint=fp8.fingerprint(), layout=fp8.summary(), block_size=128)
-    with pytest.raises(ControlError, match="kv_cache_dtype: peer fp8, this side auto; kv bytes per token per head: "
-                                           "peer 256, this side 512"):
+    peer = msgspec.structs.replace(peer, fingerprint=fp8.fingerprint(), layout=layout_wire(fp8),
+                                   num_layers=fp8.num_layers, block_size=128)
+    with pytest.raises(ControlError, match=r"keeps kv on layers 0-35 \(8 head\(s\) x 256 B per token.*, prefill .*"
+                                           r"kv on layers 0-35 \(8 head\(s\) x 512 B per token"):
         check_hello(peer, own)
 
 

@@ -81,6 +81,44 @@ class ModelLayout:
         """A short hash of `canon()`."""
         return hashlib.sha256(json.dumps(self.canon(), sort_keys=True).encode()).hexdigest()[:16]
 
+    def bytes_per_token(self) -> int:
+        """Bytes per token per layer over all heads."""
+        return self.num_heads * self.bytes_per_token_per_head
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """Per-token state of a model: which layers keep which pool, and how large each is."""
+
+    name: str
+    num_layers: int
+    pools: dict[str, PoolSpec]
+    """Always has every name in POOLS; a pool no layer keeps has an empty `layers`."""
+    dtype: str = "bfloat16"
+    kv_cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        for pool in POOLS:
+            if pool not in self.pools:
+                raise LayoutError(f"model {self.name!r} has no entry for pool {pool!r}")
+            bad = [lid for lid in self.pools[pool].layers if not 0 <= lid < self.num_layers]
+            if bad:
+                raise LayoutError(f"model {self.name!r} pool {pool} names layers {bad} outside 0..{self.num_layers - 1}")
+
+    def canon(self) -> dict:
+        """Everything both sides must agree on byte for byte (not the name): what the fingerprint hashes."""
+        return {
+            "num_layers": self.num_layers,
+            "pools": {
+                p.name: [list(p.layers), p.num_heads, p.bytes_per_token_per_head, p.num_parts, p.sharded]
+                for p in (self.pools[n] for n in POOLS)
+            },
+        }
+
+    def fingerprint(self) -> str:
+        """A short hash of `canon()`."""
+        return hashlib.sha256(json.dumps(self.canon(), sort_keys=True).encode()).hexdigest()[:16]
+
     def summary(self) -> str:
         """`canon()` and the dtypes as JSON: what a peer compares with its own to say what differs (the dtypes are
         named there, not hashed: they matter only through the sizes)."""
@@ -255,37 +293,3 @@ class Region(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     @property
     def bytes_per_head_per_block(self) -> int:
         return self.bytes_per_block // (self.heads[1] - self.heads[0])
-
-
-POOL_FIELDS = ("layers", "heads", "bytes per token per head", "parts (K, V)", "head-sharded")
-"""The fields of a pool in `ModelLayout.canon()`, in order, as a mismatch names them."""
-
-
-def layout_differences(peer_summary: str, own_summary: str) -> list[str]:
-    """What differs between two `ModelLayout.summary()` strings, each as `what: peer X, this side Y`; [] when the
-    peer sent none (an older peer) or it cannot be read."""
-    try:
-        theirs, ours = json.loads(peer_summary), json.loads(own_summary)
-        out = [f"{key}: peer {theirs.get(key)}, this side {ours.get(key)}"
-               for key in ("num_layers", "dtype", "kv_cache_dtype") if theirs.get(key) != ours.get(key)]
-        for pool in POOLS:
-            a, b = theirs["pools"].get(pool), ours["pools"].get(pool)
-            for name, x, y in zip(POOL_FIELDS, a or [None] * 5, b or [None] * 5):
-                if x != y:
-                    x, y = (_fold(x), _fold(y)) if name == "layers" else (x, y)
-                    out.append(f"{pool} {name}: peer {x}, this side {y}")
-        return out
-    except (ValueError, TypeError, KeyError, AttributeError):
-        return []
-
-
-def _fold(layers: object) -> str:
-    """[3, 4, 5, 9] -> "3-5,9" (a layer list in a message); "none" when empty."""
-    if not isinstance(layers, list) or not layers:
-        return "none"
-    runs, start = [], layers[0]
-    for prev, cur in zip(layers, layers[1:] + [None]):
-        if cur != prev + 1:
-            runs.append(f"{start}-{prev}" if prev != start else f"{start}")
-            start = cur
-    return ",".join(runs)
