@@ -32,6 +32,10 @@ METRIC_WAIT_S = 15.0
 """How long the check waits for decode's /metrics to show the transfer (vLLM publishes it with its step stats)."""
 
 
+LOCAL_HANDSHAKE_TIMEOUT_S = 60.0
+"""serve-local's side-channel handshake timeout (see where it is set)."""
+
+
 @dataclass(frozen=True)
 class LocalConfig:
     engine_python: str
@@ -78,7 +82,9 @@ class LocalPair:
         self.token_path.touch(mode=0o600)
         self.token_path.chmod(0o600)
         self.token_path.write_text(secrets.token_hex(32) + "\n")
-        common = {"auth_token_file": str(self.token_path)}
+        # Both engines share a laptop's cores: there the first handshake (UCX starting, NIXL loading the peer) has
+        # taken over 10 s, the production default (CI, 2 cores: timed out at 10.0 s, the request answered HTTP 500).
+        common = {"auth_token_file": str(self.token_path), "handshake_timeout_s": LOCAL_HANDSHAKE_TIMEOUT_S}
         prefill_kv = sparse_kv_config("kv_producer", side_channel_port=self.side_port, **common)
         self.prefill = VllmServer(ServerSpec("prefill", model, free_ports(), kv_transfer_config=prefill_kv),
                                   config.engine_python, logs, tie_to_parent=True)
