@@ -10,6 +10,9 @@
   gave up does not hold prefill's blocks for the lease.
 - A destination (decode rank) is the registering connection's own: its block ids, its regions, its NIXL agent.
   Heartbeats extend a lease only for transfers with a destination on that connection.
+- A decode rank refused at the handshake (another model, another token) cannot register, so the transfer its
+  first Hello named is given up the same way, with the reason; unauthenticated, so only while no engine owns the
+  transfer, and a registration within `given_up_keep_s` is still served.
 - Registrations are checked in full before anything is kept; one that waits for its request to start counts against
   its connection's limits (count and memory), and waits at most the lease.
 - What a connection holds here (its destinations, its waiting registrations) ends with it, in one sweep when it
@@ -95,7 +98,7 @@ class Ownership:
         engine would claim the transfer; an abort would find nothing to stop and be answered Stopped while
         prefill was about to write): returns each with its refusal, if it got one."""
         self.requests[req.transfer_id] = req
-        req.given_up_by = self.given_up.get(req.transfer_id)
+        req.given_up_by, req.given_up_why = self.given_up.get(req.transfer_id) or (None, "")
         self.given_up.discard(req.transfer_id)
         served = []
         for p in self.drop_parked(req.transfer_id):
@@ -160,7 +163,7 @@ class Ownership:
         check_registration(reg, peer, self.rank, self.stage, self.block_size)
         req.owner = peer.key[0]
         if req.given_up_by is not None:  # some engine gave it up early; this registration is served all the same
-            req.given_up_by = None
+            req.given_up_by, req.given_up_why = None, ""
             if req.all_computed:
                 req.lease_deadline = now + self.config.lease_s
         dest = req.dests[peer.key] = Destination(peer.key, conn, peer, peer.layer_routes, reg)
@@ -214,17 +217,28 @@ class Ownership:
             return AbortVerdict(request=req, destination=dest, fails_request=True)
         return AbortVerdict(request=req, destination=dest, gives_up=transfer_id not in self.released)
 
-    def give_up(self, transfer_id: str, engine: str, now: float) -> None:
-        """`engine` gave the transfer up before registering it (concurrent flow, a client that left at once):
-        remembered, pinned to that engine; a request (now or when it starts) keeps its KV only `given_up_keep_s`
-        after it was computed, not for the lease, unless some engine registers it meanwhile."""
+    def give_up(self, transfer_id: str, engine: str, now: float, why: str = "") -> None:
+        """`engine` gave the transfer up before registering it (concurrent flow, a client that left at once; `why`:
+        it was refused at the handshake): remembered, pinned to that engine; a request (now or when it starts)
+        keeps its KV only `given_up_keep_s` after it was computed, not for the lease, unless some engine registers
+        it meanwhile."""
         req = self.requests.get(transfer_id)
         if req is None:
-            self.given_up.add(transfer_id, now, engine)
+            self.given_up.add(transfer_id, now, (engine, why))
             return
-        req.given_up_by = engine
+        req.given_up_by, req.given_up_why = engine, why
         if req.all_computed:
             req.lease_deadline = min(req.lease_deadline, now + self.config.given_up_keep_s)
+
+    def refused(self, transfer_id: str, engine: str, why: str, now: float) -> bool:
+        """A decode rank claiming to be of `engine`, whose first Hello named `transfer_id`, was refused at the
+        handshake (`why`): it will never register, so the transfer is given up (`give_up`) unless some engine owns
+        it already or it was released. The claim is not authenticated (the handshake failed): it weighs no more
+        than an early abort. True if it gave the transfer up."""
+        if self.owner_of(transfer_id) is not None or transfer_id in self.released:
+            return False
+        self.give_up(transfer_id, engine, now, why)
+        return True
 
     # ---- connections -----------------------------------------------------------------------------------------------
     def connection_closed(self, conn: Any, key: PeerKey) -> list[tuple[SendRequest, Destination]]:

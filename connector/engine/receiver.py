@@ -210,7 +210,7 @@ class StreamReceiver:
             raise TransferFailed(f"transfer id of {len(transfer_id)} characters is longer than the side channel's "
                                  f"{MAX_TRANSFER_ID}: use a shorter id")
         try:
-            engine = await self.sources.engine(prefill)
+            engine = await self.sources.engine(prefill, for_transfer=transfer_id)
         except Unreachable as exc:  # nothing answered at that address
             raise TransferFailed(f"cannot reach prefill {prefill} for {transfer_id!r}: {exc}") from exc
         except ConnectorError as exc:  # it answered: a refused handshake, or a layout that does not fit ours
@@ -267,8 +267,15 @@ class StreamReceiver:
 
     async def abort_unregistered(self, transfer_id: str, prefill: PrefillAddress, reason: str) -> None:
         """Decode gave up on a transfer before registering it: tell every prefill rank, so it frees the request's
-        blocks now instead of after its lease. Nothing was registered, so nothing can land here."""
-        engine = await self.sources.engine(prefill)
+        blocks now instead of after its lease. Nothing was registered, so nothing can land here. A prefill that
+        cannot be reached (or refuses us) holds nothing we could free: one warning, no traceback (vLLM's policy
+        "fail" ends every failed decode leg this way, against the same prefill)."""
+        try:
+            engine = await self.sources.engine(prefill, for_transfer=transfer_id)
+        except ConnectorError as exc:
+            log.warning("transfer %s: could not tell prefill %s that it was given up (%s): %s", transfer_id,
+                        prefill, reason, exc)
+            return
         for src, conn in engine.conns.items():
             try:
                 await conn.send(Abort(transfer_id, reason))

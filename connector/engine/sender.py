@@ -25,8 +25,8 @@ from connector.engine.rank import LocalRank
 from connector.engine.sender_state import Destination, FinishedInfo, PeerInfo, SendRequest, lease_expiry_note
 from connector.engine.stats import SenderStats
 from connector.protocol.handshake import PeerKey
-from connector.protocol.messages import (Abort, Complete, Heartbeat, Message, Register, RegisterAck, RegisterError,
-                                         Scattered, Stopped)
+from connector.protocol.messages import (Abort, Complete, Heartbeat, Hello, Message, Register, RegisterAck,
+                                         RegisterError, Scattered, Stopped)
 from connector.transport.base import KVTransport
 from connector.transport.control import ControlConnection, ControlServer
 from connector.transport.loop import OwnedTasks, wait_out
@@ -59,6 +59,8 @@ class StreamSender:
         self._wake = asyncio.Event()
         self.hello = me.hello("prefill", transport)
         self._table = PeerTable(transport, self.hello, me.model, me.rank, config)
+        self._last_refusal = ""
+        """The last decode rank refused at the handshake here, and why (named when a lease expires unread)."""
 
     @property
     def port(self) -> int:
@@ -80,7 +82,7 @@ class StreamSender:
         """Start the side-channel server; returns the bound port."""
         self._server = ControlServer(self.hello, self._on_message, self.config.side_channel, host=self.config.host,
                                      port=self.config.port, on_hello=self._table.admit, peek=self._table.peek,
-                                     on_closed=self._connection_closed)
+                                     on_closed=self._connection_closed, on_refused=self._handshake_refused)
         await self._server.start()
         self._tasks.spawn(self._lease_loop())
         self._tasks.spawn(self._drain_loop())
@@ -284,6 +286,20 @@ class StreamSender:
         if self.writer.staged is not None:
             self.writer.staged.connection_closed(conn)
 
+    def _handshake_refused(self, hello: Hello, reason: str, address: str) -> None:
+        """A handshake failed here (another model, another token, a limit): the transfer the peer connected for
+        cannot reach it, so its KV is given up now (connector.engine.ownership.refused), not after the lease."""
+        who = f"{hello.role} engine {hello.engine_id!r} rank ({hello.pp_rank},{hello.tp_rank}) at {address}"
+        self._last_refusal = f"{who}: {reason}"
+        tid = hello.for_transfer
+        if hello.role != "decode" or not tid:
+            return
+        self._drain_inbox()  # a start already queued by the framework thread counts as started
+        why = f"{who} was refused at the handshake ({reason})"
+        if self.ownership.refused(tid, hello.engine_id, why, time.monotonic()):
+            log.warning("transfer %s: %s; its KV is kept %g s more (not the %g s lease) in case another decode "
+                        "registers it", tid, why, self.config.given_up_keep_s, self.config.lease_s)
+
     # ---- writes ----------------------------------------------------------------------------------------------
     def _pump(self, req: SendRequest) -> None:
         for dest in req.dests.values():
@@ -423,13 +439,16 @@ class StreamSender:
             now = time.monotonic()
             for req in list(self.requests.values()):
                 if req.all_computed and now > req.lease_deadline and req.given_up_by is not None and not req.dests:
-                    log.info("transfer %s: decode engine %r gave it up before registering and no other engine "
-                             "registered it within %g s; freeing its KV", req.transfer_id, req.given_up_by,
-                             self.config.given_up_keep_s)
+                    if req.given_up_why:
+                        log.warning("transfer %s: freeing its KV unread: %s", req.transfer_id, req.given_up_why)
+                    else:
+                        log.info("transfer %s: decode engine %r gave it up before registering and no other engine "
+                                 "registered it within %g s; freeing its KV", req.transfer_id, req.given_up_by,
+                                 self.config.given_up_keep_s)
                     req.expected = set()
                     self._check_finished(req, ok=False)
                 elif req.all_computed and now > req.lease_deadline:
-                    log.warning("%s", lease_expiry_note(req, self.config.lease_s))
+                    log.warning("%s", lease_expiry_note(req, self.config.lease_s, self._last_refusal))
                     for dest in req.dests.values():
                         if not dest.done:
                             self._stop_dest(req, dest, Abort(req.transfer_id, "prefill lease expired"))

@@ -70,6 +70,9 @@ class SendRequest:
     """A decode engine that aborted the transfer before any registration: the request keeps its KV only
     `given_up_keep_s` after it was computed (not the lease), for a registration from another engine (an unrelated
     peer's abort must not deny a transfer)."""
+    given_up_why: str = ""
+    """Why, when the give-up came from a refused handshake rather than an abort (what prefill logs as it frees the
+    KV)."""
 
 
 @dataclass
@@ -170,11 +173,15 @@ def parked_cost(reg: Register) -> int:
     return 48 * (sum(len(ids) for ids in reg.block_ids) + len(reg.layers)) + 256 + len(reg.transfer_id)
 
 
-def lease_expiry_note(req: SendRequest, lease_s: float) -> str:
-    """What prefill logs when a request's lease runs out: its KV is freed, read by nobody or only by some."""
+def lease_expiry_note(req: SendRequest, lease_s: float, last_refusal: str = "") -> str:
+    """What prefill logs when a request's lease runs out: its KV is freed, read by nobody or only by some.
+    `last_refusal`: the last decode rank refused at this side channel's handshake, and why."""
     if req.expected is None:
+        seen = f"; the last decode refused here was {last_refusal}" if last_refusal else ""
         return (f"transfer {req.transfer_id}: lease of {lease_s:.0f} s expired and no decode ever registered for it; "
-                f"its KV is freed unread (did the router send the decode leg with prefill's kv_transfer_params?)")
+                f"its KV is freed unread. Either no decode engine got the request (did the router send the decode "
+                f"leg with prefill's kv_transfer_params?) or decode could not reach this side channel (its log says "
+                f"why){seen}")
     return (f"transfer {req.transfer_id}: lease of {lease_s:.0f} s expired; decode ranks {sorted(req.expected)} "
             f"never completed; freeing its blocks")
 

@@ -83,17 +83,20 @@ class SourceTable:
         self.confirming: dict[tuple[int, Rank], asyncio.Task] = {}
         """Lost sources being asked whether they still write (`_confirm_stopped`)."""
 
-    async def connect(self, address: PrefillAddress, port: int, timeout: float | None = None) -> ControlConnection:
+    async def connect(self, address: PrefillAddress, port: int, timeout: float | None = None,
+                      for_transfer: str = "") -> ControlConnection:
         return await connect(address.host, port, self.hello, self.config.side_channel, timeout=timeout,
-                             heartbeat_ids=lambda: self.transfers.wanted_from(address, port))
+                             heartbeat_ids=lambda: self.transfers.wanted_from(address, port),
+                             for_transfer=for_transfer)
 
-    async def engine(self, address: PrefillAddress) -> SourceEngine:
-        """The prefill engine at `address`, connected to every rank (at first use; raises ConnectorError)."""
+    async def engine(self, address: PrefillAddress, for_transfer: str = "") -> SourceEngine:
+        """The prefill engine at `address`, connected to every rank (at first use; raises ConnectorError). The
+        connections are opened for `for_transfer`: a prefill rank that refuses one frees that transfer's KV."""
         async with self._connecting[address]:
             engine = self.by_address.get(address)
             if engine is not None:
                 return engine
-            first = await self.connect(address, address.port)
+            first = await self.connect(address, address.port, for_transfer=for_transfer)
             engine = None
             try:
                 # A prefill's claimed layout is checked before the plan is built, off the loop (a fake prefill
@@ -105,7 +108,8 @@ class SourceTable:
                 # every transfer to release its blocks at once (see check_registration in sender_state).
                 for src in engine.plan.prefill.ranks():
                     port = engine.port_of(src)
-                    conn = first if port == address.port else await self.connect(address, port)
+                    conn = first if port == address.port else await self.connect(address, port,
+                                                                                 for_transfer=for_transfer)
                     self._check_rank(engine, src, conn, first)
                     engine.conns[src] = conn
                     # none left: this rank writes directly, which is always correct

@@ -54,7 +54,8 @@ History (one line per version; bump it for any change an older peer would misrea
      vLLM's KV-cache specs give them), so a pair whose caches differ is refused naming what differs; it is part of
      the authenticated transcript, which a version-3 peer would compute without it. A decode that refuses
      prefill's Hello answers Reject in place of Auth, so prefill's log hears why. Hello.null_block: the block id
-     a rank keeps empty (vLLM's null block), never written on decode.
+     a rank keeps empty (vLLM's null block), never written on decode. Decode's Hello names the transfer it
+     connects for (`for_transfer`), so a prefill that refuses the handshake frees that transfer's KV at once.
 """
 DEFAULT_MAX_FRAME_BYTES = 4 * 1024 * 1024
 """Largest body a receiver accepts after the handshake unless configured otherwise. The largest real messages are
@@ -147,6 +148,10 @@ class Hello(msgspec.Struct, frozen=True, tag="hello", tag_field="type"):
     null_block: Annotated[int, Meta(ge=-1)] = -1
     """The block id this rank keeps empty (vLLM's null block 0, where a sliding window left tokens behind): decode's
     is not written, prefill's is never read; -1: none."""
+    for_transfer: TransferId = ""
+    """Decode: the transfer that made it open this connection ("" for none). A prefill that refuses the handshake
+    (another model, another token) gives that transfer up at once instead of holding its KV for the lease. The
+    claim is not authenticated, so it counts only as an early abort does (connector.engine.ownership)."""
 
 
 class Auth(msgspec.Struct, frozen=True, tag="auth", tag_field="type"):

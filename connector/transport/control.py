@@ -20,8 +20,8 @@ from connector.core.errors import ControlError, FrameError, PeerGaveUp, Unreacha
 from connector.protocol.auth import with_memory
 from connector.protocol.messages import (DEFAULT_MAX_FRAME_BYTES, Auth, Error, Heartbeat, Hello, Message, Register,
                                          RegisterError, Reject, Welcome, encode_frame)
-from connector.transport.handshake import (PeekHook, ServerHandshake, client_handshake, end_session, format_addr,
-                                           is_loopback, read_frame)
+from connector.transport.handshake import (Attempt, PeekHook, ServerHandshake, client_handshake, end_session,
+                                           format_addr, is_loopback, read_frame)
 
 from connector.transport.limits import AdmissionGuard, RateLimiter
 from connector.transport.side_channel import SideChannelConfig
@@ -34,6 +34,8 @@ MessageHandler = Callable[["ControlConnection", Message], Awaitable[None]]
 HelloHook = Callable[[Hello], Any]
 """Called with a peer's authenticated Hello (memory included); raise to refuse it. What it returns (or awaits to)
 becomes `conn.session`; if that has an `aclose()`, the server awaits it once the connection has ended."""
+RefusedHook = Callable[[Hello, str, str], None]
+"""Called with a refused peer's first Hello (not authenticated), the reason and the peer's address."""
 MAX_QUEUED = 1024
 """Messages read from a peer and not yet handled; beyond it the reader waits (TCP slows the peer down)."""
 
@@ -223,12 +225,13 @@ class ControlConnection:
 
 async def connect(host: str, port: int, hello: Hello, config: SideChannelConfig = SideChannelConfig(), *,
                   timeout: float | None = None, heartbeat_ids: Callable[[], Iterable[str]] | None = None,
-                  on_close: Callable[[str], None] | None = None) -> ControlConnection:
+                  on_close: Callable[[str], None] | None = None, for_transfer: str = "") -> ControlConnection:
     """Open a connection (over TLS with `config.tls_ca_file`) and run the handshake (connector.protocol.messages) in
     at most `timeout` s (default `config.handshake_timeout_s`): send who we are, check the server's Hello (version,
     role, fingerprint, and with `config.auth_token` its proof), and only then send `hello`'s memory (NIXL metadata,
     regions, staging buffer) with our proof, and wait for Welcome. The connection then sends `heartbeat_ids()`
-    every `config.heartbeat_interval_s` and closes itself after `config.dead_after_s` of silence.
+    every `config.heartbeat_interval_s` and closes itself after `config.dead_after_s` of silence. `for_transfer`:
+    the transfer this connection is opened for (a server that refuses the handshake frees its KV at once).
     Raises ControlError if the peer rejects us (with its reason), fails a check, or answers with something else."""
     where, ssl_context = f"{host}:{port}", config.client_ssl()
     timeout = timeout or config.handshake_timeout_s
@@ -243,7 +246,7 @@ async def connect(host: str, port: int, hello: Hello, config: SideChannelConfig 
         raise Unreachable(f"cannot connect to {where}: {exc!r}") from exc
     try:
         async with asyncio.timeout(timeout):
-            reply = await client_handshake(reader, writer, hello, config.auth_token, where)
+            reply = await client_handshake(reader, writer, hello, config.auth_token, where, for_transfer)
     except BaseException as exc:
         writer.close()
         if isinstance(exc, TimeoutError):
@@ -272,11 +275,14 @@ class ControlServer:
     `on_message(conn, msg)` for each further message, in order. A handler exception is logged and answered with
     RegisterError (for Register) or Error; the connection stays up. `on_closed(conn)` runs once per handshaken
     connection, soon after it closed (from the loop, never inside the code that closed it): the one cleanup of
-    everything that ran on it, rather than a callback per use hooked on `conn.closed`."""
+    everything that ran on it, rather than a callback per use hooked on `conn.closed`. `on_refused(hello, reason,
+    address)` runs for each handshake that failed after the peer's first Hello was read (that Hello is not
+    authenticated)."""
 
     def __init__(self, hello: Hello, on_message: MessageHandler, config: SideChannelConfig = SideChannelConfig(), *,
                  host: str = "127.0.0.1", port: int = 0, on_hello: HelloHook | None = None,
-                 peek: PeekHook | None = None, on_closed: Callable[[ControlConnection], None] | None = None) -> None:
+                 peek: PeekHook | None = None, on_closed: Callable[[ControlConnection], None] | None = None,
+                 on_refused: RefusedHook | None = None) -> None:
         self.hello = hello
         self.host = host
         self.port = port
@@ -285,6 +291,7 @@ class ControlServer:
         self._auth_token = config.auth_token
         self._on_hello = on_hello
         self._on_closed = on_closed
+        self._on_refused = on_refused
         self._handshake_timeout_s = config.handshake_timeout_s
         self.limits = config.limits
         self.guard = AdmissionGuard(self.limits)
@@ -378,10 +385,10 @@ class ControlServer:
     async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                          host: str) -> ControlConnection | None:
         addr = format_addr(writer.get_extra_info("peername"))
-        reason, reply, session, peer = None, None, None, None
+        reason, reply, session, peer, attempt = None, None, None, None, Attempt()
         try:
             async with asyncio.timeout(self._handshake_timeout_s):
-                first, auth = await self._hs.run(reader, writer, host)
+                first, auth = await self._hs.run(reader, writer, host, attempt)
             peer = with_memory(first, auth)
             try:
                 session = self._on_hello(peer) if self._on_hello is not None else None
@@ -411,6 +418,11 @@ class ControlServer:
         if reason is not None:
             await end_session(session)
             log.warning("closing %s: %s", addr, reason)
+            if attempt.first is not None and self._on_refused is not None:
+                try:
+                    self._on_refused(attempt.first, reason, addr)
+                except Exception:  # noqa: BLE001 - the hook's failure must not keep the server from going on
+                    log.exception("on_refused for %s failed", addr)
             if reply is not None:
                 with contextlib.suppress(Exception):
                     writer.write(encode_frame(reply))

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import msgspec
@@ -46,9 +47,10 @@ async def read_frame(reader: asyncio.StreamReader, max_frame_bytes: int = DEFAUL
 
 
 async def client_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, hello: Hello,
-                            auth_token: str, where: str) -> Hello:
-    """The client's half of the handshake; returns the server's Hello."""
-    ours = msgspec.structs.replace(identity(hello), nonce=new_nonce())
+                            auth_token: str, where: str, for_transfer: str = "") -> Hello:
+    """The client's half of the handshake; returns the server's Hello. `for_transfer`: the transfer this connection
+    is opened for (the server frees its KV at once if it refuses the handshake)."""
+    ours = msgspec.structs.replace(identity(hello), nonce=new_nonce(), for_transfer=for_transfer)
     writer.write(encode_frame(ours))
     await writer.drain()
     reply = _expect(await read_frame(reader, HANDSHAKE_MAX_FRAME_BYTES), Hello, where)
@@ -90,6 +92,14 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+@dataclass
+class Attempt:
+    """What one connection's handshake got so far (the server reports a refused peer by its first Hello)."""
+
+    first: Hello | None = None
+    """The peer's first Hello, once read (also one that `check_hello` then refuses: another model's)."""
+
+
 class ServerHandshake:
     """The server's half: Hello in (checked, then `peek`), our identity with a fresh nonce and our proof out, Auth in
     (its proof checked; a failure is counted against the source address and answered late)."""
@@ -100,12 +110,15 @@ class ServerHandshake:
         self.identity = identity(hello)
         """What we tell peers about ourselves: least privilege, never our NIXL metadata or addresses."""
 
-    async def run(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str) -> tuple[Hello, Auth]:
-        """Hello in, our Hello out, Auth in: the peer's Hello and Auth once its proof (if we need one) is right."""
+    async def run(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str,
+                  attempt: Attempt) -> tuple[Hello, Auth]:
+        """Hello in, our Hello out, Auth in: the peer's Hello and Auth once its proof (if we need one) is right.
+        The first Hello goes in `attempt` as soon as it is read (even one `check_hello` refuses: another model)."""
         limit = self.limits.handshake_frame_bytes
         first = await read_frame(reader, limit)
         if not isinstance(first, Hello):
             raise ControlError(f"first frame is {type(first).__name__}, expected Hello")
+        attempt.first = first
         check_hello(first, self.hello)
         if self.peek is not None:
             try:
