@@ -39,36 +39,44 @@ def assert_on_the_wire(net, tx_before: int, moved: int, slack: float = 0.15) -> 
 
 
 def begin(cluster: Cluster, tid: str, seed: int, layer_ms: float) -> None:
-    """Decode registers, prefill starts computing (one rank each side); returns while prefill computes."""
+    """Every decode rank registers, every prefill rank starts computing; returns while prefill computes."""
     sc = cluster.sc
-    _, dconn = cluster.decode[(0, 0)]
-    cluster.ask(dconn, ("receive", tid, sc.tokens, 0, str(cluster.prefill_address), seed), 30, "decode")
-    _, pconn = cluster.prefill[(0, 0)]
-    cluster.ask(pconn, ("start", tid, sc.tokens, seed), 30, "prefill")
-    pconn.send(("chunk", tid, 0, sc.tokens, layer_ms, "stream", "all"))
+    for rank, (_, dconn) in cluster.decode.items():
+        cluster.ask(dconn, ("receive", tid, sc.tokens, 0, str(cluster.prefill_address), seed), 30, ("decode", rank))
+    for rank, (_, pconn) in cluster.prefill.items():
+        cluster.ask(pconn, ("start", tid, sc.tokens, seed), 30, ("prefill", rank))
+    for _, pconn in cluster.prefill.values():
+        pconn.send(("chunk", tid, 0, sc.tokens, layer_ms, "stream", "all"))
 
 
-def settle(cluster: Cluster, tid: str, since: float, limit_s: float = 60.0) -> dict[str, tuple[float, tuple]]:
-    """Wait for prefill to finish the request (released) and decode to collect it: (seconds since `since`,
-    answer) for each, as each one happens."""
-    _, dconn = cluster.decode[(0, 0)]
-    _, pconn = cluster.prefill[(0, 0)]
-    dconn.send(("collect", tid))
-    cluster.reply(pconn, limit_s, "prefill")  # its compute ends whatever the link does
-    pconn.send(("finish", tid))
-    waiting, out = {"decode": dconn, "prefill": pconn}, {}
+def settle_all(cluster: Cluster, tid: str, since: float, limit_s: float = 60.0) -> dict[tuple, tuple[float, tuple]]:
+    """Wait for every prefill rank to finish the request (released) and every decode rank to collect it: per
+    ("prefill" | "decode", rank), (seconds since `since`, answer), as each one happens."""
+    for _, dconn in cluster.decode.values():
+        dconn.send(("collect", tid))
+    for rank, (_, pconn) in cluster.prefill.items():
+        cluster.reply(pconn, limit_s, ("prefill", rank))  # its compute ends whatever the link does
+        pconn.send(("finish", tid))
+    waiting = {("prefill", r): c for r, (_, c) in cluster.prefill.items()}
+    waiting |= {("decode", r): c for r, (_, c) in cluster.decode.items()}
+    out = {}
     while waiting:
         assert time.monotonic() - since < limit_s, f"{sorted(waiting)} did not settle within {limit_s} s"
-        for name, conn in list(waiting.items()):
+        for who, conn in list(waiting.items()):
             if conn.poll(0.02):
-                out[name] = (time.monotonic() - since, conn.recv())
-                del waiting[name]
+                out[who] = (time.monotonic() - since, conn.recv())
+                del waiting[who]
     return out
 
 
-def state(cluster: Cluster, side: str) -> dict:
+def settle(cluster: Cluster, tid: str, since: float, limit_s: float = 60.0) -> dict[str, tuple[float, tuple]]:
+    """`settle_all` for one rank on each side: {"prefill": ..., "decode": ...}."""
+    return {side: got for (side, _rank), got in settle_all(cluster, tid, since, limit_s).items()}
+
+
+def state(cluster: Cluster, side: str, rank: tuple[int, int] = (0, 0)) -> dict:
     table = cluster.prefill if side == "prefill" else cluster.decode
-    return cluster.ask(table[(0, 0)][1], ("state",), 30, side)[1]
+    return cluster.ask(table[rank][1], ("state",), 30, side)[1]
 
 
 def test_byte_exact_across_two_nodes_prefill_pp2_tp2(two_nodes, m3, cluster):
@@ -123,6 +131,48 @@ def test_link_cut_mid_transfer_fails_both_sides_in_bounded_time_then_works_again
     two_nodes.link(cut, up=True)
     time.sleep(3.0)  # anything still queued on prefill's side would land now
     assert workers.ask(dconn, ("digest",), 30, "decode") == handed_back, "bytes landed after decode gave up"
+    again = workers.run_request(2)
+    assert again.verified, again.problems
+
+
+@pytest.mark.parametrize("prefill", ["tp=2,pp=1", "tp=2,pp=2"])
+def test_a_cut_link_fails_every_decode_rank_of_a_tp2_decode_in_bounded_time(two_nodes, m3, cluster, capfd,
+                                                                              prefill):
+    """TP2 on both sides (and TP2 x PP2 -> TP2): each decode rank has a connection to a prefill rank that owes it
+    nothing and completed at once. Whichever of a decode rank's connections times out first after the cut, every
+    decode rank fails the transfer within dead_after plus the hold (none waits out the transfer timeout), every
+    prefill rank releases the request, and no rank holds anything afterwards. UCX prints its own errors after a
+    cut; none of it reaches standard output (where `demo --json` prints its JSON)."""
+    sc = on_two_nodes(two_nodes, m3, prefill, "tp=2,pp=1", tokens=256)
+    workers = cluster(sc)
+    assert workers.run_request(0).verified  # connected, warm
+    two_nodes.shape("a", "40mbit", "32kb", "1mb")  # ~5 MB/s: the request is still on the wire at the cut
+    tid = f"{workers.run_id}-cut-tp2"
+    begin(workers, tid, seed=1, layer_ms=30.0)
+    time.sleep(1.5)
+    cut_at = time.monotonic()
+    two_nodes.link("a", up=False)
+    out = settle_all(workers, tid, cut_at)
+    printed = capfd.readouterr()
+    assert "UCX" not in printed.out, f"UCX wrote to standard output: {printed.out[-2000:]}"
+    print(f"\nUCX lines on standard error: {sum('UCX' in line for line in printed.err.splitlines())}")
+    for who, (took, answer) in sorted(out.items()):
+        print(f"{who}: {took:.2f} s after the cut: {answer[1] if who[0] == 'prefill' else answer[1][:1]}")
+    decode_bound = SIDE_CHANNEL.dead_after_s + HOLD_S + 3
+    for rank in workers.decode:
+        took, collected = out[("decode", rank)]
+        assert collected[1] and collected[1][0].startswith("transfer failed"), (rank, collected)
+        assert took < decode_bound, f"decode rank {rank} failed only {took:.1f} s after the cut: {collected[1]}"
+    released = {rank: out[("prefill", rank)] for rank in workers.prefill}
+    assert all(took < SIDE_CHANNEL.dead_after_s + USER_TIMEOUT_S + 3 for took, _ in released.values()), released
+    assert not all(answer[1] for _, answer in released.values()), "no prefill rank saw the transfer fail"
+    for rank in workers.prefill:
+        held = state(workers, "prefill", rank)
+        assert {k: held[k] for k in ("requests", "open_handles", "inflight_bytes", "parked")} == {
+            "requests": 0, "open_handles": 0, "inflight_bytes": 0, "parked": 0}, (rank, held)
+    for rank in workers.decode:
+        assert state(workers, "decode", rank) == {"pending": 0, "confirming": 0}, rank
+    two_nodes.link("a", up=True)
     again = workers.run_request(2)
     assert again.verified, again.problems
 

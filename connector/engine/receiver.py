@@ -127,13 +127,23 @@ class StreamReceiver:
                     log.warning("prefill rank %s reports: %s", src, msg.reason)
                 case _:
                     log.warning("decode %s: unexpected %s from prefill rank %s", self.me.rank, type(msg).__name__, src)
+        self._engine_lost(engine, src, conn)
+        await self.sources.drop(engine, f"prefill rank {src} went away")
+
+    def _engine_lost(self, engine: SourceEngine, src: Rank, conn: ControlConnection) -> None:
+        """`src`'s connection ended: the whole engine is dropped (connector.engine.sources), so every transfer
+        through it fails now on every source that has not completed, also when `src` itself owed this rank nothing
+        or already completed (TP2 -> TP2: rank (0, 0) owes decode rank (0, 1) nothing; when its connection is the
+        first to go, the readers of the others are cancelled before they could fail anything). Failed, not
+        stopped: a source counts as stopped only once it confirmed (see the module docstring)."""
         reason = conn.close_reason or "connection closed"
         for pend in list(self._pending.values()):
-            if pend.engine is engine and src in pend.completes:
-                # Failed now; stopped only once confirmed (see the module docstring).
-                pend.source_failed(src, TransferFailed(f"prefill rank {src} at {conn.address} went away before "
-                                                       f"completing {pend.transfer_id!r}: {reason}"), stopped=False)
-        await self.sources.drop(engine, f"prefill rank {src} went away")
+            if pend.engine is not engine:
+                continue
+            lost = f"prefill rank {src} at {conn.address} went away before {pend.transfer_id!r} completed: {reason}"
+            for other in pend.completes:
+                also = "" if other == src else f" (prefill rank {other}'s connection is dropped with it)"
+                pend.source_failed(other, TransferFailed(lost + also), stopped=False)
 
     def _waiting(self, src: Rank, msg: Complete | RegisterError | Abort | Stopped) -> _Pending | None:
         """The transfer `msg` is about, if it still waits on `src`."""

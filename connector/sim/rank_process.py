@@ -12,6 +12,8 @@ its environment (connector.sim.env) before those load.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import time
 import traceback
 from typing import Any
@@ -26,6 +28,7 @@ from connector.sim.spec import RankSpec
 def run(conn: Any, spec: RankSpec) -> None:
     """Process entry point: open the rank, say ("ready", ...), answer the parent's commands until "quit". A
     failure to start, or of a command, goes back to the parent as ("error", text), never a silent hang."""
+    keep_stdout_clean()
     try:
         if spec.placement.netns:
             netns.enter(spec.placement.netns)  # first: before any thread, and before UCX lists the interfaces
@@ -51,6 +54,16 @@ def run(conn: Any, spec: RankSpec) -> None:
         conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}"))
     finally:
         rank.close()
+
+
+def keep_stdout_clean() -> None:
+    """Send whatever this process writes to standard output to standard error instead. A worker answers its parent
+    over a pipe only; its stdout is the parent's, where `demo --json` and `bench --json` print their one JSON object.
+    UCX prints its own errors there (`UCX ERROR ...` lines after a cut link, measured), from C, so the file
+    descriptor itself is redirected, before NIXL loads."""
+    sys.stdout.flush()
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
 
 
 def _serve(conn: Any, handlers: dict[str, Any]) -> None:
