@@ -70,7 +70,8 @@ def blocks_moved(old: Sequence[Sequence[int]], new: Sequence[Sequence[int]], nul
 
 
 def live_pairs(src_blocks: Sequence[int] | np.ndarray, dst_blocks: Sequence[int] | np.ndarray,
-               nulls: tuple[int, int] = (NO_NULL_BLOCK, NO_NULL_BLOCK), what: str = "") -> tuple[np.ndarray, np.ndarray]:
+               nulls: tuple[int, int] = (NO_NULL_BLOCK, NO_NULL_BLOCK),
+               what: str = "") -> tuple[np.ndarray, np.ndarray]:
     """The (source, destination) block pairs to copy. Decode's null block wants nothing: vLLM put it where the
     tokens lie outside a sliding window when decode allocated (it never reads them). A null source under a live
     destination is a block prefill no longer holds but decode will read: an error, not a silent gap. (Pairs of

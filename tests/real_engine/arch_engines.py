@@ -26,6 +26,8 @@ CHUNK_TOKENS = 256
 KV_CACHE_BYTES = 64 << 20
 ARCHS = {"phi3": (PHI3, 2), "gpt_neox": (GPT_NEOX, 1), "sliding": (SLIDING, 1)}
 """name -> (tiny checkpoint, prefill TP)."""
+DP_SIZE = 2
+"""Data-parallel ranks of the DP prefill."""
 
 
 @dataclass
@@ -56,7 +58,20 @@ class ArchEngines:
                 kv_transfer_config=sparse_kv_config("kv_consumer", load_by="module_path", **STARVED_SIDE_CHANNEL)),
                 str(python), self.log_dir)
             self.pairs[name] = Pair(arch, Prefill(prefill, side), decode)
-        self.servers = [s for p in self.pairs.values() for s in (p.prefill.server, p.decode)]
+        # Data parallel: a prefill of the GPT-NeoX model with two DP ranks (two engine cores behind one API server,
+        # vLLM's own load balancer between them), decoded by the GPT-NeoX pair's decode: each rank is an engine of
+        # its own with a side channel at side_channel_port + dp_index
+        neox = self.pairs["gpt_neox"]
+        side = free_ports(DP_SIZE)
+        self.dp_prefill = Prefill(VllmServer(ServerSpec(
+            "gpt_neox-prefill-dp2", neox.prefill.server.spec.model, free_ports(), max_num_batched_tokens=CHUNK_TOKENS,
+            kv_cache_bytes=KV_CACHE_BYTES, cpus=PREFILL_CPUS,
+            kv_transfer_config=sparse_kv_config("kv_producer", side_channel_port=side, load_by="module_path",
+                                                **STARVED_SIDE_CHANNEL),
+            extra_args=("--data-parallel-size", str(DP_SIZE), "--data-parallel-rpc-port", str(free_ports()))),
+            str(python), self.log_dir), side)
+        self.servers = [s for p in self.pairs.values() for s in (p.prefill.server, p.decode)] + [
+            self.dp_prefill.server]
 
     def start(self) -> None:
         start_all(self.servers, timeout_s=600 + MACHINE_STALL_S)

@@ -1,7 +1,8 @@
 """Any dense model vLLM serves, not only the architectures connector.core.hf_config lists: Phi-3 (prefill TP2),
-GPT-NeoX and a sliding window on every other layer (Ministral3ForCausalLM) on real engines (tests.real_engine.arch_engines). The
-connector knows their caches only from vLLM's KV-cache specs; each pair is token-equal to one engine, follows
-prefill in a control run, and moves exactly the main KV's bytes."""
+GPT-NeoX and a sliding window on every other layer (Ministral3ForCausalLM), on real engines
+(tests.real_engine.arch_engines). The connector knows their caches only from vLLM's KV-cache specs; each pair is
+token-equal to one engine, follows prefill in a control run, and moves exactly the main KV's bytes. And a data-parallel
+prefill (two DP ranks of the GPT-NeoX model) that decode loads from, rank by rank."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 from connector.pd import flows
 from connector.pd.client import prompt_ids
-from tests.real_engine.arch_engines import ARCHS
+from tests.real_engine.arch_engines import ARCHS, DP_SIZE
 from tests.real_engine.test_real_pd import counters, wait_for
 from tests.real_engine.test_real_sparse import changed, salt
 
@@ -73,4 +74,24 @@ def test_a_model_the_parser_does_not_know_moves_what_vllm_built(other_archs, nam
     prompt = prompt_ids(900, seed=990)
     control = flows.concurrent(pair.prefill.url, pair.prefill.side_channel, pair.decode.url, prompt,
                                prefill_prompt=changed(prompt), cache_salt=salt())
+    assert control.token_ids == pair.reference(changed(prompt)) != pair.reference(prompt)
+
+
+def test_a_data_parallel_prefill_is_an_engine_per_rank_and_decode_follows_each(other_archs):
+    # vLLM's own load balancer spreads the prefill legs over the two DP ranks; each answers with its DP rank and its
+    # own side channel (side_channel_port + dp_index), which decode then loads from
+    pair, dp = other_archs.pairs["gpt_neox"], other_archs.dp_prefill
+    seen: dict[int, str] = {}
+    for i in range(8):
+        prompt = prompt_ids(300 + 50 * i, seed=820 + i)
+        recv0 = counters(pair.decode, "recvs_ok")["recvs_ok"]
+        got = flows.sequential(dp.url, pair.decode.url, prompt, cache_salt=salt())
+        assert got.token_ids == pair.reference(prompt), f"request {i}"
+        seen[got.kv_transfer_params["prefill_dp_rank"]] = got.kv_transfer_params["prefill_addr"]
+        wait_for("decode's recvs_ok", lambda: counters(pair.decode, "recvs_ok")["recvs_ok"] > recv0)
+        if len(seen) == DP_SIZE and i >= 3:
+            break
+    assert seen == {rank: f"127.0.0.1:{dp.side_port + rank}" for rank in range(DP_SIZE)}
+    prompt = prompt_ids(700, seed=830)
+    control = flows.sequential(dp.url, pair.decode.url, prompt, prefill_prompt=changed(prompt), cache_salt=salt())
     assert control.token_ids == pair.reference(changed(prompt)) != pair.reference(prompt)
