@@ -82,50 +82,6 @@ class ModelLayout:
         return hashlib.sha256(json.dumps(self.canon(), sort_keys=True).encode()).hexdigest()[:16]
 
     def bytes_per_token(self) -> int:
-        """Bytes per token per layer over all heads."""
-        return self.num_heads * self.bytes_per_token_per_head
-
-
-@dataclass(frozen=True)
-class ModelLayout:
-    """Per-token state of a model: which layers keep which pool, and how large each is."""
-
-    name: str
-    num_layers: int
-    pools: dict[str, PoolSpec]
-    """Always has every name in POOLS; a pool no layer keeps has an empty `layers`."""
-    dtype: str = "bfloat16"
-    kv_cache_dtype: str = "auto"
-
-    def __post_init__(self) -> None:
-        for pool in POOLS:
-            if pool not in self.pools:
-                raise LayoutError(f"model {self.name!r} has no entry for pool {pool!r}")
-            bad = [lid for lid in self.pools[pool].layers if not 0 <= lid < self.num_layers]
-            if bad:
-                raise LayoutError(f"model {self.name!r} pool {pool} names layers {bad} outside 0..{self.num_layers - 1}")
-
-    def canon(self) -> dict:
-        """Everything both sides must agree on byte for byte (not the name): what the fingerprint hashes."""
-        return {
-            "num_layers": self.num_layers,
-            "pools": {
-                p.name: [list(p.layers), p.num_heads, p.bytes_per_token_per_head, p.num_parts, p.sharded]
-                for p in (self.pools[n] for n in POOLS)
-            },
-        }
-
-    def fingerprint(self) -> str:
-        """A short hash of `canon()`."""
-        return hashlib.sha256(json.dumps(self.canon(), sort_keys=True).encode()).hexdigest()[:16]
-
-    def summary(self) -> str:
-        """`canon()` and the dtypes as JSON: what a peer compares with its own to say what differs (the dtypes are
-        named there, not hashed: they matter only through the sizes)."""
-        return json.dumps({**self.canon(), "dtype": self.dtype, "kv_cache_dtype": self.kv_cache_dtype},
-                          sort_keys=True, separators=(",", ":"))
-
-    def bytes_per_token(self) -> int:
         """Bytes per prompt token over every pool and layer (one copy, TP ignored)."""
         return sum(len(p.layers) * p.bytes_per_token for p in self.pools.values())
 
