@@ -13,6 +13,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from connector.pd.model import CONFIG_NAME, WEIGHTS_NAME
+
 SHARP = ("q_proj", "k_proj", "qkv_proj", "query_key_value")
 """Weights whose scale sharpens attention (q and k, alone or fused)."""
 
@@ -48,7 +50,7 @@ class TinyArch:
 
         path = Path(folder)
         config = self.config() | {"sparse_kv_seed": self.seed}
-        cfg_file, weights_file = path / "config.json", path / "model.safetensors"
+        cfg_file, weights_file = path / CONFIG_NAME, path / WEIGHTS_NAME
         if cfg_file.exists() and weights_file.exists() and json.loads(cfg_file.read_text()) == config:
             return path
         path.mkdir(parents=True, exist_ok=True)
@@ -58,10 +60,7 @@ class TinyArch:
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
         gen = torch.Generator().manual_seed(self.seed)
         weights = {}
-        tied = self.config()["tie_word_embeddings"]
         for name, tensor in model.state_dict().items():
-            if tied and name == "lm_head.weight":
-                continue  # the embedding is the head (vLLM refuses a separate one)
             if tensor.dim() == 2 and "embed" in name and "embed_out" not in name:
                 tensor = torch.randn(tensor.shape, generator=gen)
             elif tensor.dim() == 2:
