@@ -212,10 +212,20 @@ def batch_pool_bytes(src_regions: Mapping[tuple[str, int], Region], dst_regions:
     """Bytes per pool that `batch_descriptors` moves for the same spans (what each pool costs on the wire; the
     sum over pools equals the descriptors' nbytes): decode's null blocks move nothing."""
     out: dict[str, int] = {}
+    live: dict[tuple[int, int, int], int] = {}
+    """(group, first, end) -> blocks decode holds data in: counted once per span, not per route and layer."""
+
+    def live_blocks(group: int, b0: int, b1: int) -> int:
+        if dst_null == NO_NULL_BLOCK:
+            return max(0, b1 - b0)
+        if (group, b0, b1) not in live:
+            live[(group, b0, b1)] = sum(1 for b in dst_blocks[group][b0:b1] if b != dst_null)
+        return live[(group, b0, b1)]
+
     for layer, b0, b1 in spans:
         for r in layer_routes[layer]:
             src, dst = src_regions[(r.pool, layer)], dst_regions[(r.pool, layer)]
-            blocks = sum(1 for b in dst_blocks[dst.group][b0:b1] if b != dst_null)
+            blocks = live_blocks(dst.group, b0, b1)
             out[r.pool] = out.get(r.pool, 0) + blocks * head_span(src, r.heads)[1] * src.num_parts
     return out
 
