@@ -76,8 +76,10 @@ def test_plot_draws_a_png(tmp_path):
 @pytest.mark.slow
 def test_small_bench_reports_every_field_and_verifies(m3_index_v):
     out = bench(scenario(m3_index_v, tokens=256, staging_mb=4), repeats=2,
-                compute=(active_params(load_config("minimax-m3")[0]), 400.0))
+                compute=(active_params(load_config("minimax-m3")[0]), 400.0), checksum=True)
     assert out["verified"], out["problems"]
+    # --checksum: bulk runs decode verified end to end, every (route, block) of the request
+    assert out["checksummed_blocks"] > 0 and out["checksum_exposed_ms"] > 0 and "checksum_cost_ms" in out
     for key in ("raw_gbps", "raw_coalesced_gbps", "connector_gbps", "connector_vs_raw", "connector_vs_coalesced",
                 "raw_threaded_gbps", "connector_vs_threaded",
                 "bulk_exposed_ms", "bulk_exposed_ms_p99", "stream_exposed_ms", "stream_exposed_ms_p99",

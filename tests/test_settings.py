@@ -94,7 +94,9 @@ def test_the_default_settings_build_the_default_configs():
 
 def changed(value):
     """Another valid value of the same type."""
-    if isinstance(value, bool) or value is None:
+    if isinstance(value, bool):
+        return not value
+    if value is None:
         raise AssertionError(f"no changed value for {value!r}")
     if isinstance(value, str):
         return value + "-x"

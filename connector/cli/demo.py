@@ -47,6 +47,9 @@ def add_subcommands(subs: Any) -> None:
                             "overrides it")
     bench.add_argument("--plot", metavar="FILE.png", help="draw each layer's compute, post and landing times for a "
                                                           "bulk and a streaming run (needs matplotlib)")
+    bench.add_argument("--checksum", action="store_true",
+                       help="also run bulk transfers that decode verifies end to end (kv_checksum), and report "
+                            "what the checksums cost")
     bench.set_defaults(run=run_bench)
 
 
@@ -138,7 +141,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
         compute = (active_params(load_config(args.model)[0]), args.compute_tflops)
     out = bench(_scenario(args), progress=sys.stderr.isatty() and not args.json, repeats=args.repeats,
-                compute=compute, plot=args.plot)
+                compute=compute, plot=args.plot, checksum=args.checksum)
     out = with_yardsticks(out)
     if args.json:
         print(json.dumps(out))

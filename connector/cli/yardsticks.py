@@ -33,6 +33,9 @@ BENCH_NOTES = {
     "staging_mb": "0 on CPU memory is the default (staging pays off on GPU memory only)",
     "staged_chunks": "0 whenever staging is off or the blocks come in long runs: expected",
     "layer_ms": "prefill's simulated compute per layer (from compute_tflops unless --layer-ms)",
+    "checksum_exposed_ms": "bulk runs decode verified end to end (kv_checksum): compare with bulk_exposed_ms",
+    "checksum_cost_ms": "what kv_checksum adds after compute: prefill's digest before Complete, then decode's",
+    "checksummed_blocks": "(route, block) digests decode compared per request, all equal",
 }
 
 

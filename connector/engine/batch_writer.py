@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from connector.core.checksums import source_rows, transfer_spans
 from connector.core.descriptors import Descriptors, batch_descriptors, batch_pool_bytes
 from connector.core.layout import blocks_for
 from connector.core.staging_ranges import batch_segments
@@ -21,7 +22,13 @@ from connector.engine.rank import LocalRank
 from connector.engine.sender_state import Destination, SendRequest
 from connector.engine.staging import StagedWriter
 from connector.engine.stats import SenderStats
+from connector.protocol.messages import Checksums, RouteDigests
 from connector.transport.base import KVTransport
+from connector.transport.device_copy import BlockCopier
+
+CHECKSUMS_PIECE_BYTES = 1 << 20
+"""Digest bytes per Checksums message: a long prompt's digests (8 bytes per route and block) come in several, each
+well under the side channel's frame limit."""
 
 
 @dataclass
@@ -50,6 +57,8 @@ class BatchWriter:
     timeline: dict[str, list[BatchTimes]] = field(default_factory=dict)
     """Per transfer id, when `config.record_timeline`: each batch's times (taken by the bench, else dropped with
     the request)."""
+    copier: BlockCopier | None = None
+    """Digests for `kv_checksum`, on the KV caches' device (made on first use)."""
 
     def __post_init__(self) -> None:
         if self.me.staging is not None:
@@ -78,6 +87,27 @@ class BatchWriter:
         bs, first = self.me.block_size, dest.register.first_token
         return [(layer, max(dest.sent_tokens.get(layer, 0), first) // bs, blocks_for(ready, bs))
                 for layer, ready in batch]
+
+    def checksums(self, req: SendRequest, dest: Destination) -> list[Checksums]:
+        """What this rank wrote to `dest` for `req`, digested per route and block from its own blocks
+        (connector.core.checksums), as Checksums messages of at most CHECKSUMS_PIECE_BYTES of digests each.
+        Blocking (reads the KV caches): call it from a worker thread, after every WRITE to `dest` completed."""
+        if self.copier is None:
+            self.copier = BlockCopier(f"cuda:{self.me.device_id}" if self.me.mem_type == "VRAM" else "cpu")
+        reg = dest.register
+        spans = transfer_spans(dest.layer_routes, reg.first_token, reg.num_tokens, self.me.block_size)
+        rows = source_rows(self.me.by_key, dest.peer.accepted.regions, dest.layer_routes, spans, req.block_ids,
+                           reg.block_ids, self._nulls(dest))
+        pieces: list[list[RouteDigests]] = [[]]
+        size = 0
+        for r in rows:
+            digests = self.copier.digests(r.parts).astype("<u8").tobytes()
+            if pieces[-1] and size + len(digests) > CHECKSUMS_PIECE_BYTES:
+                pieces.append([])
+                size = 0
+            pieces[-1].append(RouteDigests(r.pool, r.layer, r.heads, digests))
+            size += len(digests)
+        return [Checksums(req.transfer_id, *self.me.rank, routes) for routes in pieces if routes]
 
     def unanswered(self, dest: Destination, transfer_id: str) -> int:
         """Staged chunks of `transfer_id` sent to `dest` that decode has not answered yet."""

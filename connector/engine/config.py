@@ -80,6 +80,10 @@ class ReceiverConfig:
     asking it (over new connections) before its blocks are handed back anyway. Must exceed prefill's
     tcp_user_timeout_s plus one heartbeat interval: by then UCX has ended any WRITE stuck on a dead link (the
     default is 10 + 2 + 1 s)."""
+    kv_checksum: bool = False
+    """Verify every transfer end to end: prefill digests what it sent per (pool, layer, block), decode digests what
+    its blocks hold once every source completed, and a difference fails the transfer naming the blocks
+    (connector.core.checksums). Costs one read of the transfer's bytes on each side (a reduction kernel on a GPU)."""
     staging_slot_bytes: int = 64 * 1024 * 1024
     """With a staging buffer: the most of it one prefill rank connection gets as its staging area (prefill cuts it
     into a ring of `SenderConfig.staging_ring_slots` chunks). A prefill engine with more ranks than the buffer holds

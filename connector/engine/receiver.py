@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from connector.core.checksums import destination_rows, mismatch, transfer_spans
 from connector.core.errors import ConnectorError, ControlError, PeerError, StagingError, TransferFailed, Unreachable
 from connector.core.layout import Region
 from connector.core.plan import Rank
@@ -24,10 +25,11 @@ from connector.engine.rank import LocalRank
 from connector.engine.sources import SourceEngine, SourceTable
 from connector.engine.staging import StagedReader
 from connector.protocol.addressing import PrefillAddress
-from connector.protocol.messages import (MAX_TRANSFER_ID, Abort, Complete, Error, Register, RegisterAck,
+from connector.protocol.messages import (MAX_TRANSFER_ID, Abort, Checksums, Complete, Error, Register, RegisterAck,
                                          RegisterError, Scatter, Scattered, Stopped)
 from connector.transport.base import KVTransport
 from connector.transport.control import ControlConnection
+from connector.transport.device_copy import BlockCopier
 from connector.transport.loop import OwnedTasks
 
 log = logging.getLogger(__name__)
@@ -42,6 +44,8 @@ class ReceiveResult:
     staged_chunks: int = 0
     bytes_by_pool: dict[str, int] = field(default_factory=dict)
     """`bytes_written` by pool, as the sources reported it."""
+    checksummed_blocks: int = 0
+    """`kv_checksum`: (route, block) digests decode compared with prefill's, all equal (0: not asked)."""
 
 
 @dataclass
@@ -56,6 +60,8 @@ class _Pending:
     block_ids: list[list[int]] = field(default_factory=list)
     allowed: tuple[np.ndarray, np.ndarray] | None = None
     """Byte ranges a staged chunk of this transfer may be scattered to (computed on the first chunk)."""
+    digests: dict[Rank, dict[tuple[str, int, tuple[int, int]], bytes]] = field(default_factory=dict)
+    """`kv_checksum`: per source, what it says it sent (its Checksums, before its Complete), by route."""
 
     def allowed_ranges(self, regions: list[Region], null_block: int) -> tuple[np.ndarray, np.ndarray]:
         if self.allowed is None:
@@ -82,6 +88,8 @@ class StreamReceiver:
         self._tasks = OwnedTasks(f"decode rank {me.rank}")
         self.sources = SourceTable(self.hello, me.model, config, self._staged, self._tasks, self)
         """The prefill engines this rank receives from (connector.engine.sources)."""
+        self._copier: BlockCopier | None = None
+        """`kv_checksum` digests on the KV caches' device (made on first use)."""
 
     @property
     def busy(self) -> dict[str, int]:
@@ -113,6 +121,11 @@ class StreamReceiver:
                 case Scatter():
                     # Handled in line: a Complete that follows it on this connection is dispatched only afterwards.
                     await self._on_scatter(engine, src, conn, msg)
+                case Checksums():
+                    pend = self._waiting(src, msg)
+                    if pend is not None:
+                        pend.digests.setdefault(src, {}).update(
+                            {(r.pool, r.layer, tuple(r.heads)): r.digests for r in msg.routes})
                 case Complete():
                     self._on_complete(src, msg)
                 case RegisterError():
@@ -145,7 +158,7 @@ class StreamReceiver:
                 also = "" if other == src else f" (prefill rank {other}'s connection is dropped with it)"
                 pend.source_failed(other, TransferFailed(lost + also), stopped=False)
 
-    def _waiting(self, src: Rank, msg: Complete | RegisterError | Abort | Stopped) -> _Pending | None:
+    def _waiting(self, src: Rank, msg: Checksums | Complete | RegisterError | Abort | Stopped) -> _Pending | None:
         """The transfer `msg` is about, if it still waits on `src`."""
         pend = self._pending.get(msg.transfer_id)
         if pend is None or src not in pend.completes:
@@ -210,10 +223,12 @@ class StreamReceiver:
     # ---- transfers -------------------------------------------------------------------------------------------
     async def receive(self, transfer_id: str, prefill: PrefillAddress, block_ids: list[list[int]],
                       first_token: int, num_tokens: int, timeout: float | None = None,
-                      after_prefill: bool = False) -> ReceiveResult:
+                      after_prefill: bool = False, checksum: bool | None = None) -> ReceiveResult:
         """Register `block_ids` (per group, from token 0) with every source and wait until all completed.
         `after_prefill`: prefill already finished computing (the sequential flow), so a source that does not know
-        the transfer refuses at once rather than parking the registration until prefill starts it."""
+        the transfer refuses at once rather than parking the registration until prefill starts it. `checksum`:
+        verify it end to end (None: `config.kv_checksum`)."""
+        checksum = self.config.kv_checksum if checksum is None else checksum
         if transfer_id in self._pending:
             raise TransferFailed(f"transfer {transfer_id!r} is already being received on decode rank {self.me.rank}")
         if len(transfer_id) > MAX_TRANSFER_ID:
@@ -240,7 +255,7 @@ class StreamReceiver:
                     await conn.send(Register(transfer_id, *self.me.rank, block_ids, first_token,
                                              num_tokens, layers=sorted(layers[src]),
                                              staging_offset=offset, staging_bytes=nbytes,
-                                             after_prefill=after_prefill))
+                                             after_prefill=after_prefill, checksum=checksum))
                 done = await asyncio.gather(*pend.completes.values())
         except TimeoutError:
             missing = sorted(src for src, f in pend.completes.items() if not f.done())
@@ -258,12 +273,35 @@ class StreamReceiver:
             for f in pend.completes.values():
                 if f.done() and not f.cancelled():
                     f.exception()  # retrieved: no "exception never retrieved" noise
+        checked = 0
+        if checksum:
+            problem, checked = await asyncio.to_thread(self._verify, pend, first_token, num_tokens)
+            if problem:
+                log.error("transfer %s: %s", transfer_id, problem)
+                raise TransferFailed(f"transfer {transfer_id!r}: {problem}")
         by_pool: dict[str, int] = {}
         for c in done:
             for pool, nbytes in c.bytes_by_pool.items():
                 by_pool[pool] = by_pool.get(pool, 0) + nbytes
         return ReceiveResult(transfer_id, sum(c.bytes_written for c in done), sum(c.descriptors for c in done),
-                             tuple(sorted(pend.completes)), sum(c.staged_chunks for c in done), by_pool)
+                             tuple(sorted(pend.completes)), sum(c.staged_chunks for c in done), by_pool, checked)
+
+    def _verify(self, pend: _Pending, first_token: int, num_tokens: int) -> tuple[str, int]:
+        """`kv_checksum`: digest what every source wrote here (every source completed, so nothing writes into these
+        blocks any more) and compare with what it sent: ("" when all agree, else what differs; the (route, block)
+        digests compared). Blocking: runs in a worker thread."""
+        if self._copier is None:
+            self._copier = BlockCopier(f"cuda:{self.me.device_id}" if self.me.mem_type == "VRAM" else "cpu")
+        checked = 0
+        for src in sorted(pend.completes):
+            routes = pend.engine.plan.layer_routes(src, self.me.rank)
+            spans = transfer_spans(routes, first_token, num_tokens, self.me.block_size)
+            rows = destination_rows(self.me.by_key, routes, spans, pend.block_ids, self.me.null_block)
+            problem = mismatch(src, rows, [self._copier.digests(r.parts) for r in rows], pend.digests.get(src, {}))
+            if problem:
+                return problem, checked
+            checked += sum(int(r.dst_blocks.size) for r in rows)
+        return "", checked
 
     async def abort(self, transfer_id: str, reason: str) -> None:
         """Stop receiving `transfer_id`: its `receive()` raises TransferFailed once every source has confirmed it

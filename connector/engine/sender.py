@@ -400,6 +400,18 @@ class StreamSender:
         self._tasks.spawn(self._complete(req, dest, msg))
 
     async def _complete(self, req: SendRequest, dest: Destination, msg: Complete) -> None:
+        if dest.register.checksum:  # decode verifies (kv_checksum): the digests go first, on the same connection
+            try:
+                pieces = await asyncio.to_thread(self.writer.checksums, req, dest)
+            except Exception as exc:  # noqa: BLE001 - any failure to digest fails this destination, named
+                log.error("transfer %s to decode %s: kv_checksum could not digest the blocks sent: %s",
+                          req.transfer_id, dest.key, exc)
+                await self._send_quiet(dest.conn, Abort(req.transfer_id, f"prefill: kv_checksum failed: {exc}"))
+                req.expected.discard(dest.key)
+                self._check_finished(req, ok=False)
+                return
+            for piece in pieces:
+                await self._send_quiet(dest.conn, piece)
         await self._send_quiet(dest.conn, msg)
         req.expected.discard(dest.key)
         self._check_finished(req)

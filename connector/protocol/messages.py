@@ -56,6 +56,8 @@ History (one line per version; bump it for any change an older peer would misrea
      prefill's Hello answers Reject in place of Auth, so prefill's log hears why. Hello.null_block: the block id
      a rank keeps empty (vLLM's null block), never written on decode. Decode's Hello names the transfer it
      connects for (`for_transfer`), so a prefill that refuses the handshake frees that transfer's KV at once.
+     (Within 4: Register.checksum and the Checksums message, optional: a prefill that ignores the flag sends
+     none, and a decode that asked for them then fails the transfer saying so.)
 """
 DEFAULT_MAX_FRAME_BYTES = 4 * 1024 * 1024
 """Largest body a receiver accepts after the handshake unless configured otherwise. The largest real messages are
@@ -196,6 +198,8 @@ class Register(msgspec.Struct, frozen=True, tag="register", tag_field="type"):
     after_prefill: bool = False
     """Decode learned of the transfer from prefill's response (sequential flow): prefill must already know it,
     so an unknown id is refused at once (restarted prefill, wrong id) instead of parked."""
+    checksum: bool = False
+    """Decode verifies what it receives (`kv_checksum`): prefill sends its digests (Checksums) before Complete."""
 
 
 class RegisterAck(msgspec.Struct, frozen=True, tag="register_ack", tag_field="type"):
@@ -220,6 +224,26 @@ class Complete(msgspec.Struct, frozen=True, tag="complete", tag_field="type"):
     """How many of those went through staging, as this many gathered chunks (one NIXL descriptor each)."""
     bytes_by_pool: Annotated[dict[PoolName, Annotated[int, Meta(ge=0)]], Meta(max_length=3)] = {}
     """`bytes_written` split by pool (added within version 3: an older peer sends none, decode then counts none)."""
+
+
+class RouteDigests(msgspec.Struct, frozen=True, array_like=True):
+    """One route's digests: one little-endian uint64 per decode block it wrote, in decode's block order
+    (connector.core.checksums)."""
+
+    pool: PoolName
+    layer: int
+    heads: tuple[int, int]
+    digests: bytes
+
+
+class Checksums(msgspec.Struct, frozen=True, tag="checksums", tag_field="type"):
+    """Prefill -> decode, before Complete and only when the Register asked: what rank (src_pp, src_tp) sent, per
+    route and block. A transfer's digests may come in several of these (each well under the frame limit)."""
+
+    transfer_id: TransferId
+    src_pp: int
+    src_tp: int
+    routes: Annotated[list[RouteDigests], Meta(max_length=MAX_LIST)]
 
 
 class Abort(msgspec.Struct, frozen=True, tag="abort", tag_field="type"):
@@ -284,8 +308,8 @@ class Error(msgspec.Struct, frozen=True, tag="error", tag_field="type"):
     reason: Reason
 
 
-Message = Union[Hello, Auth, Welcome, Reject, Register, RegisterAck, RegisterError, Complete, Abort, Stopped, Scatter,
-                Scattered, Heartbeat, Error]
+Message = Union[Hello, Auth, Welcome, Reject, Register, RegisterAck, RegisterError, Checksums, Complete, Abort, Stopped,
+                Scatter, Scattered, Heartbeat, Error]
 MESSAGE_TYPES: tuple[type, ...] = Message.__args__  # type: ignore[attr-defined]
 
 _encoder = msgspec.msgpack.Encoder()

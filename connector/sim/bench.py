@@ -49,10 +49,11 @@ def threaded_piece_bytes(nbytes: int) -> int:
 
 
 def bench(sc: Scenario, progress: bool = False, repeats: int = 5, compute: tuple[float, float] | None = None,
-          plot: str | None = None) -> dict[str, Any]:
+          plot: str | None = None, checksum: bool = False) -> dict[str, Any]:
     """Medians (and p99 of the exposed times) over `repeats` runs of each kind, interleaved so machine noise hits
     them alike. Prefill computes `sc.layer_ms` per layer or, with `compute = (active parameters, TFLOPS)`, what that
-    model takes for `sc.tokens` at that speed. `plot`: a PNG of one bulk and one stream run's per-layer timeline."""
+    model takes for `sc.tokens` at that speed. `plot`: a PNG of one bulk and one stream run's per-layer timeline.
+    `checksum`: a sixth kind, bulk runs decode verifies end to end (kv_checksum), and what that costs."""
     one = ParallelLayout.build(sc.model.num_layers, 1, 1)
     sc = dataclasses.replace(sc, prefill=one, decode=one, chunks=1, prefix_tokens=0, late_register=False)
     layer_ms = sc.layer_ms
@@ -60,8 +61,9 @@ def bench(sc: Scenario, progress: bool = False, repeats: int = 5, compute: tuple
         from connector.core.compute import prefill_ms  # noqa: PLC0415
 
         layer_ms = round(prefill_ms(int(compute[0]), sc.tokens, compute[1]) / sc.model.num_layers, 3)
-    bar = _Progress(progress, 2 + 4 * repeats)
+    bar = _Progress(progress, 2 + (5 if checksum else 4) * repeats)
     raws, coalesced, threaded, bulks, streams, seq = [], [], [], [], [], iter(range(1_000_000))
+    summed: list = []
     with Cluster(sc) as cluster:
         bar.step("processes up")
         cluster.run_request(next(seq), seed=0, mode="bulk", layer_ms=0.0)   # warm-up: handshakes, page faults
@@ -85,6 +87,9 @@ def bench(sc: Scenario, progress: bool = False, repeats: int = 5, compute: tuple
             bar.step("connector bulk")
             streams.append(cluster.run_request(next(seq), seed=0, mode="stream", layer_ms=layer_ms))
             bar.step("connector stream")
+            if checksum:
+                summed.append(cluster.run_request(next(seq), seed=0, mode="bulk", layer_ms=layer_ms, checksum=True))
+                bar.step("connector bulk, checksums")
         hook_ns = cluster.hook_ns[hooks_before:]
     raw_bytes, raw_descs = raws[0][1], raws[0][2]
     raw_gbps = raw_bytes / statistics.median(r[0] for r in raws) / 1e9
@@ -116,9 +121,15 @@ def bench(sc: Scenario, progress: bool = False, repeats: int = 5, compute: tuple
         "staged_chunks": bulks[0].staged_chunks,
         "nixl_descriptors_bulk": bulks[0].nixl_descriptors,
         "nixl_descriptors_stream": statistics.median(r.nixl_descriptors for r in streams),
-        "verified": all(r.verified for r in bulks + streams),
-        "problems": [p for r in bulks + streams for p in r.problems],
+        "verified": all(r.verified for r in bulks + streams + summed),
+        "problems": [p for r in bulks + streams + summed for p in r.problems],
     }
+    if summed:
+        summed_ms = percentile([r.exposed_s * 1e3 for r in summed], 50)
+        out["checksum_exposed_ms"] = round(summed_ms, 2)
+        out["checksum_cost_ms"] = round(summed_ms - percentile(bulk_ms, 50), 2)
+        out["checksummed_blocks"] = summed[0].checksummed_blocks
+        out["verified"] = out["verified"] and all(r.checksummed_blocks > 0 for r in summed)
     if plot:
         from connector.sim.plot import plot_timeline  # noqa: PLC0415 - matplotlib is an optional extra
 

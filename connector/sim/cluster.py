@@ -55,6 +55,7 @@ class Scenario:
     write_timeout_s: float | None = None   # None: timeout_s
     auth_token: str = ""               # the side channel's shared secret, on every rank
     sender_config: Any = None          # prefill ranks' engine settings (connector.engine.config.SenderConfig)
+    kv_checksum: bool = False          # decode ranks verify every transfer end to end (ReceiverConfig.kv_checksum)
 
     @property
     def staging(self) -> int:
@@ -76,7 +77,7 @@ class Scenario:
                         side_channel=self.side_channel, tcp_user_timeout_s=self.tcp_user_timeout_s,
                         nixl_threads=self.nixl_threads,
                         write_timeout_s=self.write_timeout_s,
-                        auth_token=self.auth_token, sender_config=self.sender_config)
+                        auth_token=self.auth_token, sender_config=self.sender_config, kv_checksum=self.kv_checksum)
 
 
 @dataclass
@@ -99,6 +100,8 @@ class RequestResult:
     """Global layer -> when prefill finished computing it (its last chunk; time.time())."""
     timeline: list[tuple] = field(default_factory=list)
     """Every batch the prefill ranks posted: (layers, bytes, posted, written, landed, staged chunks), time.time()."""
+    checksummed_blocks: int = 0
+    """`kv_checksum`: (route, block) digests the decode ranks compared with prefill's, all equal."""
 
     @property
     def exposed_s(self) -> float:
@@ -132,6 +135,8 @@ class DemoResult:
     raw_gbps: float = 0.0
     """The yardstick: raw NIXL on the last request's block ranges, one WRITE per rank pair, one pair at a time, no
     compute (what NIXL itself moves of those bytes on this machine)."""
+    checksummed_blocks: int = 0
+    """`kv_checksum`: (route, block) digests the decode ranks compared with prefill's, all equal."""
     requests: list[dict[str, Any]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
 
@@ -216,14 +221,15 @@ class Cluster:
 
     # ---- one request -------------------------------------------------------------------------------------------
     def run_request(self, seq: int, seed: int | None = None, mode: str | None = None,
-                    layer_ms: float | None = None) -> RequestResult:
-        """One request end to end. `seed` picks the block ids (same seed = same blocks and descriptors)."""
+                    layer_ms: float | None = None, checksum: bool | None = None) -> RequestResult:
+        """One request end to end. `seed` picks the block ids (same seed = same blocks and descriptors); `checksum`:
+        decode verifies it end to end (None: the scenario's kv_checksum)."""
         sc, tid, t = self.sc, f"{self.run_id}-req{seq}", self.sc.timeout_s
         seed = seq if seed is None else seed
         mode = mode or sc.mode
         layer_ms = sc.layer_ms if layer_ms is None else layer_ms
         if not sc.late_register:
-            self._register(tid, seed)
+            self._register(tid, seed, checksum)
         for rank, (_p, conn) in self.prefill.items():
             self.ask(conn, ("start", tid, sc.tokens, seed), t, ("prefill", rank))
         bounds = [round(sc.tokens * (c + 1) / sc.chunks) for c in range(sc.chunks)]
@@ -241,7 +247,7 @@ class Cluster:
                     computed.update(layer_done)
             t0 = t1
         if sc.late_register:
-            self._register(tid, seed)
+            self._register(tid, seed, checksum)
         prefill_stats = [self.ask(conn, ("finish", tid), t, ("prefill", r)) for r, (_p, conn) in self.prefill.items()]
         decode_out = [self.ask(conn, ("collect", tid), t, ("decode", r)) for r, (_p, conn) in self.decode.items()]
         problems = [f"decode {r}: {p}" for r, out in zip(self.decode, decode_out) for p in out[1]]
@@ -256,7 +262,7 @@ class Cluster:
             staged_chunks=sum(out[5] for out in decode_out), compute_start=min(starts), compute_end=max(ends),
             first_post=min(posts) if posts else max(ends), last_complete=max(out[4] for out in decode_out),
             nixl_posts=sum(n[0] for n in nixl), nixl_descriptors=sum(n[1] for n in nixl), layer_computed=computed,
-            timeline=[t for s in prefill_stats for t in s[3]])
+            timeline=[t for s in prefill_stats for t in s[3]], checksummed_blocks=sum(out[6] for out in decode_out))
 
     def raw_gbps(self, seed: int) -> float:
         """Raw NIXL's rate on request `seed`'s block ranges into the blocks decode registered last (written over
@@ -268,11 +274,11 @@ class Cluster:
             seconds, nbytes = seconds + s, nbytes + b
         return round(nbytes / seconds / 1e9, 3) if seconds else 0.0
 
-    def _register(self, tid: str, seed: int) -> None:
+    def _register(self, tid: str, seed: int, checksum: bool | None = None) -> None:
         addr = str(self.prefill_address)
         self.registered = {}
         for rank, (_p, conn) in self.decode.items():
-            reply = self.ask(conn, ("receive", tid, self.sc.tokens, self.sc.prefix_tokens, addr, seed),
+            reply = self.ask(conn, ("receive", tid, self.sc.tokens, self.sc.prefix_tokens, addr, seed, checksum),
                              self.sc.timeout_s, ("decode", rank))
             self.registered[rank] = reply[1]
 
@@ -307,5 +313,5 @@ def run_scenario(sc: Scenario) -> DemoResult:
         staged_chunks=sum(r.staged_chunks for r in results),
         nixl_descriptors=sum(r.nixl_descriptors for r in results),
         streamed_pct=round(100.0 * sum(r.streamed_bytes for r in results) / moved, 1), staging_mb=sc.staging,
-        raw_gbps=raw_gbps,
+        raw_gbps=raw_gbps, checksummed_blocks=sum(r.checksummed_blocks for r in results),
         requests=[asdict(r) for r in results], problems=[p for r in results for p in r.problems])

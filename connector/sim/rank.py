@@ -81,7 +81,8 @@ class SimRank:
         if config is None:
             config = ReceiverConfig(  # the connector's default staging area per connection
                 side_channel=spec.side_channel_config, transfer_timeout_s=spec.timeout_s,
-                lost_source_hold_s=lost_source_hold_s(spec.tcp_user_timeout_s, spec.side_channel.heartbeat_interval_s))
+                lost_source_hold_s=lost_source_hold_s(spec.tcp_user_timeout_s, spec.side_channel.heartbeat_interval_s),
+                kv_checksum=spec.kv_checksum)
         self.engine = StreamReceiver(self.me(), self.transport, config)
         return self.engine
 

@@ -221,11 +221,12 @@ class DecodeCommands:
             g += range(n)
         return ("ok",)
 
-    async def _timed_receive(self, *args: Any) -> tuple[Any, float]:
-        result = await self.receiver.receive(*args)
+    async def _timed_receive(self, *args: Any, **kwargs: Any) -> tuple[Any, float]:
+        result = await self.receiver.receive(*args, **kwargs)
         return result, time.time()
 
-    def receive(self, tid: str, tokens: int, first_token: int, address: str, index: int) -> tuple:
+    def receive(self, tid: str, tokens: int, first_token: int, address: str, index: int,
+                checksum: bool | None = None) -> tuple:
         from connector.protocol.addressing import PrefillAddress  # noqa: PLC0415
 
         block_ids = pick_request_blocks(self.spec, tokens, seed=5000 + index * 7 + self.spec.rank[1])
@@ -236,7 +237,8 @@ class DecodeCommands:
         self.rank.bufs.zero_blocks(block_ids)
         self.requests[tid] = (block_ids, first_token, tokens)
         self.pending[tid] = self.rank.loop.submit(
-            self._timed_receive(tid, PrefillAddress.parse(address), block_ids, first_token, tokens))
+            self._timed_receive(tid, PrefillAddress.parse(address), block_ids, first_token, tokens,
+                                checksum=checksum))
         return ("registering", block_ids)
 
     def collect(self, tid: str) -> tuple:
@@ -244,10 +246,11 @@ class DecodeCommands:
         try:
             result, done_at = self.pending.pop(tid).result(self.spec.timeout_s + 5)
         except Exception as exc:  # noqa: BLE001 - a failed transfer is a result, not a crash
-            return ("collected", [f"transfer failed: {exc}"], 0, 0, time.time(), 0)
+            return ("collected", [f"transfer failed: {exc}"], 0, 0, time.time(), 0, 0)
         bufs = self.rank.bufs
         problems = bufs.verify(block_ids, first_token, tokens)
         problems += bufs.verify_prefix_untouched(block_ids, first_token) if first_token else []
         problems += bufs.untouched(self.used)
-        return ("collected", problems, result.bytes_written, result.descriptors, done_at, result.staged_chunks)
+        return ("collected", problems, result.bytes_written, result.descriptors, done_at, result.staged_chunks,
+                result.checksummed_blocks)
 

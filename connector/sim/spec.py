@@ -71,6 +71,8 @@ class RankSpec:
     """The side channel's shared secret (both sides of a run get the same)."""
     sender_config: SenderConfig | None = None
     """A prefill rank's engine settings (its host and port are this spec's); None = the defaults."""
+    kv_checksum: bool = False
+    """A decode rank verifies every transfer end to end (ReceiverConfig.kv_checksum)."""
 
     @property
     def side_channel_config(self) -> SideChannelConfig:

@@ -115,3 +115,49 @@ class BlockCopier:
             done = torch.cuda.Event()
             done.record(self._stream)
         done.synchronize()  # this thread waits for these kernels only
+
+    def digests(self, parts: Sequence[Rows]) -> np.ndarray:
+        """One uint64 per block of `parts` (the Rows of one route's parts, with the same blocks in the same order):
+        each block's rows, part after part, read as little-endian int32 words (bytes if a row is not a multiple of
+        4), summed with weights 1, 3, 5, ... by word position, modulo 2**64 (`kv_checksum`, connector.core.checksums).
+        Any change of one word changes the sum (odd weights are invertible modulo 2**64), and the same bytes give the
+        same digest on a CPU and a GPU, whatever their addresses. Not cryptographic: it catches corruption and
+        misplaced blocks, not an attacker (who holds the token and can write anything anyway)."""
+        parts = [r for r in parts if r.blocks.size]
+        if not parts:
+            return np.zeros(0, dtype=np.uint64)
+        word = 4 if all(r.row_bytes % 4 == 0 for r in parts) else 1
+        if self.cuda:
+            return self._digests_cuda(parts, word)
+        total = np.zeros(parts[0].blocks.size, dtype=np.int64)
+        first_word = 0
+        for r in parts:
+            width = _word(r.addr, r.stride, r.row_bytes)
+            view = np.asarray(_HostMemory(r.addr, int(r.blocks.max()) + 1, r.row_bytes, r.stride, width))
+            words = r.row_bytes // word
+            weights = 2 * (first_word + np.arange(words, dtype=np.int64)) + 1
+            step = max(1, (8 << 20) // words)  # blocks per pass: temporaries of at most 64 MiB
+            for b0 in range(0, r.blocks.size, step):
+                rows = np.take(view, r.blocks[b0:b0 + step], axis=0, mode="clip")
+                values = rows.view("<i4" if word == 4 else np.uint8).astype(np.int64)
+                total[b0:b0 + step] += (values * weights).sum(axis=1)  # int64 arithmetic wraps: modulo 2**64
+            first_word += words
+        return total.view(np.uint64)
+
+    def _digests_cuda(self, parts: Sequence[Rows], word: int) -> np.ndarray:
+        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+            total = torch.zeros(parts[0].blocks.size, dtype=torch.int64, device=self.device)
+            first_word = 0
+            for r in parts:
+                width = _word(r.addr, r.stride, r.row_bytes)
+                view = torch.as_tensor(_CudaMemory(r.addr, int(r.blocks.max()) + 1, r.row_bytes, r.stride, width),
+                                       device=self.device)
+                ids = torch.from_numpy(r.blocks).to(self.device, non_blocking=True)
+                words = r.row_bytes // word
+                weights = 2 * (first_word + torch.arange(words, dtype=torch.int64, device=self.device)) + 1
+                rows = torch.index_select(view, 0, ids)
+                values = rows.view(torch.int32 if word == 4 else torch.uint8).to(torch.int64)
+                total += (values * weights).sum(dim=1)
+                first_word += words
+            out = total.cpu()  # on the copy stream: waits for these kernels only
+        return out.numpy().view(np.uint64)

@@ -82,6 +82,12 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     """UCX over TCP: a WRITE whose data stays unacknowledged this long (a cut link) fails, whatever the kernel's
     tcp_retries2; decode keeps a lost prefill rank's blocks this long plus a heartbeat interval and 1 s. None: the
     kernel decides (many minutes with its defaults)."""
+    kv_checksum: bool = False
+    """Decode: verify every transfer end to end. Prefill digests what it sent per (pool, layer, block) and decode
+    what its blocks hold once all is in; a difference fails the transfer (vLLM's kv_load_failure_policy applies),
+    naming the pool, layer and blocks. Costs one extra read of the transfer's bytes on each side (on a GPU, a
+    reduction kernel; on a CPU about 1 ms per MB, measured here: the bench's --checksum measures it), and delays
+    each Complete by prefill's digest. As SGLang's --disaggregation-enable-kv-checksum."""
     progress_delay_us: PositiveInt = _TRANSPORT["progress_delay_us"]
     """NIXL progress-thread poll delay (never 0: 0 spins a core)."""
     nixl_threads: Annotated[int, Meta(ge=0, le=64)] = _TRANSPORT["nixl_threads"]

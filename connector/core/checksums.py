@@ -1,0 +1,115 @@
+"""Optional end-to-end integrity (`kv_checksum`): what each decode rank holds after a transfer, per (pool, global
+layer, block), against what prefill sent. Pure: which rows each side digests, the digests on the wire, and the
+comparison. The digests themselves run where the memory is (`connector.transport.device_copy.BlockCopier.digests`).
+
+Why per route and per block: a decode block may be filled by several prefill ranks (prefill TP larger than
+decode's: each writes its heads' slice of it), so each prefill rank's digests cover only its slice of each block, and
+decode digests the same slice. Both sides derive the rows from the plan and the registration alone (prefill from
+its source blocks, decode from its destination blocks), never from the descriptors, so a coalesced, split or staged
+WRITE digests the same. A mismatch names the pool, layer, heads and decode block ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from connector.core.descriptors import NO_NULL_BLOCK, head_span, live_pairs
+from connector.core.layout import Region, blocks_for
+from connector.core.plan import Rank, Route
+from connector.core.staging_ranges import Rows
+
+
+@dataclass(frozen=True)
+class RouteRows:
+    """One route's rows on one side: what a digest per block covers."""
+
+    pool: str
+    layer: int
+    heads: tuple[int, int]
+    parts: tuple[Rows, ...]
+    """One Rows per region part (K, V), each with the same blocks in the same order."""
+    dst_blocks: np.ndarray
+    """Decode's block id of each digest (what a mismatch names), int64."""
+
+    @property
+    def key(self) -> tuple[str, int, tuple[int, int]]:
+        return self.pool, self.layer, self.heads
+
+
+def transfer_spans(layer_routes: Mapping[int, Sequence[Route]], first_token: int, num_tokens: int,
+                   block_size: int) -> list[tuple[int, int, int]]:
+    """(global layer, first block, end block) of everything a transfer moves: the blocks of tokens [first_token,
+    num_tokens), every layer routed (as `connector.engine.batch_writer` cuts its batches)."""
+    first, end = first_token // block_size, blocks_for(num_tokens, block_size)
+    return [(layer, first, end) for layer in sorted(layer_routes) if end > first]
+
+
+def region_rows(region: Region, block_ids: np.ndarray, heads: tuple[int, int]) -> tuple[Rows, ...]:
+    """The rows of `heads` in blocks `block_ids` of `region`, one Rows per part."""
+    offset, nbytes = head_span(region, heads)
+    return tuple(Rows(region.base_addr + p * region.part_stride + offset, region.block_stride, nbytes, block_ids)
+                 for p in range(region.num_parts))
+
+
+def source_rows(src_regions: Mapping[tuple[str, int], Region], dst_regions: Mapping[tuple[str, int], Region],
+                layer_routes: Mapping[int, Sequence[Route]], spans: Sequence[tuple[int, int, int]],
+                src_blocks: Sequence[Sequence[int]], dst_blocks: Sequence[Sequence[int]],
+                nulls: tuple[int, int] = (NO_NULL_BLOCK, NO_NULL_BLOCK)) -> list[RouteRows]:
+    """Prefill's side: the source rows of every route to one decode rank, paired with decode's blocks exactly as
+    the WRITEs pair them (`live_pairs`: decode's null block receives nothing)."""
+    out = []
+    for layer, b0, b1 in spans:
+        for r in layer_routes[layer]:
+            src, dst = src_regions[(r.pool, layer)], dst_regions[(r.pool, layer)]
+            s_ids, d_ids = live_pairs(src_blocks[src.group][b0:b1], dst_blocks[dst.group][b0:b1], nulls,
+                                      f"{r.pool} layer {layer}: ")
+            out.append(RouteRows(r.pool, layer, r.heads, region_rows(src, s_ids, r.heads), d_ids))
+    return out
+
+
+def destination_rows(dst_regions: Mapping[tuple[str, int], Region], layer_routes: Mapping[int, Sequence[Route]],
+                     spans: Sequence[tuple[int, int, int]], dst_blocks: Sequence[Sequence[int]],
+                     dst_null: int = NO_NULL_BLOCK) -> list[RouteRows]:
+    """Decode's side: the destination rows of every route from one prefill rank (its null block excluded, which
+    prefill does not write)."""
+    out = []
+    for layer, b0, b1 in spans:
+        for r in layer_routes[layer]:
+            dst = dst_regions[(r.pool, layer)]
+            d_ids = np.asarray(dst_blocks[dst.group][b0:b1], dtype=np.int64)
+            if dst_null != NO_NULL_BLOCK:
+                d_ids = d_ids[d_ids != dst_null]
+            out.append(RouteRows(r.pool, layer, r.heads, region_rows(dst, d_ids, r.heads), d_ids))
+    return out
+
+
+def mismatch(src: Rank, expected: Sequence[RouteRows], local: Sequence[np.ndarray],
+             sent: Mapping[tuple[str, int, tuple[int, int]], bytes]) -> str:
+    """"" when decode's digests (`local`, one uint64 array per route of `expected`) equal what prefill rank `src`
+    sent (`sent`: route key -> little-endian uint64 digests), else a message naming the first few differences."""
+    problems = []
+    for rows, mine in zip(expected, local):
+        got = sent.get(rows.key)
+        what = f"{rows.pool} layer {rows.layer} heads {rows.heads[0]}-{rows.heads[1] - 1}"
+        if got is None:
+            if rows.dst_blocks.size:
+                problems.append(f"{what}: prefill sent no checksum for it")
+            continue
+        theirs = np.frombuffer(got, dtype="<u8")
+        if theirs.shape != mine.shape:
+            problems.append(f"{what}: prefill sent {theirs.size} block checksums, decode holds {mine.size} blocks")
+            continue
+        bad = np.flatnonzero(theirs != mine)
+        if bad.size:
+            shown = rows.dst_blocks[bad[:8]].tolist()
+            problems.append(f"{what}: decode blocks {shown}{' ...' if bad.size > 8 else ''} ({bad.size} of "
+                            f"{mine.size})")
+    if not problems:
+        return ""
+    more = f" (and {len(problems) - 4} more routes)" if len(problems) > 4 else ""
+    return (f"kv_checksum: what decode holds from prefill rank {src} is not what it sent: " + "; ".join(problems[:4])
+            + more + ". The bytes changed between prefill's blocks and decode's (prefill overwrote blocks it was "
+            "sending, decode reused blocks it was receiving, or the link or a device corrupted them)")
