@@ -13,6 +13,7 @@ from connector.core.checksums import destination_rows, mismatch, source_rows, tr
 from connector.core.descriptors import batch_descriptors
 from connector.core.errors import TransferFailed
 from connector.core.hf_config import load_model
+from connector.core.layout import blocks_for
 from connector.core.plan import build_plan
 from connector.core.staging_ranges import Rows
 from connector.engine.config import ReceiverConfig, SideChannelConfig
@@ -81,8 +82,9 @@ def test_each_prefill_rank_digests_exactly_its_share_of_decode_blocks(model_name
             buf.fill(layer, src_blocks, 0, tokens)
         routes = plan.layer_routes(rank, (0, 0))
         regions = {r.key: r for r in buf.regions()}
-        spans = transfer_spans(routes, 0, tokens, BLOCK)
-        copy(batch_descriptors(regions, dst_regions, routes, spans, src_blocks, dst_blocks))
+        every_block = [(layer, 0, blocks_for(tokens, BLOCK)) for layer in routes]  # what the WRITEs move
+        copy(batch_descriptors(regions, dst_regions, routes, every_block, src_blocks, dst_blocks))
+        spans = transfer_spans(routes, 0, tokens, BLOCK)  # what the checksums cover
         sent = source_rows(regions, dst_regions, routes, spans, src_blocks, dst_blocks)
         srcs[rank] = (buf, routes, spans, {r.key: CPU.digests(r.parts).tobytes() for r in sent})
     assert not dst.verify(dst_blocks, 0, tokens)  # the copy itself is right
@@ -91,7 +93,7 @@ def test_each_prefill_rank_digests_exactly_its_share_of_decode_blocks(model_name
         assert {r.key for r in rows} == set(digests)
         assert mismatch(rank, rows, [CPU.digests(r.parts) for r in rows], digests) == ""
     # One byte of one decode block changes: the rank that wrote that byte names the pool, layer and block.
-    victim = dst_blocks[0][2]
+    victim = dst_blocks[0][1]  # (block 2, tokens 32-39 of 40, is partly filled: not covered)
     region = dst_regions[("kv", 1)]
     ctypes.c_uint8.from_address(region.base_addr + victim * region.block_stride).value ^= 0xFF
     found = []
@@ -100,6 +102,13 @@ def test_each_prefill_rank_digests_exactly_its_share_of_decode_blocks(model_name
         found.append(mismatch(rank, rows, [CPU.digests(r.parts) for r in rows], digests))
     assert sum(bool(f) for f in found) == 1, found  # the byte lies in one rank's head slice
     assert f"kv layer 1 heads 0-" in "".join(found) and f"decode blocks [{victim}]" in "".join(found)
+
+
+def test_the_last_partly_filled_block_is_not_covered():
+    routes = {0: ["r"], 3: ["r"]}
+    assert transfer_spans(routes, 0, 40, 16) == [(0, 0, 2), (3, 0, 2)]  # blocks 0-1 full, block 2 partly
+    assert transfer_spans(routes, 16, 48, 16) == [(0, 1, 3), (3, 1, 3)]  # a prefix hit of one block, then full
+    assert transfer_spans(routes, 0, 10, 16) == []  # nothing full: nothing to cover
 
 
 def test_a_missing_checksum_is_a_mismatch_not_a_pass():

@@ -92,3 +92,26 @@ def test_block_copies_on_the_gpu_with_head_slices_and_odd_strides():
         assert int(dst.count_nonzero()) <= int(src.count_nonzero()) and \
             int((dst != 0).sum()) == sum(int((src[b * stride + offset:b * stride + offset + row] != 0).sum())
                                          for b in ids.tolist())
+
+
+def test_checksums_on_the_gpu_equal_the_cpus_and_verify_a_vram_transfer():
+    """kv_checksum: the reduction on a GPU gives the CPU's digests for the same bytes (a CPU decode can check a GPU
+    prefill), and a VRAM -> VRAM transfer with head slices verifies end to end."""
+    import numpy as np
+    import torch
+
+    from connector.core.staging_ranges import Rows
+    from connector.transport.device_copy import BlockCopier
+
+    data = torch.randint(0, 256, (64 * 8192 + 12,), dtype=torch.uint8)
+    blocks = np.array([5, 0, 63, 17], dtype=np.int64)
+    gpu = data.cuda()
+    cpu_rows = [Rows(data.data_ptr() + 4, 8192, 4096, blocks), Rows(data.data_ptr() + 4 + 4096, 8192, 4096, blocks)]
+    gpu_rows = [Rows(gpu.data_ptr() + 4, 8192, 4096, blocks), Rows(gpu.data_ptr() + 4 + 4096, 8192, 4096, blocks)]
+    assert np.array_equal(BlockCopier("cpu").digests(cpu_rows), BlockCopier("cuda:0").digests(gpu_rows))
+    model = load_model("minimax-m3")
+    sc = Scenario(model=model, prefill=ParallelLayout.build(60, 2, 1), decode=ParallelLayout.build(60, 1, 2),
+                  tokens=1000, block_size=16, device="cuda", layer_ms=1.0, timeout_s=120, kv_checksum=True)
+    result = run_scenario(sc)
+    assert result.verified, result.problems
+    assert result.checksummed_blocks > 0

@@ -6,7 +6,8 @@ Why per route and per block: a decode block may be filled by several prefill ran
 decode's: each writes its heads' slice of it), so each prefill rank's digests cover only its slice of each block, and
 decode digests the same slice. Both sides derive the rows from the plan and the registration alone (prefill from
 its source blocks, decode from its destination blocks), never from the descriptors, so a coalesced, split or staged
-WRITE digests the same. A mismatch names the pool, layer, heads and decode block ids.
+WRITE digests the same. A mismatch names the pool, layer, heads and decode block ids. A request's last block, when
+the transfer fills it only partly, is not covered (`transfer_spans`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from connector.core.descriptors import NO_NULL_BLOCK, head_span, live_pairs
-from connector.core.layout import Region, blocks_for
+from connector.core.layout import Region
 from connector.core.plan import Rank, Route
 from connector.core.staging_ranges import Rows
 
@@ -41,9 +42,11 @@ class RouteRows:
 
 def transfer_spans(layer_routes: Mapping[int, Sequence[Route]], first_token: int, num_tokens: int,
                    block_size: int) -> list[tuple[int, int, int]]:
-    """(global layer, first block, end block) of everything a transfer moves: the blocks of tokens [first_token,
-    num_tokens), every layer routed (as `connector.engine.batch_writer` cuts its batches)."""
-    first, end = first_token // block_size, blocks_for(num_tokens, block_size)
+    """(global layer, first block, end block) of what the checksums cover: every block a transfer of tokens
+    [first_token, num_tokens) fills completely, every layer routed. Not the last, partly filled block: prefill may
+    still write there (the KV of tokens after the prompt, when it generates more than one) while or after it is
+    sent, and decode never reads those slots as they came (it computes the prompt's last token itself)."""
+    first, end = first_token // block_size, num_tokens // block_size
     return [(layer, first, end) for layer in sorted(layer_routes) if end > first]
 
 
