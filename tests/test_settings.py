@@ -46,7 +46,8 @@ INTERNAL = {
 ADAPTER = {"staging_mb": "the worker allocates the staging buffer itself (ConnectorSettings.staging_bytes)",
            "auth_token_file": "read by ConnectorSettings.token() into SideChannelConfig.auth_token "
                               "(tests/test_early_checks.py)",
-           "auth_token_env": "the same, from the environment variable it names"}
+           "auth_token_env": "the same, from the environment variable it names",
+           "holding_step_interval_s": "the scheduler side's pacer (connector.vllm.idle_hold)"}
 """Settings the vLLM adapter reads itself instead of handing them to a config."""
 
 

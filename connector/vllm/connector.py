@@ -14,6 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 
 from connector.vllm.config import ConnectorSettings
 from connector.vllm.early import check_role, check_transfer_config, configs_in_callers
+from connector.vllm.idle_hold import pacer
 from connector.vllm.metadata import SparseKVMetadata
 from connector.vllm.scheduler import SchedulerSide
 from connector.vllm.stats import SparseKVConnectorStats, SparseKVPromMetrics
@@ -44,7 +45,8 @@ class SparseKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.settings = ConnectorSettings.from_extra_config(ktc.kv_connector_extra_config)
         self.engine_id = str(ktc.engine_id)
         dp_index = int(getattr(vllm_config.parallel_config, "data_parallel_index", 0) or 0)
-        self._scheduler = (SchedulerSide(ktc.kv_role, self.engine_id, self.settings, dp_index)
+        self._scheduler = (SchedulerSide(ktc.kv_role, self.engine_id, self.settings, dp_index,
+                                         pacer(self.settings, vllm_config))
                            if role == KVConnectorRole.SCHEDULER else None)
         self._worker = (WorkerSide(vllm_config, kv_cache_config, self.settings, ktc.kv_role, self.engine_id)
                         if role == KVConnectorRole.WORKER else None)

@@ -82,5 +82,9 @@ class DecodeScheduler:
                 transfer_id=params["transfer_id"], prefill_addr=params["prefill_addr"], block_ids=(), first_token=0,
                 num_tokens=0, aborted=True, finished=True)
 
+    def waiting(self) -> bool:
+        """Requests matched, registering or waiting for their KV."""
+        return bool(self._waiting or self._matched or self._ready)
+
     def pending(self) -> bool:
         return bool(self.aborts)

@@ -4,6 +4,7 @@ requests send, their block ids every step, and their blocks held until every wor
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from vllm.v1.request import RequestStatus
@@ -26,7 +27,7 @@ class PrefillScheduler:
         self.kv_cache_manager: Any = None
         self._known: dict[str, tuple[str, int]] = {}   # request id -> (transfer id, prompt tokens)
         self._started: set[str] = set()                # shipped to the workers at least once
-        self._held: set[str] = set()                   # finished; blocks kept until finished_sending
+        self._held: dict[str, float] = {}              # finished (time.monotonic()); blocks kept until finished_sending
         self.aborts: dict[str, str] = {}               # request id -> transfer id, for the next metadata
 
     def owns(self, req_id: str) -> bool:
@@ -76,7 +77,7 @@ class PrefillScheduler:
 
     def sent(self, req_id: str) -> None:
         """Every worker reported the request finished sending: its blocks may go."""
-        self._held.discard(req_id)
+        self._held.pop(req_id, None)
         self._known.pop(req_id, None)
         self._started.discard(req_id)
 
@@ -87,7 +88,7 @@ class PrefillScheduler:
         if req_id not in self._started:  # never reached the workers: nothing reads its blocks
             self._known.pop(req_id, None)
             return False, None
-        self._held.add(req_id)
+        self._held[req_id] = time.monotonic()
         if request.status not in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED):
             # Aborted or failed prefill: tell decode, stop writing. Blocks are still held until the workers
             # report the transfer finished, so no WRITE in flight reads a reused block.
@@ -99,6 +100,15 @@ class PrefillScheduler:
         return True, {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": known[0],
                       "prefill_addr": self.side_channel_addr(), "prefill_engine_id": self.engine_id,
                       "prefill_dp_rank": self.dp_index, "prefill_finished": True, "lease_s": self.settings.lease_s}
+
+    def holding(self) -> bool:
+        """Finished requests whose blocks wait for every worker to report them sent."""
+        return bool(self._held)
+
+    def first_expiry(self) -> float | None:
+        """time.monotonic() the first held request's lease runs out (if no heartbeat extended it): the workers then
+        give it up, and the next step returns its blocks."""
+        return min(self._held.values()) + self.settings.lease_s if self._held else None
 
     def pending(self) -> bool:
         """Blocks held for decode, or aborts to ship: the engine must keep stepping."""

@@ -16,6 +16,7 @@ from typing import Any
 from connector.core.errors import LayoutError
 from connector.vllm.config import ConnectorSettings, role_halves
 from connector.vllm.decode_side import DecodeScheduler
+from connector.vllm.idle_hold import HoldPacer
 from connector.vllm.metadata import SparseKVHandshake, SparseKVMetadata
 from connector.vllm.prefill_side import PrefillScheduler
 from connector.vllm.requests import ROUTER_HINT, check_params  # noqa: F401 - re-exported (tests, callers)
@@ -37,7 +38,7 @@ A kv_both engine does both, so it has no mismatch."""
 
 class SchedulerSide:
     def __init__(self, kv_role: str, engine_id: str, settings: ConnectorSettings | None = None,
-                 dp_index: int = 0) -> None:
+                 dp_index: int = 0, pacer: HoldPacer | None = None) -> None:
         sends, receives = role_halves(kv_role)
         self.kv_role = kv_role
         self.engine_id = engine_id
@@ -51,6 +52,11 @@ class SchedulerSide:
         self._mismatch_count = 0
         self._stats = SparseKVConnectorStats()
         """What the scheduler side observed since vLLM last asked (get_kv_connector_stats): role mismatches."""
+        self.pacer = pacer or HoldPacer(None, 0.0)
+        """Spaces out the empty steps of an engine that only holds KV for decode (connector.vllm.idle_hold)."""
+        self._considered = False
+        """vLLM tried to schedule a waiting request this step (it asks get_num_new_matched_tokens first): an empty
+        step then means a request waits for blocks, which a send collected late would keep it waiting for."""
 
     @property
     def is_producer(self) -> bool:
@@ -64,6 +70,7 @@ class SchedulerSide:
 
     # ---- matching and allocation ------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        self._considered = True
         params = request.kv_transfer_params or {}
         self._check_role(request, params)
         if self.prefill is not None and params.get("do_remote_decode"):
@@ -122,12 +129,29 @@ class SchedulerSide:
             meta.aborts.update(self.prefill.aborts)
             self.prefill.aborts = {}
             self.prefill.fill(meta, scheduler_output)
+        considered, self._considered = self._considered, False
+        if not considered and self._only_holding(scheduler_output, meta):
+            self.pacer.wait(until=self.prefill.first_expiry())
+        elif getattr(scheduler_output, "total_num_scheduled_tokens", 1):
+            self.pacer.activity()  # traffic: the next quiet spell starts with short waits again
         return meta
+
+    def _only_holding(self, scheduler_output: Any, meta: SparseKVMetadata) -> bool:
+        """This step computes and ships nothing, no decode request of ours waits for KV, and prefill holds KV for
+        decode: vLLM steps only to collect those sends. (A decode waiting for KV is left to vLLM's pace: a wait would
+        delay the registration of a request arriving meanwhile, and with it prefill's streaming. So is a step in
+        which a waiting request could not be scheduled: it may wait for the held blocks.)"""
+        if getattr(scheduler_output, "total_num_scheduled_tokens", 1) or meta.sends or meta.recvs or meta.aborts:
+            return False
+        if self.decode is not None and self.decode.waiting():
+            return False
+        return self.prefill is not None and self.prefill.holding()
 
     def update_connector_output(self, output: Any) -> None:
         if self.prefill is not None:
             for req_id in output.finished_sending or ():
                 self.prefill.sent(req_id)
+                self.pacer.activity()
         if self.decode is not None:
             for req_id in output.finished_recving or ():
                 self.decode.received(req_id)
@@ -135,6 +159,7 @@ class SchedulerSide:
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         self._mismatched.discard(request.request_id)
         if self.prefill is not None and self.prefill.owns(request.request_id):
+            self.pacer.activity()
             return self.prefill.finished(request)
         if self.decode is not None:
             self.decode.finished(request)

