@@ -111,6 +111,7 @@ class PrefillCommands:
                     "handshakes": server.guard.handshakes if server else 0,
                     "refused": dict(server.refusals.counts) if server else {},
                     "refusal_lines": server.refusals.lines if server else 0,
+                    "connections_refused": sender.stats.connections_refused,
                     "open_handles": t.open_handles, "inflight_bytes": t.inflight_bytes,
                     "abandoned": t.stats.abandoned, "reconnects": t.stats.reconnects,
                     "sends_failed": sender.stats.sends_failed}

@@ -26,6 +26,7 @@ from connector.transport.handshake import (Attempt, PeekHook, ServerHandshake, c
 from connector.transport.limits import RateLimiter
 from connector.transport.refusals import RefusalLog
 from connector.transport.side_channel import SideChannelConfig
+from connector.transport.tls import PausedUntilTLS
 
 __all__ = ["ControlConnection", "ControlServer", "SideChannelConfig", "connect", "format_addr", "read_frame"]
 
@@ -316,7 +317,13 @@ class ControlServer:
     async def start(self) -> None:
         # Plain TCP: each connection starts TLS itself once admitted (asyncio's ssl= would call _handle only after
         # the TLS handshake, leaving connections that never start it uncounted, ~300 KB each).
-        self._server = await asyncio.start_server(self._handle, self.host, self.port)
+        loop = asyncio.get_running_loop()
+        protocol = PausedUntilTLS if self._ssl is not None else asyncio.StreamReaderProtocol
+
+        def factory() -> asyncio.StreamReaderProtocol:  # what asyncio.start_server builds, with `protocol`
+            return protocol(asyncio.StreamReader(limit=2**16, loop=loop), self._handle, loop=loop)
+
+        self._server = await loop.create_server(factory, self.host, self.port)
         self.port = self._server.sockets[0].getsockname()[1]
         log.info("control server listening on %s:%d (%s, %s)", self.host, self.port,
                  "auth token set" if self._auth_token else "no auth token", "TLS" if self._ssl else "no TLS")
@@ -367,7 +374,7 @@ class ControlServer:
             return
         self._handlers.add(task)
         session = None
-        entry = self.guard.begin(host, lambda _why: writer.transport.abort())
+        entry = self.guard.begin(host, lambda why: task.cancel(why))  # its handshake gives up, see _handshake
         try:
             try:
                 conn = await self._handshake(reader, writer, entry, accepted_at)
@@ -400,6 +407,7 @@ class ControlServer:
             # Until the proof checked out, the connection is anyone's: one deadline from accept, TLS included.
             async with asyncio.timeout_at(accepted_at + self._preauth_s):
                 if self._ssl is not None:
+                    await asyncio.sleep(0)  # arrivals of the same burst evict first (PausedUntilTLS)
                     await writer.start_tls(self._ssl)
                 first, auth = await self._hs.run(reader, writer, entry, attempt)
             self.guard.authenticated(entry)
@@ -435,12 +443,15 @@ class ControlServer:
             kind, reason = "frame", f"TLS handshake failed: {exc!r} (decode needs tls_ca_file to speak TLS)"
         except (ConnectionError, OSError) as exc:
             kind, reason = "closed", f"connection lost during the handshake: {exc!r}"
-        except asyncio.CancelledError:  # the server is closing: what on_hello set up is undone all the same
-            await asyncio.shield(end_session(session))
-            raise
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if entry.evicted is None or task is None or self._server is None or not self._server.is_serving():
+                # the server is closing: what on_hello set up is undone all the same
+                await asyncio.shield(end_session(session))
+                raise
+            task.uncancel()  # evicted from the pending budget (the guard cancelled us): a refusal like the others
+            kind, reason = "evicted", f"evicted before it authenticated: {entry.evicted}"
         if reason is not None:
-            if entry.evicted is not None:  # what it saw was its socket aborted under it
-                kind, reason, reply = "evicted", f"evicted before it authenticated: {entry.evicted}", None
             await end_session(session)
             self.refusals.note(kind, "closing %s: %s", addr, reason)
             if attempt.first is not None and self._on_refused is not None:
@@ -453,7 +464,10 @@ class ControlServer:
                     writer.write(encode_frame(reply))
                     async with asyncio.timeout(1.0):
                         await writer.drain()
-            writer.close()
+            if kind == "evicted":
+                writer.transport.abort()  # its socket and buffers go now, not after a goodbye
+            else:
+                writer.close()
             return None
         log.info("control handshake with %s: %s engine %s pp%d/tp%d", addr, peer.role, peer.engine_id,
                  peer.pp_rank, peer.tp_rank)
