@@ -215,3 +215,99 @@ class Relay:
             await asyncio.gather(*tasks)
         finally:
             self._tasks.difference_update(tasks)
+
+
+# ---- outsiders: many connections, from another process -------------------------------------------------------------
+ATTACKER_HOST = "127.0.0.2"
+"""Where a flood comes from when it is another host than the decode's (127.0.0.0/8 is all loopback on Linux)."""
+
+
+def open_sockets(port: int, n: int, source: str = "127.0.0.1", first: bytes = b"") -> list:
+    """`n` plain TCP connections from `source` that send `first` (maybe nothing) and then nothing more. A
+    connection the server closes at once still counts (the caller holds what it got)."""
+    import socket
+
+    out = []
+    for _ in range(n):
+        try:
+            s = socket.create_connection(("127.0.0.1", port), timeout=5, source_address=(source, 0))
+            if first:
+                s.sendall(first)
+        except OSError:
+            continue
+        out.append(s)
+    return out
+
+
+def flood(port: int, n: int, source: str, mode: str, payload: bytes, stop: Any, ready: Any) -> None:
+    """An outsider's process (multiprocessing target): `n` connections from `source` that send `payload` (maybe
+    nothing) and then hold the connection. mode "hold": keep what stays open; "reopen": reopen each one the server
+    closes, in a loop, as fast as it goes; "churn": open, send, close, again (each a fresh connection), until `stop`
+    is set. `ready` is set once the first `n` were opened."""
+    import resource
+    import selectors
+    import socket
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, n + 256)), hard))
+
+    def one() -> socket.socket | None:
+        try:
+            s = socket.create_connection(("127.0.0.1", port), timeout=2, source_address=(source, 0))
+            if payload:
+                s.sendall(payload)
+            return s
+        except OSError:
+            return None
+
+    if mode == "churn":
+        ready.set()
+        while not stop.is_set():
+            s = one()
+            if s is not None:
+                try:
+                    s.settimeout(1.0)
+                    s.recv(65536)  # its answer (a Reject), so the server did the work
+                except OSError:
+                    pass
+                s.close()
+        return
+    sel = selectors.DefaultSelector()
+    for _ in range(n):
+        if (s := one()) is not None:
+            sel.register(s, selectors.EVENT_READ)
+    ready.set()
+    while not stop.is_set():
+        for key, _ev in sel.select(timeout=0.1):
+            sel.unregister(key.fileobj)
+            key.fileobj.close()
+            if mode == "reopen" and (s := one()) is not None:
+                sel.register(s, selectors.EVENT_READ)
+    for key in list(sel.get_map().values()):
+        key.fileobj.close()
+
+
+class Flood:
+    """`with Flood(port, n, source, mode, payload):` an outsider's `flood` running in its own process (so its loop
+    does not compete with this process's decode ranks for the GIL), ended by PID on exit."""
+
+    def __init__(self, port: int, n: int, source: str = ATTACKER_HOST, mode: str = "hold",
+                 payload: bytes = b"") -> None:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.stop, self.ready = ctx.Event(), ctx.Event()
+        self.proc = ctx.Process(target=flood, args=(port, n, source, mode, payload, self.stop, self.ready),
+                                name=f"flood-{mode}", daemon=True)
+
+    def __enter__(self) -> "Flood":
+        self.proc.start()
+        assert self.ready.wait(60), "the flood did not start"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)

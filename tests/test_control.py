@@ -19,6 +19,7 @@ from connector.protocol.messages import (HEADER, PROTOCOL_VERSION, Abort, Auth, 
                                          Register, RegisterAck, RegisterError, Reject, Welcome, decode_frame,
                                          encode_body, encode_frame)
 from connector.transport.control import ControlConnection, ControlServer, connect
+from connector.transport.limits import ServerLimits
 from tests.helpers import bare_side_channel
 
 pytestmark = pytest.mark.timeout(20)
@@ -330,3 +331,43 @@ async def test_server_close_closes_connections():
         await conn.send(Heartbeat())
     with pytest.raises(ControlError, match="cannot connect"):
         await connect("127.0.0.1", srv.port, hello(), BARE, timeout=1)
+
+
+async def test_deep_nesting_is_a_refused_frame_without_a_traceback(caplog):
+    """A value nested 100,000 deep used to escape the codec as RecursionError (an ERROR traceback per frame). It is
+    a FrameError: answered with Reject, counted as a refused frame, no ERROR record."""
+    caplog.set_level(logging.INFO)
+    head = msgspec.msgpack.encode({"type": "hello", "junk": 0})[:-1]
+    body = head + b"\x91" * 100_000 + b"\x90"
+    async with server(App()) as srv:
+        reply, _ = await raw_exchange(srv.port, HEADER.pack(len(body), PROTOCOL_VERSION) + body)
+        assert "nested too deeply" in decode_frame(reply).reason
+        assert srv.refusals.counts["frame"] == 1
+        await assert_still_serves(srv.port)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.records
+
+
+async def test_refusals_are_logged_at_a_bounded_rate_and_counted(caplog):
+    """Each refused connection used to be one WARNING line (an outsider wrote megabytes a second). Now the first
+    few of an interval are logged, the rest counted and summed up in one line at the interval's end."""
+    caplog.set_level(logging.WARNING, logger=LOG)
+    async with server(App(), limits=ServerLimits(refusal_log_interval_s=0.5)) as srv:
+        for _ in range(40):
+            await raw_exchange(srv.port, encode_frame(Register("t", 0, 0, [], 0, 0)))
+        await asyncio.sleep(0.7)
+        assert srv.refusals.counts["refused"] == 40  # (a wrong first frame is refused by the Hello check)
+        lines = [r.message for r in caplog.records if "127.0.0.1" in r.message or "more connections" in r.message]
+        assert len(lines) == 6, lines
+        assert "35 more connections refused or failed in the last 0.5 s (35 refused" in lines[-1]
+
+
+async def test_a_full_pending_budget_evicts_the_oldest_not_the_newcomer():
+    """Idle connections from one address used to hold the handshake slots: a newcomer was refused. Now the
+    address's oldest pending connection is closed and the newcomer handshakes."""
+    async with server(App(), limits=ServerLimits(max_handshakes_per_host=2)) as srv:
+        idle = [await asyncio.open_connection("127.0.0.1", srv.port) for _ in range(5)]
+        await asyncio.sleep(0.1)
+        assert srv.guard.handshakes == 2 and srv.refusals.counts["evicted"] == 3
+        await assert_still_serves(srv.port)
+        for _reader, writer in idle:
+            writer.close()

@@ -87,6 +87,14 @@ class PeerGaveUp(ControlError):
     """The client refused the handshake itself, saying why (its Reject in place of Auth): nothing to answer."""
 
 
+class AuthFailed(ControlError):
+    """A side-channel peer's proof of the auth token is wrong (counted against its address and claimed identity)."""
+
+
+class Unanswered(ControlError):
+    """A handshake refused without an answer (an identity locked out after wrong proofs: no reply, no work)."""
+
+
 class TransportError(PeerError, RuntimeError):
     """A transfer or peer operation failed. The message names the peer/transfer and the fix."""
 

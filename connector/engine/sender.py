@@ -82,7 +82,8 @@ class StreamSender:
         """Start the side-channel server; returns the bound port."""
         self._server = ControlServer(self.hello, self._on_message, self.config.side_channel, host=self.config.host,
                                      port=self.config.port, on_hello=self._table.admit, peek=self._table.peek,
-                                     on_closed=self._connection_closed, on_refused=self._handshake_refused)
+                                     on_closed=self._connection_closed, on_refused=self._handshake_refused,
+                                     on_refusal=self._count_refusal)
         await self._server.start()
         self._tasks.spawn(self._lease_loop())
         self._tasks.spawn(self._drain_loop())
@@ -285,6 +286,11 @@ class StreamSender:
             self._check_finished(req, ok=False)
         if self.writer.staged is not None:
             self.writer.staged.connection_closed(conn)
+
+    def _count_refusal(self, kind: str) -> None:
+        self.stats.connections_refused += 1
+        if kind == "auth":
+            self.stats.auth_failures += 1
 
     def _handshake_refused(self, hello: Hello, reason: str, address: str) -> None:
         """A handshake failed here (another model, another token, a limit): the transfer the peer connected for

@@ -46,6 +46,11 @@ class SenderStats:
     sends_expired: int = 0
     """... of those, whose lease ran out before every decode rank completed (a router that never sent the decode
     leg, a decode that died): their KV was freed unread."""
+    connections_refused: int = 0
+    """Side-channel connections refused or failed before they authenticated: limits, evictions, deadlines, bad
+    frames, wrong proofs... (connector.transport.refusals; logged at a bounded rate, counted here in full)."""
+    auth_failures: int = 0
+    """... of those, whose proof of the auth token was wrong."""
     post_seconds: collections.deque[float] = field(default_factory=_samples)
     """Per NIXL WRITE: creating and posting it (on DRAM the copy itself runs in the post)."""
     transfer_seconds: collections.deque[float] = field(default_factory=_samples)

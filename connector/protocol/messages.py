@@ -322,13 +322,20 @@ def encode_body(msg: Message) -> bytes:
 
 
 def decode_body(body: bytes) -> Message:
-    """Inverse of `encode_body`. Raises FrameError naming what is wrong."""
+    """Inverse of `encode_body`. Raises FrameError naming what is wrong, and only FrameError: the bytes are the
+    peer's (before authentication anyone's), so whatever the decoder makes of them is the peer's fault, never a bug
+    to log with a traceback."""
     try:
         return _decoder.decode(body)
     except msgspec.ValidationError as exc:
         raise FrameError(f"invalid message: {exc}") from None
     except msgspec.DecodeError as exc:
         raise FrameError(f"malformed msgpack: {exc}") from None
+    except RecursionError:  # msgspec guards its recursion with the interpreter's limit: a value nested ~1000 deep
+        raise FrameError("message nested too deeply (no message of this protocol nests more than a few levels)") \
+            from None
+    except Exception as exc:  # noqa: BLE001 - anything else the decoder raises on hostile bytes
+        raise FrameError(f"undecodable message: {type(exc).__name__}: {exc}"[:500]) from None
 
 
 def encode_frame(msg: Message, *, version: int = PROTOCOL_VERSION) -> bytes:

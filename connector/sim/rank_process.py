@@ -108,6 +108,10 @@ class PrefillCommands:
                     "connections": len(server.connections) if server else 0, "parked": sender.parked_count,
                     "requests": len(sender.requests), "given_up": len(sender.ownership.given_up),
                     "open_by_host": sum(server.guard.open.values()) if server else 0,
+                    "handshakes": server.guard.handshakes if server else 0,
+                    "refused": dict(server.refusals.counts) if server else {},
+                    "refusal_lines": server.refusals.lines if server else 0,
+                    "connections_refused": sender.stats.connections_refused,
                     "open_handles": t.open_handles, "inflight_bytes": t.inflight_bytes,
                     "abandoned": t.stats.abandoned, "reconnects": t.stats.reconnects,
                     "sends_failed": sender.stats.sends_failed}

@@ -16,15 +16,17 @@ import logging
 import ssl
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
 
-from connector.core.errors import ControlError, FrameError, PeerGaveUp, Unreachable
+from connector.core.errors import AuthFailed, ControlError, FrameError, PeerGaveUp, Unanswered, Unreachable
 from connector.protocol.auth import with_memory
 from connector.protocol.messages import (DEFAULT_MAX_FRAME_BYTES, Auth, Error, Heartbeat, Hello, Message, Register,
                                          RegisterError, Reject, Welcome, encode_frame)
+from connector.transport.admission import AdmissionGuard, Pending
 from connector.transport.handshake import (Attempt, PeekHook, ServerHandshake, client_handshake, end_session,
                                            format_addr, is_loopback, read_frame)
-
-from connector.transport.limits import AdmissionGuard, RateLimiter
+from connector.transport.limits import RateLimiter
+from connector.transport.refusals import RefusalLog
 from connector.transport.side_channel import SideChannelConfig
+from connector.transport.tls import PausedUntilTLS
 
 __all__ = ["ControlConnection", "ControlServer", "SideChannelConfig", "connect", "format_addr", "read_frame"]
 
@@ -265,10 +267,13 @@ class ControlServer:
     """Accepts side-channel connections. Use as `async with ControlServer(...) as server:`; `server.port` is the
     bound port (useful with port=0).
 
-    Everything configurable comes in `config` (connector.transport.side_channel). Per connection: `config.limits`
-    decide whether it may start (connections in all and per address, handshakes in
-    progress, addresses locked out after failed authentications). The handshake (connector.protocol.messages) runs
-    within `handshake_timeout_s` with frames of at most `limits.handshake_frame_bytes` (over TLS with a certificate):
+    Everything configurable comes in `config` (connector.transport.side_channel). Per connection, from accept (TLS
+    is started per connection, after admission, so a socket that never starts it is counted all the same):
+    `config.limits` decide whether it may start (connections in all and per address), the pending budget it joins
+    until it authenticated (connector.transport.admission: newcomers evict the oldest; known identities have their
+    own lane), and its deadline: authenticated within `limits.handshake_deadline_s` of accept (or
+    `handshake_timeout_s`, if shorter), TLS included. The handshake (connector.protocol.messages) reads frames of at
+    most `limits.handshake_frame_bytes`:
     the peer's Hello is checked against `hello` (version, role, fingerprint) and by `peek` (cheap checks), answered
     with our identity, a nonce and, with `auth_token`, our proof; its Auth must carry a valid proof. Then `on_hello` gets the peer's Hello with its
     memory (raise to reject, the message is the reason), and the server answers Welcome and awaits
@@ -277,12 +282,13 @@ class ControlServer:
     connection, soon after it closed (from the loop, never inside the code that closed it): the one cleanup of
     everything that ran on it, rather than a callback per use hooked on `conn.closed`. `on_refused(hello, reason,
     address)` runs for each handshake that failed after the peer's first Hello was read (that Hello is not
-    authenticated)."""
+    authenticated). Each refused or failed connection is counted by kind and logged at a bounded rate
+    (`refusals`, connector.transport.refusals); `on_refusal(kind)` is called for each (the engine's metrics)."""
 
     def __init__(self, hello: Hello, on_message: MessageHandler, config: SideChannelConfig = SideChannelConfig(), *,
                  host: str = "127.0.0.1", port: int = 0, on_hello: HelloHook | None = None,
                  peek: PeekHook | None = None, on_closed: Callable[[ControlConnection], None] | None = None,
-                 on_refused: RefusedHook | None = None) -> None:
+                 on_refused: RefusedHook | None = None, on_refusal: Callable[[str], None] | None = None) -> None:
         self.hello = hello
         self.host = host
         self.port = port
@@ -295,6 +301,9 @@ class ControlServer:
         self._handshake_timeout_s = config.handshake_timeout_s
         self.limits = config.limits
         self.guard = AdmissionGuard(self.limits)
+        self.refusals = RefusalLog(log, self.limits.refusal_log_interval_s, on_refusal)
+        """Refused and failed connections by kind, and how many lines they were logged in."""
+        self._preauth_s = min(self.limits.handshake_deadline_s, self._handshake_timeout_s)
         self._hs = ServerHandshake(hello, config.auth_token, self.limits, self.guard, peek)
         self._ssl = config.server_ssl()
         self._conn_kwargs = dict(max_frame_bytes=self.limits.max_frame_bytes,
@@ -306,9 +315,15 @@ class ControlServer:
         """Handshaken connections that are still open."""
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(
-            self._handle, self.host, self.port, ssl=self._ssl,
-            ssl_handshake_timeout=self._handshake_timeout_s if self._ssl else None)
+        # Plain TCP: each connection starts TLS itself once admitted (asyncio's ssl= would call _handle only after
+        # the TLS handshake, leaving connections that never start it uncounted, ~300 KB each).
+        loop = asyncio.get_running_loop()
+        protocol = PausedUntilTLS if self._ssl is not None else asyncio.StreamReaderProtocol
+
+        def factory() -> asyncio.StreamReaderProtocol:  # what asyncio.start_server builds, with `protocol`
+            return protocol(asyncio.StreamReader(limit=2**16, loop=loop), self._handle, loop=loop)
+
+        self._server = await loop.create_server(factory, self.host, self.port)
         self.port = self._server.sockets[0].getsockname()[1]
         log.info("control server listening on %s:%d (%s, %s)", self.host, self.port,
                  "auth token set" if self._auth_token else "no auth token", "TLS" if self._ssl else "no TLS")
@@ -326,6 +341,7 @@ class ControlServer:
         """Stop accepting, close every connection, cancel and await the connection tasks."""
         if self._server is not None:
             self._server.close()
+        self.refusals.close()
         for conn in list(self.connections):
             await conn.aclose("server shutting down")
         for task in list(self._handlers):
@@ -348,21 +364,22 @@ class ControlServer:
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
+        accepted_at = asyncio.get_running_loop().time()
         peername = writer.get_extra_info("peername")
         host = str(peername[0]) if isinstance(peername, tuple) else str(peername)
         refused = self.guard.admit(host)
         if refused is not None:
-            if not self.guard.locked_out(host) or self.guard.should_log_lockout(host):
-                log.warning("refusing a connection from %s: %s", format_addr(peername), refused)
-            writer.close()
+            self.refusals.note("limit", "refusing a connection from %s: %s", format_addr(peername), refused)
+            writer.transport.abort()  # closed at once, nothing buffered for it
             return
         self._handlers.add(task)
         session = None
+        entry = self.guard.begin(host, lambda why: task.cancel(why))  # its handshake gives up, see _handshake
         try:
             try:
-                conn = await self._handshake(reader, writer, host)
+                conn = await self._handshake(reader, writer, entry, accepted_at)
             finally:
-                self.guard.handshake_done()
+                self.guard.done(entry)
             if conn is None:
                 return
             session = conn.session
@@ -382,13 +399,18 @@ class ControlServer:
             self._handlers.discard(task)
             await end_session(session)
 
-    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                         host: str) -> ControlConnection | None:
+    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, entry: Pending,
+                         accepted_at: float) -> ControlConnection | None:
         addr = format_addr(writer.get_extra_info("peername"))
-        reason, reply, session, peer, attempt = None, None, None, None, Attempt()
+        reason, reply, session, peer, attempt, kind = None, None, None, None, Attempt(), "refused"
         try:
-            async with asyncio.timeout(self._handshake_timeout_s):
-                first, auth = await self._hs.run(reader, writer, host, attempt)
+            # Until the proof checked out, the connection is anyone's: one deadline from accept, TLS included.
+            async with asyncio.timeout_at(accepted_at + self._preauth_s):
+                if self._ssl is not None:
+                    await asyncio.sleep(0)  # arrivals of the same burst evict first (PausedUntilTLS)
+                    await writer.start_tls(self._ssl)
+                first, auth = await self._hs.run(reader, writer, entry, attempt)
+            self.guard.authenticated(entry)
             peer = with_memory(first, auth)
             try:
                 session = self._on_hello(peer) if self._on_hello is not None else None
@@ -403,21 +425,35 @@ class ControlServer:
             except TimeoutError:
                 raise ConnectionError(f"our Welcome not sent within {self._handshake_timeout_s} s") from None
         except TimeoutError:
-            reason = f"no complete handshake within the {self._handshake_timeout_s} s handshake timeout"
+            kind = "deadline"
+            reason = (f"no complete handshake within the {self._handshake_timeout_s:g} s handshake timeout"
+                      if self._handshake_timeout_s <= self.limits.handshake_deadline_s else
+                      f"not authenticated within {self.limits.handshake_deadline_s:g} s of accept (setting "
+                      f"handshake_deadline_s)")
         except asyncio.IncompleteReadError as exc:
-            reason = f"peer closed the connection during the handshake after {len(exc.partial)} bytes"
+            kind, reason = "closed", f"peer closed the connection during the handshake after {len(exc.partial)} bytes"
         except PeerGaveUp as exc:  # the peer already said why and left: nothing to answer
             reason = str(exc)
+        except Unanswered as exc:
+            kind, reason = "locked_out", str(exc)
         except ControlError as exc:  # FrameError included
+            kind = "frame" if isinstance(exc, FrameError) else "auth" if isinstance(exc, AuthFailed) else "refused"
             reason, reply = str(exc), Reject(str(exc))
+        except ssl.SSLError as exc:  # (an OSError) a peer that does not speak TLS, or a broken one
+            kind, reason = "frame", f"TLS handshake failed: {exc!r} (decode needs tls_ca_file to speak TLS)"
         except (ConnectionError, OSError) as exc:
-            reason = f"connection lost during the handshake: {exc!r}"
-        except asyncio.CancelledError:  # the server is closing: what on_hello set up is undone all the same
-            await asyncio.shield(end_session(session))
-            raise
+            kind, reason = "closed", f"connection lost during the handshake: {exc!r}"
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if entry.evicted is None or task is None or self._server is None or not self._server.is_serving():
+                # the server is closing: what on_hello set up is undone all the same
+                await asyncio.shield(end_session(session))
+                raise
+            task.uncancel()  # evicted from the pending budget (the guard cancelled us): a refusal like the others
+            kind, reason = "evicted", f"evicted before it authenticated: {entry.evicted}"
         if reason is not None:
             await end_session(session)
-            log.warning("closing %s: %s", addr, reason)
+            self.refusals.note(kind, "closing %s: %s", addr, reason)
             if attempt.first is not None and self._on_refused is not None:
                 try:
                     self._on_refused(attempt.first, reason, addr)
@@ -428,7 +464,10 @@ class ControlServer:
                     writer.write(encode_frame(reply))
                     async with asyncio.timeout(1.0):
                         await writer.drain()
-            writer.close()
+            if kind == "evicted":
+                writer.transport.abort()  # its socket and buffers go now, not after a goodbye
+            else:
+                writer.close()
             return None
         log.info("control handshake with %s: %s engine %s pp%d/tp%d", addr, peer.role, peer.engine_id,
                  peer.pp_rank, peer.tp_rank)

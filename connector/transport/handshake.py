@@ -13,13 +13,14 @@ from typing import Any, Callable
 
 import msgspec
 
-from connector.core.errors import ControlError, PeerGaveUp
+from connector.core.errors import AuthFailed, ControlError, PeerGaveUp, Unanswered
 from connector.protocol.auth import (check_client_proof, check_server_proof, client_proof, identity, memory_of,
                                      new_nonce, server_proof)
 from connector.protocol.handshake import check_hello
 from connector.protocol.messages import (DEFAULT_MAX_FRAME_BYTES, HANDSHAKE_MAX_FRAME_BYTES, HEADER, Auth, Hello,
                                          Message, Reject, Welcome, check_header, decode_body, encode_frame)
-from connector.transport.limits import AdmissionGuard, ServerLimits
+from connector.transport.admission import AdmissionGuard, Pending
+from connector.transport.limits import ServerLimits
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +103,8 @@ class Attempt:
 
 class ServerHandshake:
     """The server's half: Hello in (checked, then `peek`), our identity with a fresh nonce and our proof out, Auth in
-    (its proof checked; a failure is counted against the source address and answered late)."""
+    (its proof checked; a failure is counted against the source address and the identity it claims, and answered
+    late)."""
 
     def __init__(self, hello: Hello, auth_token: str, limits: ServerLimits, guard: AdmissionGuard,
                  peek: PeekHook | None) -> None:
@@ -110,16 +112,21 @@ class ServerHandshake:
         self.identity = identity(hello)
         """What we tell peers about ourselves: least privilege, never our NIXL metadata or addresses."""
 
-    async def run(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str,
+    async def run(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, entry: Pending,
                   attempt: Attempt) -> tuple[Hello, Auth]:
         """Hello in, our Hello out, Auth in: the peer's Hello and Auth once its proof (if we need one) is right.
-        The first Hello goes in `attempt` as soon as it is read (even one `check_hello` refuses: another model)."""
+        The first Hello goes in `attempt` as soon as it is read (even one `check_hello` refuses: another model).
+        `entry`: the connection in the guard's pending budget (told what the Hello claims)."""
         limit = self.limits.handshake_frame_bytes
         first = await read_frame(reader, limit)
         if not isinstance(first, Hello):
             raise ControlError(f"first frame is {type(first).__name__}, expected Hello")
         attempt.first = first
         check_hello(first, self.hello)
+        claim = (first.engine_id, first.pp_rank, first.tp_rank)
+        locked = self.guard.claimed(entry, claim)
+        if locked is not None:
+            raise Unanswered(locked)
         if self.peek is not None:
             try:
                 self.peek(first)
@@ -138,10 +145,10 @@ class ServerHandshake:
             raise ControlError(f"second frame is {type(auth).__name__}, expected Auth")
         try:
             check_client_proof(self.auth_token, first, ours, auth)
-        except ControlError:
-            self.guard.auth_failed(host)
+        except ControlError as exc:
+            self.guard.auth_failed(entry.host, claim)
             await asyncio.sleep(self.limits.auth_failure_delay_s)  # every guess costs the guesser this much
-            raise
+            raise AuthFailed(str(exc)) from None
         return first, auth
 
 

@@ -1,6 +1,8 @@
-"""What one side-channel server lets its peers use: connections (in all, per source address, handshakes in
-progress), frame sizes before and after authentication, messages per second per connection, and failed
-authentication attempts per source address. Each limit logs one clear line when it triggers.
+"""What one side-channel server lets its peers use: connections (in all, per source address, not yet authenticated:
+in all, per source address, and for how long), frame sizes before and after authentication, messages per second per
+connection, and failed authentication attempts per (source address, claimed identity). Each limit logs a clear line
+when it triggers (at a bounded rate: connector.transport.refusals); the bookkeeping is
+connector.transport.admission.
 
 Asyncio, on the server's event loop; no I/O of its own."""
 
@@ -9,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import defaultdict, deque
 from dataclasses import dataclass
 
 from connector.protocol.messages import DEFAULT_MAX_FRAME_BYTES, HANDSHAKE_MAX_FRAME_BYTES
@@ -27,7 +28,15 @@ class ServerLimits:
     max_connections_per_host: int = 128
     """Open connections from one source address (a decode node opens one per decode rank and prefill rank)."""
     max_handshakes: int = 64
-    """Handshakes in progress at once; more wait at the TCP accept queue's end (they are closed at once)."""
+    """Connections not yet authenticated (from accept: TLS, Hello, Auth), in all; a newer one evicts the oldest of
+    the address holding most. (Claims of an identity that authenticated before are not counted: they have their own
+    lane, connector.transport.admission.)"""
+    max_handshakes_per_host: int = 8
+    """Connections not yet authenticated from one source address; a newer one evicts that address's oldest. A
+    decode node opens one per decode rank and prefill rank at a time, each authenticated within milliseconds."""
+    handshake_deadline_s: float = 3.0
+    """From accept until the peer's proof checked out (the TLS handshake, Hello and Auth): a connection not
+    authenticated by then is closed. (handshake_timeout_s, if shorter, applies instead.)"""
     handshake_frame_bytes: int = HANDSHAKE_MAX_FRAME_BYTES
     """Largest frame accepted before the peer has authenticated."""
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
@@ -36,82 +45,18 @@ class ServerLimits:
     """Per connection: messages read per second (a burst of as many is allowed); beyond it the server reads more
     slowly, so a flooding peer is slowed down by TCP itself and nothing is dropped."""
     max_auth_failures: int = 10
-    """Failed authentications from one source address within `auth_failure_window_s`; beyond it that address's
-    connections are closed unread until the window has passed."""
+    """Failed authentications from one source address claiming one identity (engine id, pp rank, tp rank) within
+    `auth_failure_window_s`; beyond it such connections are closed after their Hello until the window has passed.
+    Never for an identity that authenticated from that address before (locking it out is what a guesser on its host
+    would want); each failure is answered late all the same."""
     auth_failure_window_s: float = 60.0
     auth_failure_delay_s: float = 0.5
     """How long the answer to a failed authentication is held back (a guess costs the guesser this much)."""
-
-
-class AdmissionGuard:
-    """Counts connections and failed authentications per source address; `admit` says why one is refused."""
-
-    def __init__(self, limits: ServerLimits) -> None:
-        self.limits = limits
-        self.open: dict[str, int] = defaultdict(int)
-        """Open connections per source host."""
-        self.handshakes = 0
-        self._failures: dict[str, deque[float]] = {}
-        self._locked_logged: dict[str, float] = {}
-
-    @property
-    def total(self) -> int:
-        return sum(self.open.values())
-
-    def admit(self, host: str) -> str | None:
-        """None (and the connection counted) if a connection from `host` may start its handshake, else why not."""
-        lim = self.limits
-        if self.locked_out(host):
-            return (f"{host} failed authentication {lim.max_auth_failures} times within {lim.auth_failure_window_s:g} s "
-                    f"(setting max_auth_failures); its connections are closed until that window has passed")
-        if self.total >= lim.max_connections:
-            return f"{lim.max_connections} connections are open (setting max_connections)"
-        if self.open[host] >= lim.max_connections_per_host:
-            return f"{host} has {self.open[host]} connections open (setting max_connections_per_host)"
-        if self.handshakes >= lim.max_handshakes:
-            return f"{lim.max_handshakes} handshakes are in progress (setting max_handshakes)"
-        self.open[host] += 1
-        self.handshakes += 1
-        return None
-
-    def handshake_done(self) -> None:
-        self.handshakes -= 1
-
-    def release(self, host: str) -> None:
-        self.open[host] -= 1
-        if self.open[host] <= 0:
-            del self.open[host]
-
-    def auth_failed(self, host: str) -> None:
-        self._failures.setdefault(host, deque()).append(time.monotonic())
-        if len(self._failures) > 4096:  # many offending addresses: forget those whose window has passed
-            for other in list(self._failures):
-                self._recent_failures(other)
-
-    def locked_out(self, host: str) -> bool:
-        return self._recent_failures(host) >= self.limits.max_auth_failures
-
-    def should_log_lockout(self, host: str) -> bool:
-        """Log a lockout once per window per address, not once per refused connection."""
-        now = time.monotonic()
-        for old in [h for h, at in self._locked_logged.items() if now - at >= self.limits.auth_failure_window_s]:
-            del self._locked_logged[old]  # bounded: only addresses locked out within the window stay
-        if host in self._locked_logged:
-            return False
-        self._locked_logged[host] = now
-        return True
-
-    def _recent_failures(self, host: str) -> int:
-        """Failures of `host` within the window; older ones (and addresses left with none) are forgotten."""
-        times = self._failures.get(host)
-        if times is None:
-            return 0
-        horizon = time.monotonic() - self.limits.auth_failure_window_s
-        while times and times[0] < horizon:
-            times.popleft()
-        if not times:
-            del self._failures[host]
-        return len(times)
+    known_identities: int = 4096
+    """(address, identity) pairs remembered as having authenticated, least recently used forgotten first."""
+    refusal_log_interval_s: float = 10.0
+    """Refused or failed connections: the first few of each interval are logged in full, the others in one summary
+    line with counts at its end (connector.transport.refusals); all are counted."""
 
 
 class RateLimiter:

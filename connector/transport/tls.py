@@ -5,6 +5,7 @@ auth token (connector.protocol.auth) still decides who may connect."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import ssl
 
@@ -41,3 +42,14 @@ def client_context(ca_file: str) -> ssl.SSLContext | None:
                           f"process can read") from None
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     return ctx
+
+
+class PausedUntilTLS(asyncio.StreamReaderProtocol):
+    """A TLS server's connection (connector.transport.control serves plain TCP and starts TLS per connection, once
+    admitted, so that every socket is counted from accept) reads nothing until its handler starts TLS: bytes read
+    before `start_tls` would be lost to it, and the handler first yields once, so that a burst of arrivals evicts
+    its own (connector.transport.admission) before any of them allocates TLS state (~300 KB each)."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        transport.pause_reading()  # type: ignore[attr-defined]  # start_tls resumes it

@@ -57,12 +57,15 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     max_connections: PositiveInt = _LIMITS.max_connections
     max_connections_per_host: PositiveInt = _LIMITS.max_connections_per_host
     max_handshakes: PositiveInt = _LIMITS.max_handshakes
+    max_handshakes_per_host: PositiveInt = _LIMITS.max_handshakes_per_host
+    handshake_deadline_s: Positive = _LIMITS.handshake_deadline_s
     handshake_frame_bytes: Annotated[int, Meta(ge=4096)] = _LIMITS.handshake_frame_bytes
     max_frame_bytes: Annotated[int, Meta(ge=65536)] = _LIMITS.max_frame_bytes
     messages_per_s: Positive = _LIMITS.messages_per_s
     max_auth_failures: PositiveInt = _LIMITS.max_auth_failures
     auth_failure_window_s: Positive = _LIMITS.auth_failure_window_s
     """The window of max_auth_failures, in seconds."""
+    refusal_log_interval_s: Positive = _LIMITS.refusal_log_interval_s
     max_peer_ranks: PositiveInt = _SIDE.max_peer_ranks
     max_parked_per_connection: PositiveInt = _SENDER.max_parked_per_connection
     max_parked_bytes_per_connection: PositiveInt = _SENDER.max_parked_bytes_per_connection
