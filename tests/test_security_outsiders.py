@@ -80,7 +80,7 @@ def test_held_handshake_slots_do_not_keep_decodes_out(target, victim, open_rank,
     """64 connections from the decode's own address that send nothing (or half a Hello) held all 64 handshake
     slots: fresh decodes were refused until the 10 s handshake timeout. Now unauthenticated connections from one
     address have a budget of 8 and a newer one evicts the oldest: the known decode and a fresh one both get in
-    while all 64 sockets are held, and what stays pending is closed 3 s after accept."""
+    while all 64 sockets are held, and what stays pending is closed 5 s after accept."""
     rank, receiver = victim
     payload = partial_hello(receiver.hello) if kind == "unfinished Hellos" else b""
     held = open_sockets(target.port, SLOTS, source="127.0.0.1", first=payload)
@@ -224,8 +224,8 @@ def test_tls_sessions_not_started_are_counted_and_silent_ones_do_not_keep_decode
 
 
 def test_an_unauthenticated_connection_is_closed_at_its_deadline_from_accept(target, victim):
-    """The whole unauthenticated part of a handshake has one deadline from accept (3 s), not a timeout per read
-    that a slow sender resets: a Hello dribbled a byte at a time is closed at 3 s, not after the 10 s handshake
+    """The whole unauthenticated part of a handshake has one deadline from accept (5 s), not a timeout per read
+    that a slow sender resets: a Hello dribbled a byte at a time is closed at 5 s, not after the 10 s handshake
     timeout."""
     rank, receiver = victim
     frame = hello_frame(receiver.hello)
@@ -248,6 +248,6 @@ def test_an_unauthenticated_connection_is_closed_at_its_deadline_from_accept(tar
         return time.monotonic() - began
 
     took = rank.run(dribble(), 30)
-    assert 2.5 < took < 6.0, took
+    assert 4.5 < took < 8.5, took
     back_to_baseline(target)
     assert_recovered(target, rank, receiver, "t-deadline-after")

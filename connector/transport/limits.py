@@ -34,9 +34,10 @@ class ServerLimits:
     max_handshakes_per_host: int = 8
     """Connections not yet authenticated from one source address; a newer one evicts that address's oldest. A
     decode node opens one per decode rank and prefill rank at a time, each authenticated within milliseconds."""
-    handshake_deadline_s: float = 3.0
+    handshake_deadline_s: float = 5.0
     """From accept until the peer's proof checked out (the TLS handshake, Hello and Auth): a connection not
-    authenticated by then is closed. (handshake_timeout_s, if shorter, applies instead.)"""
+    authenticated by then is closed. (handshake_timeout_s, if shorter, applies instead.) A machine whose processes
+    can stall for seconds (several engines sharing few cores) needs more, as it needs a longer handshake_timeout_s."""
     handshake_frame_bytes: int = HANDSHAKE_MAX_FRAME_BYTES
     """Largest frame accepted before the peer has authenticated."""
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
