@@ -78,7 +78,7 @@ def test_counters_and_series_are_told_apart_by_type():
     counters, series = counter_names(SenderStats), series_names(SenderStats)
     assert {"bytes_sent", "bytes_sent_kv", "bytes_sent_index_k", "bytes_sent_index_v", "sends_expired"} <= \
         set(counters)
-    assert series == ("post_seconds", "transfer_seconds")
+    assert series == ("post_seconds", "transfer_seconds", "compute_seconds", "exposed_seconds", "ack_seconds")
     assert not set(counters) & set(series)
 
 
@@ -109,5 +109,6 @@ def test_samples_are_taken_out_once():
     stats.record_write(WriteTiming(post_s=0.001, transfer_s=0.004))
     stats.record_write(WriteTiming(post_s=0.002, transfer_s=0.005))
     _, samples = delta.take()
-    assert samples == {"post_seconds": [0.001, 0.002], "transfer_seconds": [0.004, 0.005]}
-    assert not stats.post_seconds and delta.take()[1] == {"post_seconds": [], "transfer_seconds": []}
+    assert samples == {"post_seconds": [0.001, 0.002], "transfer_seconds": [0.004, 0.005], "compute_seconds": [],
+                       "exposed_seconds": [], "ack_seconds": []}
+    assert not stats.post_seconds and not any(delta.take()[1].values())

@@ -105,6 +105,9 @@ def test_tp1_to_tp1_by_module_path(pool, m3_dir):
         # each WRITE is one NIXL post here (no staging), timed twice: its post, and post to completion
         assert len(p["post_seconds"]) == len(p["transfer_seconds"]) == p["writes"] and p["staged_chunks"] == 0
         assert (d["bytes_received"], d["recvs_ok"], d["recvs_failed"], len(d["recv_seconds"])) == (sent, 1, 0, 1)
+        # the transfer's timeline (connector.engine.timeline): one sample per stage and side
+        assert [len(p[s]) for s in ("compute_seconds", "exposed_seconds", "ack_seconds")] == [1, 1, 1]
+        assert len(d["tell_seconds"]) == 1 and all(v >= 0 for v in p["exposed_seconds"] + d["tell_seconds"])
         # by pool, both sides agree and add up: the main KV and the index keys of the six sparse layers
         by_pool = {pool: p[f"bytes_sent_{pool}"] for pool in ("kv", "index_k", "index_v")}
         assert by_pool == {pool: d[f"bytes_received_{pool}"] for pool in by_pool} and sum(by_pool.values()) == sent

@@ -473,3 +473,47 @@ def test_an_empty_step_with_a_request_waiting_for_blocks_does_not_wait():
     assert side.pacer.asked == 1  # p2 could not be scheduled: vLLM's pace
     side.build_connector_meta(empty)
     assert side.pacer.asked == 2  # nothing waits any more
+
+
+# ---- the scheduler sides' part of each transfer's timeline (connector.engine.timeline) ---------------------------
+def test_prefill_and_decode_schedulers_time_their_stages_and_log_one_line_each(m3_dir, caplog):
+    import logging
+
+    from connector.engine.timeline import parse_line
+
+    def samples(sched) -> dict[str, list[float]]:
+        """What the scheduler side hands vLLM each step (vLLM takes it in update_from_output), gathered."""
+        side, got = sched.connector._scheduler, {}
+        take = side.take_stats
+
+        def gathered():
+            out = take()
+            for key, values in (out.data.items() if out is not None else ()):
+                if isinstance(values, list):
+                    got.setdefault(key, []).extend(values)
+            return out
+
+        side.take_stats = gathered
+        return got
+
+    pre = build(m3_dir, "kv_producer", max_num_batched_tokens=64)
+    dec = build(m3_dir, "kv_consumer")
+    pre_samples, dec_samples = samples(pre), samples(dec)
+    req = H.make_request("p1", 100, kv_transfer_params={"do_remote_decode": True, "transfer_id": "t1"}, max_tokens=1)
+    want = H.make_request("d1", 40, kv_transfer_params={"do_remote_prefill": True, "transfer_id": "t1",
+                                                        "prefill_addr": "127.0.0.1:5600"})
+    with caplog.at_level(logging.DEBUG, logger="connector"):
+        pre.add_request(req)
+        H.run_step(pre)
+        dec.add_request(want)
+        H.run_step(dec)
+        H.run_step(dec, finished_recving={"d1"})
+        H.run_step(dec)
+    assert len(pre_samples["queue_seconds"]) == 1 and pre_samples["queue_seconds"][0] >= 0
+    assert len(dec_samples["schedule_seconds"]) == 1
+    lines = [parse_line(r.getMessage()) for r in caplog.records]
+    by_side = {line["side"]: line for line in lines if line}
+    assert by_side["prefill_scheduler"]["transfer_id"] == "t1" and \
+        by_side["prefill_scheduler"]["seen"] <= by_side["prefill_scheduler"]["scheduled"]
+    assert by_side["decode_scheduler"]["request_id"] == "d1" and \
+        by_side["decode_scheduler"]["learned"] <= by_side["decode_scheduler"]["scheduled"]

@@ -64,6 +64,8 @@ class SenderConfig:
     (where the copies themselves cost about as much as the descriptors they save; docs/performance.md, the bench)."""
     record_timeline: bool = False
     """Keep each batch's post, write and landing times per transfer (the bench's timeline plot)."""
+    log_timeline: bool = False
+    """Log each transfer's timeline (connector.engine.timeline) at INFO instead of DEBUG."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,8 @@ class ReceiverConfig:
     asking it (over new connections) before its blocks are handed back anyway. Must exceed prefill's
     tcp_user_timeout_s plus one heartbeat interval: by then UCX has ended any WRITE stuck on a dead link (the
     default is 10 + 2 + 1 s)."""
+    log_timeline: bool = False
+    """Log each transfer's timeline (connector.engine.timeline) at INFO instead of DEBUG."""
     kv_checksum: bool = False
     """Verify every transfer end to end: prefill digests what it sent per (pool, layer, block), decode digests what
     its blocks hold once every source completed, and a difference fails the transfer naming the blocks

@@ -24,6 +24,7 @@ from connector.engine.config import ReceiverConfig
 from connector.engine.rank import LocalRank
 from connector.engine.sources import SourceEngine, SourceTable
 from connector.engine.staging import StagedReader
+from connector.engine.timeline import ReceivePoints
 from connector.protocol.addressing import PrefillAddress
 from connector.protocol.messages import (MAX_TRANSFER_ID, Abort, Checksums, Complete, Error, Register, RegisterAck,
                                          RegisterError, Scatter, Scattered, Stopped)
@@ -46,6 +47,8 @@ class ReceiveResult:
     """`bytes_written` by pool, as the sources reported it."""
     checksummed_blocks: int = 0
     """`kv_checksum`: (route, block) digests decode compared with prefill's, all equal (0: not asked)."""
+    points: ReceivePoints = field(default_factory=ReceivePoints)
+    """Its timeline on this rank so far (connector.engine.timeline): registered and landed."""
 
 
 @dataclass
@@ -229,6 +232,8 @@ class StreamReceiver:
         the transfer refuses at once rather than parking the registration until prefill starts it. `checksum`:
         verify it end to end (None: `config.kv_checksum`)."""
         checksum = self.config.kv_checksum if checksum is None else checksum
+        points = ReceivePoints()
+        points.mark("registered")
         if transfer_id in self._pending:
             raise TransferFailed(f"transfer {transfer_id!r} is already being received on decode rank {self.me.rank}")
         if len(transfer_id) > MAX_TRANSFER_ID:
@@ -257,6 +262,7 @@ class StreamReceiver:
                                              staging_offset=offset, staging_bytes=nbytes,
                                              after_prefill=after_prefill, checksum=checksum))
                 done = await asyncio.gather(*pend.completes.values())
+                points.mark("landed")
         except TimeoutError:
             missing = sorted(src for src, f in pend.completes.items() if not f.done())
             await asyncio.shield(self._stop_sources(pend, "decode timed out"))
@@ -284,7 +290,8 @@ class StreamReceiver:
             for pool, nbytes in c.bytes_by_pool.items():
                 by_pool[pool] = by_pool.get(pool, 0) + nbytes
         return ReceiveResult(transfer_id, sum(c.bytes_written for c in done), sum(c.descriptors for c in done),
-                             tuple(sorted(pend.completes)), sum(c.staged_chunks for c in done), by_pool, checked)
+                             tuple(sorted(pend.completes)), sum(c.staged_chunks for c in done), by_pool, checked,
+                             points)
 
     def _verify(self, pend: _Pending, first_token: int, num_tokens: int) -> tuple[str, int]:
         """`kv_checksum`: digest what every source wrote here (every source completed, so nothing writes into these

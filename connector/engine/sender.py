@@ -24,6 +24,7 @@ from connector.engine.peers import PeerTable
 from connector.engine.rank import LocalRank
 from connector.engine.sender_state import Destination, FinishedInfo, PeerInfo, SendRequest, lease_expiry_note
 from connector.engine.stats import SenderStats
+from connector.engine.timeline import close
 from connector.protocol.handshake import PeerKey
 from connector.protocol.messages import (Abort, Complete, Heartbeat, Hello, Message, Register, RegisterAck,
                                          RegisterError, Scattered, Stopped)
@@ -154,6 +155,7 @@ class StreamSender:
             log.error("transfer %s started twice; ignoring the second start", transfer_id)
             return
         req = SendRequest(transfer_id, num_tokens, [], finished=self.loop.create_future())
+        req.points.mark("started")
         for p, refused in self.ownership.start(req, time.monotonic()):
             self._tasks.spawn(self._send_quiet(p.conn, self._answer(p.peer, p.register, refused)))
         if req.given_up_by is not None:
@@ -197,8 +199,10 @@ class StreamSender:
         layers = range(start, end) if global_layer is None else (global_layer,)
         for layer in layers:
             req.ready_tokens[layer] = max(req.ready_tokens.get(layer, 0), tokens)
+        req.points.mark("first_layer")
         if global_layer is None and tokens >= req.num_tokens:
             self.ownership.all_computed(req, time.monotonic())
+            req.points.mark("computed")
         self._pump(req)
 
     def _abort(self, transfer_id: str, reason: str) -> None:
@@ -332,6 +336,8 @@ class StreamSender:
 
     async def _write_batch(self, req: SendRequest, dest: Destination, batch: list[tuple[int, int]]) -> None:
         req.first_write_at = req.first_write_at or time.time()
+        req.points.mark("first_post")
+        req.points.mark("last_post", first=False)
         during_compute = not req.all_computed
         layers = [layer for layer, _ in batch]
         generation = req.generation
@@ -351,6 +357,7 @@ class StreamSender:
             if dest.done:  # aborted or failed meanwhile: this may have been the last reader of the blocks
                 self._flush_notice(dest)
                 self._check_finished(req)
+        req.points.mark("last_write", first=False)
         if generation == req.generation:  # else a restart made what this WRITE read stale: send it again
             for layer, ready in batch:
                 dest.sent_tokens[layer] = ready
@@ -440,6 +447,9 @@ class StreamSender:
             self.stats.sends_failed += 1
         self.finished_info[req.transfer_id] = FinishedInfo(ok, req.first_write_at)
         log.debug("transfer %s released: %s", req.transfer_id, why)
+        # (a failed transfer's stages say nothing of the path: its failure is logged on its own)
+        close(log, "prefill", req.transfer_id, req.points, "released", self.config.log_timeline,
+              self.stats if ok else None, rank=list(self.me.rank), ok=ok, tokens=req.num_tokens)
         if not req.finished.done():
             req.finished.set_result(ok)
         if self.on_finished is not None:

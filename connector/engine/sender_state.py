@@ -12,6 +12,7 @@ from connector.core.errors import RegistrationError
 from connector.core.layout import blocks_for
 from connector.core.plan import Route
 from connector.engine.peers import PeerInfo
+from connector.engine.timeline import SendPoints
 from connector.protocol.handshake import PeerKey
 from connector.protocol.messages import Register
 
@@ -60,6 +61,8 @@ class SendRequest:
     """Bumped when prefill restarts the request (vLLM preemption): WRITEs of an older generation do not count."""
     first_write_at: float = 0.0
     """Wall-clock time (time.time()) the first WRITE of this request was posted; 0 = none yet."""
+    points: SendPoints = field(default_factory=SendPoints)
+    """Its timeline on this rank (connector.engine.timeline)."""
     finished: asyncio.Future | None = None
     """Resolves to True/False once the request is released (every decode rank completed / some failed, or it was
     aborted or expired): its blocks are free then."""

@@ -55,6 +55,12 @@ class SenderStats:
     """Per NIXL WRITE: creating and posting it (on DRAM the copy itself runs in the post)."""
     transfer_seconds: collections.deque[float] = field(default_factory=_samples)
     """Per NIXL WRITE: from the post until it completed."""
+    compute_seconds: collections.deque[float] = field(default_factory=_samples)
+    """Per transfer (connector.engine.timeline): the rank heard of the request until it computed every token."""
+    exposed_seconds: collections.deque[float] = field(default_factory=_samples)
+    """Per transfer: every token computed until its last WRITE completed (what streaming did not hide)."""
+    ack_seconds: collections.deque[float] = field(default_factory=_samples)
+    """Per transfer: its last WRITE completed until every decode rank completed it."""
 
     def add_pool_bytes(self, pool: str, nbytes: int) -> None:
         name = f"bytes_sent_{pool}"

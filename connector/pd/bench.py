@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from connector.pd import flows
+from connector.pd import flows, timelines
 from connector.pd.client import Completion, prompt_ids
 from connector.pd.model import TinyLlama
 from connector.pd.servers import ServerSpec, VllmServer, sparse_kv_config, start_all
@@ -41,6 +41,9 @@ class ModeResult:
     requests: int
     token_equal: int
     ttft_ms: list[float] = field(default_factory=list)
+    breakdown: dict[int, dict[str, tuple[float, float, int]]] = field(default_factory=dict)
+    """SparseKVConnector modes: prompt tokens -> stage -> (p50 ms, p99 ms, requests), from both engines' timeline
+    lines (connector.pd.timelines)."""
 
     @property
     def p50_ms(self) -> float:
@@ -101,16 +104,23 @@ class PdBench:
         return VllmServer(spec, self.config.engine_python, self.root / "logs")
 
     def _servers(self, mode: str) -> tuple[list[VllmServer], Callable[[list[int]], Completion]]:
+        """The mode's servers, and how to ask them (the answer's kv_transfer_params name its transfer id)."""
         if mode == "local":
             local = self._server("local")
             return [local], lambda p: flows.local(local.url, p, self.config.max_tokens, cache_salt=fresh())
         if mode.startswith("sparse"):
             side = free_ports()
-            pre = self._server("sparse-prefill", sparse_kv_config("kv_producer", side_channel_port=side))
-            dec = self._server("sparse-decode", sparse_kv_config("kv_consumer"))
+            pre = self._server("sparse-prefill", sparse_kv_config("kv_producer", side_channel_port=side,
+                                                                  log_timeline=True))
+            dec = self._server("sparse-decode", sparse_kv_config("kv_consumer", log_timeline=True))
             if mode == "sparse-concurrent":
-                return [pre, dec], lambda p: flows.concurrent(pre.url, f"127.0.0.1:{side}", dec.url, p,
-                                                              self.config.max_tokens, cache_salt=fresh())
+                def concurrent(p: list[int]) -> Completion:
+                    tid = fresh()
+                    out = flows.concurrent(pre.url, f"127.0.0.1:{side}", dec.url, p, self.config.max_tokens,
+                                           cache_salt=fresh(), transfer_id=tid)
+                    out.kv_transfer_params = {"transfer_id": tid}
+                    return out
+                return [pre, dec], concurrent
             return [pre, dec], lambda p: flows.sequential(pre.url, dec.url, p, self.config.max_tokens,
                                                           cache_salt=fresh())
         env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
@@ -128,7 +138,9 @@ class PdBench:
         start_all(servers)
         try:
             result = ModeResult(mode, 0, 0)
+            asked: list[timelines.ClientRequest] = []
             for i, prompt in enumerate(self.prompts):
+                sent_at = time.time()
                 out = ask(prompt)
                 if mode == "local":
                     self.reference.append(out.token_ids)
@@ -137,12 +149,19 @@ class PdBench:
                 result.requests += 1
                 result.token_equal += out.token_ids == self.reference[i]
                 result.ttft_ms.append(out.ttft_s * 1e3)
+                tid = (out.kv_transfer_params or {}).get("transfer_id")
+                if tid:
+                    asked.append(timelines.ClientRequest(str(tid), len(prompt), sent_at, sent_at + out.ttft_s))
             self.log(f"{mode}: p50 {result.p50_ms:.1f} ms, p99 {result.p99_ms:.1f} ms, "
                      f"{result.token_equal}/{result.requests} token-equal")
-            return result
         finally:
             for s in servers:
                 s.stop(20)
+        if asked:  # the engines' logs are complete once they stopped
+            records = timelines.read_logs(s.log_path for s in servers)
+            result.breakdown = timelines.summarize([(r.prompt_tokens, timelines.breakdown(r, records.get(
+                r.transfer_id, {}))) for r in asked])
+        return result
 
     def run(self) -> list[ModeResult]:
         modes = list(self.config.modes)
@@ -173,4 +192,7 @@ def to_json(results: list[ModeResult]) -> dict:
 
 
 def dump(results: list[ModeResult], as_json: bool) -> str:
-    return json.dumps(to_json(results)) if as_json else table(results)
+    if as_json:
+        return json.dumps(to_json(results))
+    parts = [table(results)] + [timelines.table(r.mode, r.breakdown) for r in results if r.breakdown]
+    return "\n\n".join(parts)

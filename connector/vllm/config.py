@@ -85,6 +85,10 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     """UCX over TCP: a WRITE whose data stays unacknowledged this long (a cut link) fails, whatever the kernel's
     tcp_retries2; decode keeps a lost prefill rank's blocks this long plus a heartbeat interval and 1 s. None: the
     kernel decides (many minutes with its defaults)."""
+    log_timeline: bool = False
+    """Log each transfer's timeline at INFO (one `SparseKV timeline {...}` line per transfer per rank and scheduler;
+    at DEBUG otherwise): when prefill saw, scheduled and computed it, posted and completed its WRITEs, when decode
+    registered, had the KV, told vLLM and scheduled it (README, "Where TTFT goes"; bench-pd's breakdown)."""
     kv_checksum: bool = False
     """Decode: verify every transfer end to end. Prefill digests what it sent per (pool, layer, block) and decode
     what its blocks hold once all is in; a difference fails the transfer (vLLM's kv_load_failure_policy applies),

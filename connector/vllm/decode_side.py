@@ -8,6 +8,7 @@ import dataclasses
 import logging
 from typing import Any
 
+from connector.engine.timeline import DecodeSchedulerPoints, close
 from connector.vllm.metadata import RecvSpec, SparseKVMetadata
 from connector.vllm.requests import all_block_ids, check_params
 
@@ -15,12 +16,17 @@ log = logging.getLogger(__name__)
 
 
 class DecodeScheduler:
-    def __init__(self) -> None:
+    def __init__(self, log_timeline: bool = False) -> None:
         self.kv_cache_manager: Any = None
         self._ready: dict[str, RecvSpec] = {}      # to ship in the next metadata
         self._waiting: dict[str, str] = {}         # request id -> transfer id, until finished_recving
         self._matched: dict[str, int] = {}         # request id -> local prefix hit when matched
         self.aborts: dict[str, str] = {}           # request id -> transfer id, for the next metadata
+        self._learned: dict[str, tuple[str, DecodeSchedulerPoints]] = {}
+        """Requests whose KV is in, until vLLM schedules them: (transfer id, timeline)."""
+        self.samples: dict[str, list[float]] = {}
+        """Stage samples since SchedulerSide.take_stats last drained them."""
+        self._log_timeline = log_timeline
 
     def owns(self, req_id: str) -> bool:
         return req_id in self._waiting or req_id in self._matched
@@ -59,12 +65,29 @@ class DecodeScheduler:
         self._ready = {}
 
     def received(self, req_id: str) -> None:
-        self._waiting.pop(req_id, None)
+        tid = self._waiting.pop(req_id, None)
+        if tid is not None:
+            points = DecodeSchedulerPoints()
+            points.mark("learned")
+            self._learned[req_id] = (tid, points)
         # vLLM finishes a failed load (policy "fail") before it shows us the output: no abort for it then.
         self.aborts.pop(req_id, None)
 
+    def scheduled(self, scheduler_output: Any) -> None:
+        """Requests whose KV came in, scheduled this step: the end of decode's timeline of them."""
+        if not self._learned:
+            return
+        for req_id in getattr(scheduler_output, "num_scheduled_tokens", None) or ():
+            learned = self._learned.pop(req_id, None)
+            if learned is None:
+                continue
+            tid, points = learned
+            close(log, "decode_scheduler", tid, points, "scheduled", self._log_timeline, self.samples,
+                  request_id=req_id)
+
     def finished(self, request: Any) -> None:
         req_id = request.request_id
+        self._learned.pop(req_id, None)
         params = request.kv_transfer_params or {}
         tid = self._waiting.pop(req_id, None)
         self._matched.pop(req_id, None)

@@ -9,6 +9,7 @@ from typing import Any
 
 from vllm.v1.request import RequestStatus
 
+from connector.engine.timeline import PrefillSchedulerPoints, close
 from connector.vllm.config import ConnectorSettings, default_host
 from connector.vllm.metadata import SendSpec, SparseKVMetadata
 from connector.vllm.requests import all_block_ids, check_params
@@ -29,6 +30,10 @@ class PrefillScheduler:
         self._started: set[str] = set()                # shipped to the workers at least once
         self._held: dict[str, float] = {}              # finished (time.monotonic()); blocks kept until finished_sending
         self.aborts: dict[str, str] = {}               # request id -> transfer id, for the next metadata
+        self._points: dict[str, PrefillSchedulerPoints] = {}
+        """Timelines of known requests until their first chunk ships (connector.engine.timeline)."""
+        self.samples: dict[str, list[float]] = {}
+        """Stage samples since SchedulerSide.take_stats last drained them."""
 
     def owns(self, req_id: str) -> bool:
         return req_id in self._known
@@ -42,6 +47,8 @@ class PrefillScheduler:
             log.error("request %s: %s; it runs as a plain prefill and nothing is sent", request.request_id, problem)
             return
         self._known[request.request_id] = (self.transfer_id_of(request), request.num_prompt_tokens)
+        self._points[request.request_id] = points = PrefillSchedulerPoints()
+        points.mark("seen")
 
     @staticmethod
     def transfer_id_of(request: Any) -> str:
@@ -74,10 +81,20 @@ class PrefillScheduler:
                 block_ids=all_block_ids(self.kv_cache_manager, req_id, None),
                 computed_after_step=min(prompt, computed[req_id] + n_scheduled), new=req_id not in self._started)
             self._started.add(req_id)
+            self._scheduled(req_id, tid)
+
+    def _scheduled(self, req_id: str, tid: str) -> None:
+        """The request's first chunk ships: the end of the scheduler's part of its timeline."""
+        points = self._points.pop(req_id, None)
+        if points is None:
+            return
+        close(log, "prefill_scheduler", tid, points, "scheduled", self.settings.log_timeline, self.samples,
+              request_id=req_id)
 
     def sent(self, req_id: str) -> None:
         """Every worker reported the request finished sending: its blocks may go."""
         self._held.pop(req_id, None)
+        self._points.pop(req_id, None)
         self._known.pop(req_id, None)
         self._started.discard(req_id)
 
@@ -87,6 +104,7 @@ class PrefillScheduler:
         known = self._known[req_id]
         if req_id not in self._started:  # never reached the workers: nothing reads its blocks
             self._known.pop(req_id, None)
+            self._points.pop(req_id, None)
             return False, None
         self._held[req_id] = time.monotonic()
         if request.status not in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED):

@@ -44,7 +44,7 @@ class SchedulerSide:
         self.engine_id = engine_id
         self.settings = settings or ConnectorSettings()
         self.prefill = PrefillScheduler(engine_id, self.settings, dp_index) if sends else None
-        self.decode = DecodeScheduler() if receives else None
+        self.decode = DecodeScheduler(self.settings.log_timeline) if receives else None
         self.handshakes: dict[tuple[int, int], SparseKVHandshake] = {}
         self._mismatched: set[str] = set()
         """Requests whose kv_transfer_params ask for the other role (warned and counted once each)."""
@@ -106,6 +106,10 @@ class SchedulerSide:
     def take_stats(self) -> SparseKVConnectorStats | None:
         """What happened since the last call, or None (vLLM then ships nothing)."""
         out, self._stats = self._stats, SparseKVConnectorStats()
+        for half in (self.prefill, self.decode):
+            if half is not None and half.samples:
+                out.extend(**half.samples)
+                half.samples = {}
         return None if out.is_empty() else out
 
     @staticmethod
@@ -122,6 +126,7 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: Any) -> SparseKVMetadata:
         meta = SparseKVMetadata()
         if self.decode is not None:
+            self.decode.scheduled(scheduler_output)
             self.decode.fill(meta)
             meta.aborts.update(self.decode.aborts)
             self.decode.aborts = {}

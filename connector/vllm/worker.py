@@ -21,6 +21,7 @@ from connector.engine.rank import LocalRank
 from connector.engine.receiver import ReceiveResult, StreamReceiver
 from connector.engine.sender import StreamSender
 from connector.engine.stats import StatsDelta
+from connector.engine.timeline import close
 from connector.protocol.addressing import PrefillAddress, engine_base_port, side_channel_port
 from connector.transport.loop import LoopThread
 from connector.transport.nixl import Transport
@@ -308,6 +309,7 @@ class WorkerSide:
                                         **{f"bytes_received_{pool}": n for pool, n in result.bytes_by_pool.items()})
                         if started is not None:
                             self._stats.data["recv_seconds"].append(time.monotonic() - started)
+                        self._told(req_id, result)
                 else:
                     done[req_id] = str(exc)
         for req_id, reason in done.items():
@@ -319,6 +321,11 @@ class WorkerSide:
                 failed.add(req_id)
                 self._stats.add(recvs_failed=1)
         return sending, recving, failed
+
+    def _told(self, req_id: str, result: ReceiveResult) -> None:
+        """vLLM hears now that `req_id`'s KV is in: the end of this rank's timeline of it."""
+        close(log, "decode", result.transfer_id, result.points, "told", self.settings.log_timeline, self._stats.data,
+              rank=list(self.rank), request_id=req_id)
 
     def take_stats(self) -> SparseKVConnectorStats | None:
         """What happened since the last call (model-runner thread): the sender's counters as a delta, and the

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from connector.pd.timelines import COLUMNS
 from tests.real_engine.conftest import ROOT, engine_python
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(900)]
@@ -28,3 +29,14 @@ def test_bench_pd_runs_every_flow_token_equal(tmp_path):
     for name, m in modes.items():
         assert (m["requests"], m["token_equal"]) == (2, 2), name
         assert len(m["ttft_ms"]) == 2 and m["p50_ms"] > 0, name
+    # the breakdown of each SparseKVConnector request, from both engines' timeline lines (connector.pd.timelines):
+    # every stage of every prompt length, each request's stages adding up to no more than its TTFT
+    for name in ("sparse-concurrent", "sparse-sequential"):
+        by_len = modes[name]["breakdown"]
+        assert sorted(by_len) == ["300", "500"], (name, by_len)
+        for tokens, stages in by_len.items():
+            assert set(stages) == set(COLUMNS), (name, tokens, sorted(stages))
+            assert all(n == 1 for _p50, _p99, n in stages.values()), (name, tokens)
+            assert stages["compute"][0] > 0 and stages["exposed"][0] >= 0 and stages["tell"][0] >= 0
+            assert stages["landed_after"][0] <= stages["ttft"][0], (name, tokens, stages)
+    assert modes["nixl-clamped"]["breakdown"] == {}  # NixlConnector logs no timeline
