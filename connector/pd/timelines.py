@@ -6,7 +6,8 @@ All points are wall-clock seconds on one machine (the engines and the client sha
   to_prefill        client sent the request -> prefill's scheduler saw it (HTTP, the API server, the engine queue)
   queue             prefill's scheduler saw it -> its first chunk went to the workers
   compute           prefill's ranks heard of it -> computed every prompt token (the slowest rank)
-  exposed           computed -> the last WRITE completed (what streaming did not hide; the slowest rank)
+  exposed           computed -> the last WRITE completed (what streaming did not hide; the slowest rank; 0 when
+                    every WRITE completed before the sweep that marks the prompt computed)
   registered_after  computed -> decode registered (negative: decode registered while prefill computed, as the
                     concurrent flow does; the sequential flow's router hop shows here)
   landed_after      computed -> every decode rank had all its KV
@@ -82,7 +83,10 @@ def breakdown(req: ClientRequest, sides: dict[str, list[dict[str, Any]]]) -> dic
     out = {}
     for name, (a, b) in spans.items():
         if points[a] is not None and points[b] is not None:
-            out[name] = round((points[b] - points[a]) * 1e3, 3)
+            ms = (points[b] - points[a]) * 1e3
+            # Only registered_after has a sign. Elsewhere a point a hair "early" is the same moment: the last
+            # layers' WRITEs can complete before the loop processes the sweep that marks the prompt computed.
+            out[name] = round(ms if name == "registered_after" else max(0.0, ms), 3)
     return out
 
 
