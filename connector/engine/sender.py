@@ -51,8 +51,6 @@ class StreamSender:
         self.ownership = Ownership(config, me.rank, me.stage, me.block_size)
         self.requests: dict[str, SendRequest] = self.ownership.requests
         """Requests started and not released (the ownership's table, read here on every path)."""
-        self.finished_info: dict[str, FinishedInfo] = {}
-        """Finished transfers, kept as long as their ids are remembered as released (stats, late waiters)."""
         self._tasks = OwnedTasks(f"prefill rank {me.rank}")
         self._server: ControlServer | None = None
         self._inbox: deque = deque()
@@ -71,6 +69,10 @@ class StreamSender:
     def peers(self) -> dict[PeerKey, PeerInfo]:
         """Accepted decode ranks on live connections: their plan, regions and NIXL agent name."""
         return self._table.by_key
+
+    def finished_info(self, transfer_id: str) -> FinishedInfo | None:
+        """How a released transfer ended, as long as its id is remembered as released (stats, late waiters)."""
+        return self.ownership.outcome(transfer_id)
 
     @property
     def parked_count(self) -> int:
@@ -414,13 +416,12 @@ class StreamSender:
                           why="some decode ranks failed" if req.failed else "all decode ranks completed")
 
     def _release(self, req: SendRequest, ok: bool, why: str) -> None:
-        if not self.ownership.release(req, time.monotonic()):
+        if not self.ownership.release(req, time.monotonic(), FinishedInfo(ok, req.first_write_at)):
             return
         if ok:
             self.stats.sends_ok += 1
         else:
             self.stats.sends_failed += 1
-        self.finished_info[req.transfer_id] = FinishedInfo(ok, req.first_write_at)
         log.debug("transfer %s released: %s", req.transfer_id, why)
         if not req.finished.done():
             req.finished.set_result(ok)
@@ -459,12 +460,11 @@ class StreamSender:
                 why = f"prefill rank {self.me.rank} never started {tid!r} within {self.config.lease_s:.0f} s"
                 for p in parked:
                     self._tasks.spawn(self._send_quiet(p.conn, RegisterError(tid, why)))
-            for tid in self.ownership.forget_old(now):
-                self.finished_info.pop(tid, None)
+            self.ownership.forget_old(now)
 
     async def wait_finished(self, transfer_id: str, timeout: float) -> bool:
         req = self.requests.get(transfer_id)
         if req is None:
-            return (info := self.finished_info.get(transfer_id)) is not None and info.ok
+            return (info := self.finished_info(transfer_id)) is not None and info.ok
         async with asyncio.timeout(timeout):
             return await asyncio.shield(req.finished)

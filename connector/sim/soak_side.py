@@ -140,8 +140,7 @@ class PrefillSide(_Side):
     async def _tables(self) -> dict[str, int]:
         s, t, own = self.sender, self.rank.transport, self.sender.ownership
         server = s.server
-        return {"requests": len(s.requests), "parked": s.parked_count, "finished_info": len(s.finished_info),
-                "released_ids": len(own.released), "given_up": len(own.given_up), "peers": len(s.peers),
+        return {"requests": len(s.requests), "parked": s.parked_count, "released_ids": len(own.released), "given_up": len(own.given_up), "peers": len(s.peers),
                 "nixl_peers": len(t.peers), "xfer_handles": t.open_handles, "inflight_bytes": t.inflight_bytes,
                 "connections": len(server.connections) if server else 0,
                 "open_by_host": sum(server.guard.open.values()) if server else 0,
