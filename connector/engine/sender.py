@@ -437,30 +437,36 @@ class StreamSender:
     async def _lease_loop(self) -> None:
         while True:
             await asyncio.sleep(1.0)
-            now = time.monotonic()
-            for req in list(self.requests.values()):
-                if req.all_computed and now > req.lease_deadline and req.given_up_by is not None and not req.dests:
-                    if req.given_up_why:
-                        log.warning("transfer %s: freeing its KV unread: %s", req.transfer_id, req.given_up_why)
-                    else:
-                        log.info("transfer %s: decode engine %r gave it up before registering and no other engine "
-                                 "registered it within %g s; freeing its KV", req.transfer_id, req.given_up_by,
-                                 self.config.given_up_keep_s)
-                    req.expected = set()
-                    self._check_finished(req, ok=False)
-                elif req.all_computed and now > req.lease_deadline:
-                    log.warning("%s", lease_expiry_note(req, self.config.lease_s, self._last_refusal))
-                    for dest in req.dests.values():
-                        if not dest.done:
-                            self._stop_dest(req, dest, Abort(req.transfer_id, "prefill lease expired"))
-                    req.expected, req.failed = set(), True
-                    self.stats.sends_expired += 1
-                    self._check_finished(req, ok=False)  # released once no WRITE is in flight
-            for tid, parked in self.ownership.expired_waits(now):
-                why = f"prefill rank {self.me.rank} never started {tid!r} within {self.config.lease_s:.0f} s"
-                for p in parked:
-                    self._tasks.spawn(self._send_quiet(p.conn, RegisterError(tid, why)))
-            self.ownership.forget_old(now)
+            # One call per tick, so its locals end with it: a loop variable left in this coroutine's frame kept
+            # the last request it looked at (with its destination, closed connection and peer) alive while
+            # the sender idled (the soak found it after peer churn).
+            self._lease_tick(time.monotonic())
+
+    def _lease_tick(self, now: float) -> None:
+        """Leases run out, registrations wait too long, released ids are forgotten."""
+        for req in list(self.requests.values()):
+            if req.all_computed and now > req.lease_deadline and req.given_up_by is not None and not req.dests:
+                if req.given_up_why:
+                    log.warning("transfer %s: freeing its KV unread: %s", req.transfer_id, req.given_up_why)
+                else:
+                    log.info("transfer %s: decode engine %r gave it up before registering and no other engine "
+                             "registered it within %g s; freeing its KV", req.transfer_id, req.given_up_by,
+                             self.config.given_up_keep_s)
+                req.expected = set()
+                self._check_finished(req, ok=False)
+            elif req.all_computed and now > req.lease_deadline:
+                log.warning("%s", lease_expiry_note(req, self.config.lease_s, self._last_refusal))
+                for dest in req.dests.values():
+                    if not dest.done:
+                        self._stop_dest(req, dest, Abort(req.transfer_id, "prefill lease expired"))
+                req.expected, req.failed = set(), True
+                self.stats.sends_expired += 1
+                self._check_finished(req, ok=False)  # released once no WRITE is in flight
+        for tid, parked in self.ownership.expired_waits(now):
+            why = f"prefill rank {self.me.rank} never started {tid!r} within {self.config.lease_s:.0f} s"
+            for p in parked:
+                self._tasks.spawn(self._send_quiet(p.conn, RegisterError(tid, why)))
+        self.ownership.forget_old(now)
 
     async def wait_finished(self, transfer_id: str, timeout: float) -> bool:
         req = self.requests.get(transfer_id)
