@@ -33,6 +33,20 @@ def _type_name(t: type) -> str:
     return f"{t.__module__}.{t.__qualname__}"
 
 
+def fd_kinds() -> dict[str, int]:
+    """This process's open fds by what they are ("socket", "anon_inode:[eventfd]", "pipe", a file path's first
+    two parts...): a growing count says which kind leaks."""
+    kinds: collections.Counter = collections.Counter()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile (the listing's own fd)
+        kind = target.split(":[")[0] if target.startswith(("socket:", "pipe:")) else target
+        kinds["/".join(kind.split("/")[:3]) if kind.startswith("/") else kind] += 1
+    return dict(kinds)
+
+
 def proc_status() -> dict[str, int]:
     """VmRSS, RssAnon (bytes) and Threads (native, NIXL's and UCX's included) of this process."""
     out = {}
@@ -66,7 +80,7 @@ class Probe:
         status = proc_status()
         sample = {"side": self.side, "requests": requests, "t_s": round(time.monotonic() - self.started, 3),
                   "rss_bytes": status.get("VmRSS", 0), "rss_anon_bytes": status.get("RssAnon", 0),
-                  "fds": len(os.listdir("/proc/self/fd")), "threads": status.get("Threads", 0),
+                  "fds": len(os.listdir("/proc/self/fd")), "fd_kinds": fd_kinds(), "threads": status.get("Threads", 0),
                   "gc_objects": total, "types": {name: counts.get(name, 0) for name in WATCHED_TYPES},
                   "tables": tables, **(extra or {})}
         if warm and self._baseline is None:

@@ -42,8 +42,9 @@ def run(conn: Any, side: str, plan: Any, spec: Any) -> None:
 
 
 class Pattern:
-    """The expected bytes of tokens [0, tokens) of every pool a rank holds, arranged as `tensor[:, :, blk, :, off]`
-    indexes them ([tokens, layers, parts, heads, row bytes]), and the fill and check with it."""
+    """The expected bytes of tokens [0, tokens) of every pool a rank holds, laid out as the blocks hold them
+    ([layers, parts, blocks, heads, block_size, row bytes]: `tokens` fills whole blocks), and the fill and check
+    with them: one copy along the block dimension per pool, whatever the block ids."""
 
     def __init__(self, bufs: Any, tokens: int) -> None:
         import torch  # noqa: PLC0415 - loaded already (SimRank)
@@ -52,35 +53,36 @@ class Pattern:
 
         self.bufs, self.tokens = bufs, tokens
         self.want = {}
+        bs, n = bufs.block_size, tokens // bufs.block_size
         for name, buf in bufs.pools.items():
-            per_layer = [content(name, layer, torch.arange(tokens), buf.heads, buf.parts, buf.row_bytes, bufs.device)
-                         for layer in buf.layers]
-            self.want[name] = torch.stack(per_layer, dim=1)
+            per_layer = []
+            for layer in buf.layers:  # [T, parts, heads, E] -> [parts, blocks, heads, block_size, E]
+                data = content(name, layer, torch.arange(tokens), buf.heads, buf.parts, buf.row_bytes, bufs.device)
+                per_layer.append(data.reshape(n, bs, *data.shape[1:]).permute(2, 0, 3, 1, 4))
+            self.want[name] = torch.stack(per_layer).contiguous()
         self.nbytes = sum(w.numel() for w in self.want.values())
         """Bytes one request moves (every token of every layer of every pool: full blocks, as `tokens` is)."""
 
-    def _index(self, block_ids: list[list[int]], pool: str) -> tuple[Any, Any]:
+    def _ids(self, block_ids: list[list[int]], pool: str) -> Any:
         import torch  # noqa: PLC0415
 
         from connector.sim.buffers import POOL_GROUP  # noqa: PLC0415
 
-        tokens = torch.arange(self.tokens)
-        ids = torch.tensor(block_ids[POOL_GROUP[pool]], dtype=torch.int64)
-        return ids[tokens // self.bufs.block_size], tokens % self.bufs.block_size
+        ids = block_ids[POOL_GROUP[pool]][: self.tokens // self.bufs.block_size]
+        return torch.tensor(ids, dtype=torch.int64, device=self.bufs.device)
 
     def fill(self, block_ids: list[list[int]]) -> None:
         for name, buf in self.bufs.pools.items():
-            blk, off = self._index(block_ids, name)
-            buf.tensor[:, :, blk, :, off] = self.want[name]
+            buf.tensor.index_copy_(2, self._ids(block_ids, name), self.want[name])
 
     def problems(self, block_ids: list[list[int]]) -> list[str]:
         out = []
         for name, buf in self.bufs.pools.items():
-            blk, off = self._index(block_ids, name)
-            bad = (buf.tensor[:, :, blk, :, off] != self.want[name]).reshape(self.tokens, -1).any(dim=1)
-            if bool(bad.any()):
-                out.append(f"{name}: {int(bad.sum())} of {self.tokens} tokens differ, first at token "
-                           f"{int(bad.nonzero()[0])}")
+            got = buf.tensor.index_select(2, self._ids(block_ids, name))
+            if not bool((got == self.want[name]).all()):
+                bad = (got != self.want[name]).any(dim=(0, 1, 3, 5)).nonzero().tolist()  # [block, offset]
+                out.append(f"{name}: {len(bad)} of {self.tokens} tokens differ, first at token "
+                           f"{bad[0][0] * self.bufs.block_size + bad[0][1]}")
         return out
 
 
@@ -89,6 +91,11 @@ class _Side:
         from connector.sim.rank import SimRank  # noqa: PLC0415 - torch and NIXL load only after apply_env()
         from connector.sim.soak_probe import Probe  # noqa: PLC0415
 
+        import torch  # noqa: PLC0415
+
+        # One intra-op thread: the soak's tensors are tiny, and OpenMP's workers spinning after each op took most
+        # of a core per process (measured with perf: libgomp, 2 cores shared by both processes).
+        torch.set_num_threads(1)
         self.conn, self.plan, self.spec = conn, plan, spec
         self.rank = SimRank(spec).open()
         self.pattern = Pattern(self.rank.bufs, plan.tokens)
@@ -97,7 +104,13 @@ class _Side:
         self.done = 0
 
     def tables(self) -> dict[str, int]:
-        return self.rank.run(self._tables(), 30)
+        async def settled() -> dict[str, int]:
+            # The request just released may still be referenced by the task that released it (sending its
+            # Complete, say) for a loop iteration or two: let those tasks end before anything is counted.
+            await asyncio.sleep(0.05)
+            return await self._tables()
+
+        return self.rank.run(settled(), 30)
 
     async def _tables(self) -> dict[str, int]:
         raise NotImplementedError
