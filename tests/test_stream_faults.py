@@ -430,3 +430,65 @@ def test_transfers_over_one_connection_leave_nothing_alive_on_it(m3):
             return alive, len(conn.closed._callbacks or ())  # (asyncio's Future keeps its callbacks there)
 
         assert prefill.run(asyncio.to_thread(left), 15) == (0, 1)  # the one: the server's end of the connection
+
+
+def test_what_prefill_keeps_of_released_transfers_stays_within_its_bound(m3):
+    """Prefill remembers released transfer ids (RecentIds, at most `max_ids`, the oldest pushed out first) and how
+    each ended. The outcome was kept in a second table pruned only as ids expired by age, so ids pushed out by the
+    bound left their outcome behind for good: past 65,536 transfers within `released_memory_s` one entry per
+    request, forever (tools/soak.py found it). 12 transfers with a bound of 4 keep 4 of each."""
+    import gc
+
+    from connector.engine.sender_state import FinishedInfo
+
+    with sender_and_receiver(m3, "bound") as (prefill, sender, port, decode, receiver):
+        sender.ownership.released.max_ids = 4
+        addr = PrefillAddress("127.0.0.1", port)
+        for i in range(12):
+            tid = f"t-bound-{i}"
+            sender.start_request(tid, TOKENS)
+            sender.begin_chunk(tid, pick_blocks(TOKENS, BLOCK, prefill.spec.num_blocks, seed=i), TOKENS)
+            sender.end_chunk(tid)
+            decode.run(receiver.receive(tid, addr, pick_blocks(TOKENS, BLOCK, decode.spec.num_blocks, seed=50 + i),
+                                        0, TOKENS), 30)
+            assert prefill.run(sender.wait_finished(tid, 10), 15) is True
+        assert len(sender.ownership.released) == 4
+
+        def outcomes() -> int:
+            gc.collect()
+            return sum(1 for o in gc.get_objects() if type(o) is FinishedInfo)
+
+        assert prefill.run(asyncio.to_thread(outcomes), 15) == 4
+        assert sender.finished_info("t-bound-11").ok and sender.finished_info("t-bound-0") is None
+
+
+def test_an_idle_sender_keeps_no_request_alive(m3):
+    """The lease check runs every second over the live requests. Its loop variable stayed in the lease task's frame
+    between ticks, so the last request it saw (with its destination, that destination's connection and peer) stayed
+    alive for as long as no other request came (tools/soak.py found one kept after peer churn). A transfer whose
+    WRITE outlasts a tick, then an idle sender: nothing of it is alive."""
+    import gc
+
+    from connector.engine.sender_state import Destination, SendRequest
+
+    with sender_and_receiver(m3, "idle") as (prefill, sender, port, decode, receiver):
+        real_write = sender.transport.write
+
+        async def slow_write(*args, **kwargs):
+            await asyncio.sleep(1.5)  # the lease check runs (at least once) while the request is live
+            return await real_write(*args, **kwargs)
+
+        sender.transport.write = slow_write
+        sender.start_request("t-idle", TOKENS)
+        sender.begin_chunk("t-idle", pick_blocks(TOKENS, BLOCK, prefill.spec.num_blocks, seed=1), TOKENS)
+        sender.end_chunk("t-idle")
+        decode.run(receiver.receive("t-idle", PrefillAddress("127.0.0.1", port),
+                                    pick_blocks(TOKENS, BLOCK, decode.spec.num_blocks, seed=2), 0, TOKENS), 30)
+        assert prefill.run(sender.wait_finished("t-idle", 10), 15) is True
+        time.sleep(1.2)  # a tick of the idle sender
+
+        def alive() -> list[str]:
+            gc.collect()
+            return [type(o).__name__ for o in gc.get_objects() if type(o) in (SendRequest, Destination)]
+
+        assert prefill.run(asyncio.to_thread(alive), 15) == []

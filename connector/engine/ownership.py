@@ -62,7 +62,9 @@ class Ownership:
         self.parked: dict[str, list[Parked]] = {}
         """Registrations that came before their request started, by transfer id (all of one decode engine)."""
         self.released = RecentIds(config.released_memory_s)
-        """Transfers released lately: a late registration for one is refused clearly."""
+        """Transfers released lately -> how they ended (the sender's FinishedInfo): a late registration for one is
+        refused clearly, a late waiter hears the outcome. One table, so the outcome goes when the id does, also when
+        `max_ids` pushes the oldest out (a second table pruned by `expire` kept those forever: the soak found it)."""
         self.given_up = RecentIds(config.released_memory_s)
         """Transfers decode aborted before prefill started them -> the engine that did."""
 
@@ -114,13 +116,17 @@ class Ownership:
         req.all_computed = True
         req.lease_deadline = now + self.lease_of(req)
 
-    def release(self, req: SendRequest, now: float) -> bool:
-        """Forget `req` (remembering its id a while); False if it was released already."""
+    def release(self, req: SendRequest, now: float, outcome: Any = None) -> bool:
+        """Forget `req`, remembering its id (with `outcome`) a while; False if it was released already."""
         if self.requests.get(req.transfer_id) is not req:
             return False
         del self.requests[req.transfer_id]
-        self.released.add(req.transfer_id, now)
+        self.released.add(req.transfer_id, now, outcome)
         return True
+
+    def outcome(self, transfer_id: str) -> Any:
+        """What `release` remembered of a released transfer (None once its id is forgotten, or never released)."""
+        return self.released.get(transfer_id)
 
     def forget_old(self, now: float) -> list[str]:
         """Forget ids older than `released_memory_s`; returns the released ones forgotten."""

@@ -52,8 +52,6 @@ class StreamSender:
         self.ownership = Ownership(config, me.rank, me.stage, me.block_size)
         self.requests: dict[str, SendRequest] = self.ownership.requests
         """Requests started and not released (the ownership's table, read here on every path)."""
-        self.finished_info: dict[str, FinishedInfo] = {}
-        """Finished transfers, kept as long as their ids are remembered as released (stats, late waiters)."""
         self._tasks = OwnedTasks(f"prefill rank {me.rank}")
         self._server: ControlServer | None = None
         self._inbox: deque = deque()
@@ -72,6 +70,10 @@ class StreamSender:
     def peers(self) -> dict[PeerKey, PeerInfo]:
         """Accepted decode ranks on live connections: their plan, regions and NIXL agent name."""
         return self._table.by_key
+
+    def finished_info(self, transfer_id: str) -> FinishedInfo | None:
+        """How a released transfer ended, as long as its id is remembered as released (stats, late waiters)."""
+        return self.ownership.outcome(transfer_id)
 
     @property
     def parked_count(self) -> int:
@@ -439,13 +441,12 @@ class StreamSender:
                           why="some decode ranks failed" if req.failed else "all decode ranks completed")
 
     def _release(self, req: SendRequest, ok: bool, why: str) -> None:
-        if not self.ownership.release(req, time.monotonic()):
+        if not self.ownership.release(req, time.monotonic(), FinishedInfo(ok, req.first_write_at)):
             return
         if ok:
             self.stats.sends_ok += 1
         else:
             self.stats.sends_failed += 1
-        self.finished_info[req.transfer_id] = FinishedInfo(ok, req.first_write_at)
         log.debug("transfer %s released: %s", req.transfer_id, why)
         # (a failed transfer's stages say nothing of the path: its failure is logged on its own)
         close(log, "prefill", req.transfer_id, req.points, "released", self.config.log_timeline,
@@ -464,35 +465,40 @@ class StreamSender:
     async def _lease_loop(self) -> None:
         while True:
             await asyncio.sleep(1.0)
-            now = time.monotonic()
-            for req in list(self.requests.values()):
-                if req.all_computed and now > req.lease_deadline and req.given_up_by is not None and not req.dests:
-                    if req.given_up_why:
-                        log.warning("transfer %s: freeing its KV unread: %s", req.transfer_id, req.given_up_why)
-                    else:
-                        log.info("transfer %s: decode engine %r gave it up before registering and no other engine "
-                                 "registered it within %g s; freeing its KV", req.transfer_id, req.given_up_by,
-                                 self.config.given_up_keep_s)
-                    req.expected = set()
-                    self._check_finished(req, ok=False)
-                elif req.all_computed and now > req.lease_deadline:
-                    log.warning("%s", lease_expiry_note(req, self.config.lease_s, self._last_refusal))
-                    for dest in req.dests.values():
-                        if not dest.done:
-                            self._stop_dest(req, dest, Abort(req.transfer_id, "prefill lease expired"))
-                    req.expected, req.failed = set(), True
-                    self.stats.sends_expired += 1
-                    self._check_finished(req, ok=False)  # released once no WRITE is in flight
-            for tid, parked in self.ownership.expired_waits(now):
-                why = f"prefill rank {self.me.rank} never started {tid!r} within {self.config.lease_s:.0f} s"
-                for p in parked:
-                    self._tasks.spawn(self._send_quiet(p.conn, RegisterError(tid, why)))
-            for tid in self.ownership.forget_old(now):
-                self.finished_info.pop(tid, None)
+            # One call per tick, so its locals end with it: a loop variable left in this coroutine's frame kept
+            # the last request it looked at (with its destination, closed connection and peer) alive while
+            # the sender idled (the soak found it after peer churn).
+            self._lease_tick(time.monotonic())
+
+    def _lease_tick(self, now: float) -> None:
+        """Leases run out, registrations wait too long, released ids are forgotten."""
+        for req in list(self.requests.values()):
+            if req.all_computed and now > req.lease_deadline and req.given_up_by is not None and not req.dests:
+                if req.given_up_why:
+                    log.warning("transfer %s: freeing its KV unread: %s", req.transfer_id, req.given_up_why)
+                else:
+                    log.info("transfer %s: decode engine %r gave it up before registering and no other engine "
+                             "registered it within %g s; freeing its KV", req.transfer_id, req.given_up_by,
+                             self.config.given_up_keep_s)
+                req.expected = set()
+                self._check_finished(req, ok=False)
+            elif req.all_computed and now > req.lease_deadline:
+                log.warning("%s", lease_expiry_note(req, self.config.lease_s, self._last_refusal))
+                for dest in req.dests.values():
+                    if not dest.done:
+                        self._stop_dest(req, dest, Abort(req.transfer_id, "prefill lease expired"))
+                req.expected, req.failed = set(), True
+                self.stats.sends_expired += 1
+                self._check_finished(req, ok=False)  # released once no WRITE is in flight
+        for tid, parked in self.ownership.expired_waits(now):
+            why = f"prefill rank {self.me.rank} never started {tid!r} within {self.config.lease_s:.0f} s"
+            for p in parked:
+                self._tasks.spawn(self._send_quiet(p.conn, RegisterError(tid, why)))
+        self.ownership.forget_old(now)
 
     async def wait_finished(self, transfer_id: str, timeout: float) -> bool:
         req = self.requests.get(transfer_id)
         if req is None:
-            return (info := self.finished_info.get(transfer_id)) is not None and info.ok
+            return (info := self.finished_info(transfer_id)) is not None and info.ok
         async with asyncio.timeout(timeout):
             return await asyncio.shield(req.finished)

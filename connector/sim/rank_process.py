@@ -153,7 +153,7 @@ class PrefillCommands:
     def finish(self, tid: str) -> tuple:
         timeout = self.spec.timeout_s
         ok = self.rank.run(self.sender.wait_finished(tid, timeout), timeout + 5)
-        info = self.sender.finished_info.get(tid)
+        info = self.sender.finished_info(tid)
         timeline = [(t.layers, t.nbytes, t.posted, t.written, t.landed, t.staged_chunks)
                     for t in self.sender.writer.timeline.pop(tid, [])]
         stats = self.rank.transport.stats
