@@ -22,7 +22,8 @@ from connector.engine.config import SenderConfig
 from connector.engine.ownership import Ownership
 from connector.engine.peers import PeerTable
 from connector.engine.rank import LocalRank
-from connector.engine.sender_state import Destination, FinishedInfo, PeerInfo, SendRequest, lease_expiry_note
+from connector.engine.sender_state import (Destination, FinishedInfo, PeerInfo, SendRequest, given_up_note,
+                                           lease_expiry_note)
 from connector.engine.stats import SenderStats
 from connector.engine.timeline import close
 from connector.protocol.handshake import PeerKey
@@ -474,12 +475,7 @@ class StreamSender:
         """Leases run out, registrations wait too long, released ids are forgotten."""
         for req in list(self.requests.values()):
             if req.all_computed and now > req.lease_deadline and req.given_up_by is not None and not req.dests:
-                if req.given_up_why:
-                    log.warning("transfer %s: freeing its KV unread: %s", req.transfer_id, req.given_up_why)
-                else:
-                    log.info("transfer %s: decode engine %r gave it up before registering and no other engine "
-                             "registered it within %g s; freeing its KV", req.transfer_id, req.given_up_by,
-                             self.config.given_up_keep_s)
+                log.log(*given_up_note(req, self.config.given_up_keep_s))
                 req.expected = set()
                 self._check_finished(req, ok=False)
             elif req.all_computed and now > req.lease_deadline:

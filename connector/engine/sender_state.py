@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,7 +18,7 @@ from connector.protocol.handshake import PeerKey
 from connector.protocol.messages import Register
 
 __all__ = ["Destination", "FinishedInfo", "Parked", "PeerInfo", "RecentIds", "SendRequest", "check_registration",
-           "check_against_request", "lease_expiry_note", "parked_cost"]
+           "check_against_request", "given_up_note", "lease_expiry_note", "parked_cost"]
 
 
 @dataclass
@@ -174,6 +175,16 @@ def _check_staging(reg: Register, peer: PeerInfo) -> None:
 def parked_cost(reg: Register) -> int:
     """Estimated memory a waiting registration holds: a Python int and its list slot per id (~40 B), plus change."""
     return 48 * (sum(len(ids) for ids in reg.block_ids) + len(reg.layers)) + 256 + len(reg.transfer_id)
+
+
+def given_up_note(req: SendRequest, given_up_keep_s: float) -> tuple[int, str]:
+    """(level, message) prefill logs when it frees the KV of a request a decode engine gave up: named by the refusal
+    that gave it up (a warning: a deployment problem), or an early abort nobody else followed (routine)."""
+    if req.given_up_why:
+        return logging.WARNING, f"transfer {req.transfer_id}: freeing its KV unread: {req.given_up_why}"
+    return logging.INFO, (f"transfer {req.transfer_id}: decode engine {req.given_up_by!r} gave it up before "
+                          f"registering and no other engine registered it within {given_up_keep_s:g} s; freeing "
+                          f"its KV")
 
 
 def lease_expiry_note(req: SendRequest, lease_s: float, last_refusal: str = "") -> str:
