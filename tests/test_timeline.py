@@ -85,3 +85,18 @@ def test_a_request_breaks_down_from_both_engines_lines_and_the_clients_clock(tmp
     table = timelines.table("sparse-concurrent", summary)
     assert table.splitlines()[0].startswith("| sparse-concurrent: prompt tokens | to_prefill |")
     assert "| 600 | 10.0 / 10.0 |" in table and "| 900 | — |" in table
+
+
+def test_bench_pd_reports_ttft_and_its_overhead_per_prompt_length():
+    import json
+
+    from connector.pd.bench import ModeResult, dump
+
+    local = ModeResult("local", 4, 4, [10.0, 11.0, 20.0, 21.0], [600, 600, 1500, 1500])
+    pd = ModeResult("sparse-concurrent", 4, 4, [12.0, 13.0, 25.0, 26.0], [600, 600, 1500, 1500],
+                    breakdown={600: {"ttft": (12.0, 13.0, 2)}})
+    text = dump([local, pd], as_json=False)
+    assert "| sparse-concurrent | 4 | 4/4 | 13.0 | 26.0 |" in text and "600: 12.0 (+2.0), 1500: 25.0 (+5.0)" in text
+    assert "| sparse-concurrent: prompt tokens |" in text  # the breakdown follows
+    modes = json.loads(dump([local, pd], as_json=True))["modes"]
+    assert modes[1]["p50_ms_by_prompt_tokens"] == {"600": 12.0, "1500": 25.0}

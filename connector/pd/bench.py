@@ -41,6 +41,8 @@ class ModeResult:
     requests: int
     token_equal: int
     ttft_ms: list[float] = field(default_factory=list)
+    prompt_tokens: list[int] = field(default_factory=list)
+    """The prompt length of each `ttft_ms` sample."""
     breakdown: dict[int, dict[str, tuple[float, float, int]]] = field(default_factory=dict)
     """SparseKVConnector modes: prompt tokens -> stage -> (p50 ms, p99 ms, requests), from both engines' timeline
     lines (connector.pd.timelines)."""
@@ -52,6 +54,11 @@ class ModeResult:
     @property
     def p99_ms(self) -> float:
         return percentile(self.ttft_ms, 99)
+
+    def p50_by_length(self) -> dict[int, float]:
+        """TTFT p50 per prompt length."""
+        return {n: percentile([t for t, m in zip(self.ttft_ms, self.prompt_tokens) if m == n], 50)
+                for n in sorted(set(self.prompt_tokens))}
 
 
 def percentile(values: list[float], pct: float) -> float:
@@ -149,6 +156,7 @@ class PdBench:
                 result.requests += 1
                 result.token_equal += out.token_ids == self.reference[i]
                 result.ttft_ms.append(out.ttft_s * 1e3)
+                result.prompt_tokens.append(len(prompt))
                 tid = (out.kv_transfer_params or {}).get("transfer_id")
                 if tid:
                     asked.append(timelines.ClientRequest(str(tid), len(prompt), sent_at, sent_at + out.ttft_s))
@@ -175,20 +183,23 @@ def fresh() -> str:
 
 
 def table(results: list[ModeResult]) -> str:
-    base = results[0].p50_ms
-    lines = ["| mode | requests | token-equal | TTFT p50 ms | TTFT p99 ms | p50 overhead over local |",
-             "|---|---|---|---|---|---|"]
+    base, base_by = results[0].p50_ms, results[0].p50_by_length()
+    lines = ["| mode | requests | token-equal | TTFT p50 ms | TTFT p99 ms | p50 overhead over local | p50 by prompt "
+             "length (overhead) |", "|---|---|---|---|---|---|---|"]
     for r in results:
         over = "—" if r.mode == "local" else f"{r.p50_ms - base:+.1f} ms ({100 * (r.p50_ms / base - 1):+.0f}%)"
+        by = ", ".join(f"{n}: {ms:.1f}" + ("" if r.mode == "local" or n not in base_by else f" ({ms - base_by[n]:+.1f})")
+                       for n, ms in r.p50_by_length().items())
         lines.append(f"| {r.mode} | {r.requests} | {r.token_equal}/{r.requests} | {r.p50_ms:.1f} | {r.p99_ms:.1f} "
-                     f"| {over} |")
+                     f"| {over} | {by} |")
     return "\n".join(lines)
 
 
 def to_json(results: list[ModeResult]) -> dict:
     base = results[0].p50_ms
     return {"date": time.strftime("%Y-%m-%d"), "modes": [
-        asdict(r) | {"p50_ms": r.p50_ms, "p99_ms": r.p99_ms, "overhead_p50_ms": r.p50_ms - base} for r in results]}
+        asdict(r) | {"p50_ms": r.p50_ms, "p99_ms": r.p99_ms, "overhead_p50_ms": r.p50_ms - base,
+                     "p50_ms_by_prompt_tokens": r.p50_by_length()} for r in results]}
 
 
 def dump(results: list[ModeResult], as_json: bool) -> str:
