@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Callable
 
 from connector.pd import flows, timelines
+from connector.pd.timelines import percentile
 from connector.pd.client import Completion, prompt_ids
 from connector.pd.model import TinyLlama
 from connector.pd.servers import ServerSpec, VllmServer, sparse_kv_config, start_all
@@ -59,15 +60,6 @@ class ModeResult:
         """TTFT p50 per prompt length."""
         return {n: percentile([t for t, m in zip(self.ttft_ms, self.prompt_tokens) if m == n], 50)
                 for n in sorted(set(self.prompt_tokens))}
-
-
-def percentile(values: list[float], pct: float) -> float:
-    """Nearest-rank percentile (p99 of 30 samples is the largest)."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    rank = max(1, min(len(ordered), -(-len(ordered) * pct // 100)))
-    return ordered[int(rank) - 1]
 
 
 @dataclass(frozen=True)

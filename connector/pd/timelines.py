@@ -91,6 +91,9 @@ def breakdown(req: ClientRequest, sides: dict[str, list[dict[str, Any]]]) -> dic
 
 
 def percentile(values: list[float], pct: float) -> float:
+    """Nearest-rank percentile (p99 of 30 samples is the largest); NaN of nothing."""
+    if not values:
+        return float("nan")
     ordered = sorted(values)
     rank = max(1, min(len(ordered), -(-len(ordered) * pct // 100)))
     return ordered[int(rank) - 1]
