@@ -24,7 +24,7 @@ def test_first_marks_stay_and_last_marks_move():
 def test_stages_need_both_ends_and_never_go_negative():
     p = SendPoints(started=10.0, computed=10.5, last_write=10.25, released=10.75)
     assert stage_samples("prefill", p) == {"compute_seconds": 0.5, "exposed_seconds": 0.0, "ack_seconds": 0.5}
-    assert stage_samples("decode", ReceivePoints(registered=1.0, landed=2.0)) == {}  # told not reached
+    assert stage_samples("decode", ReceivePoints(registered=1.0, landed=2.0)) == {"recv_seconds": 1.0}  # not told
     assert {side for side, *_ in STAGES.values()} <= set(SIDES)
 
 
@@ -44,7 +44,8 @@ def test_close_counts_the_stages_and_logs_one_parsable_line(caplog):
     assert line["started"] == 100.0 and line["released"] >= 100.25
     samples: dict[str, list[float]] = {}
     close(logger, "decode", "t3", ReceivePoints(registered=5.0, landed=5.5), "told", False, samples)
-    assert list(samples) == ["tell_seconds"] and samples["tell_seconds"][0] >= 0
+    assert list(samples) == ["recv_seconds", "tell_seconds"] and samples["recv_seconds"] == [0.5]
+    assert samples["tell_seconds"][0] >= 0
 
 
 def test_other_lines_are_not_timelines():

@@ -37,6 +37,7 @@ STAGES = {
     "compute_seconds": ("prefill", "started", "computed", "prefill: computing the prompt"),
     "exposed_seconds": ("prefill", "computed", "last_write", "prefill: KV still moving after the prompt is computed"),
     "ack_seconds": ("prefill", "last_write", "released", "prefill: last WRITE to every decode rank's completion"),
+    "recv_seconds": ("decode", "registered", "landed", "decode: registration to complete KV"),
     "tell_seconds": ("decode", "landed", "told", "decode: KV in place until vLLM asks (its next get_finished)"),
     "schedule_seconds": ("decode_scheduler", "learned", "scheduled", "decode: heard of the KV until scheduled"),
 }

@@ -33,18 +33,17 @@ SCHEDULER_COUNTERS = (
 )
 COUNTERS = counter_names(SenderStats) + RECEIVER_COUNTERS + WORKER_COUNTERS + SCHEDULER_COUNTERS
 """Prefill's are the engine's own counters, under the engine's own names (connector.engine.stats.SenderStats)."""
-SERIES = series_names(SenderStats) + ("recv_seconds", "tell_seconds", "queue_seconds", "schedule_seconds")
-"""Samples in seconds: per NIXL WRITE (post_seconds, transfer_seconds), per received transfer (recv_seconds:
-decode registration to the last source's completion), and per transfer the stages of its timeline
-(connector.engine.timeline.STAGES)."""
+SERIES = series_names(SenderStats) + tuple(name for name in STAGES if name not in series_names(SenderStats))
+"""Samples in seconds: per NIXL WRITE (post_seconds, transfer_seconds), and per transfer the stages of its timeline
+(connector.engine.timeline.STAGES; recv_seconds: decode registration to the last source's completion)."""
 WRITE_BUCKETS_S = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
 RECV_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 STAGE_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 HISTOGRAMS = {
     "post_seconds": ("creating and posting one NIXL WRITE, seconds", WRITE_BUCKETS_S),
     "transfer_seconds": ("one NIXL WRITE from its post to its completion, seconds", WRITE_BUCKETS_S),
-    "recv_seconds": ("decode registration to complete KV, seconds", RECV_BUCKETS_S),
     **{name: (f"{what}, seconds (per transfer)", STAGE_BUCKETS_S) for name, (_side, _a, _b, what) in STAGES.items()},
+    "recv_seconds": ("decode registration to complete KV, seconds", RECV_BUCKETS_S),  # (its own, longer buckets)
 }
 PER_LAYER = (
     "layers_signalled",            # prefill, per global layer: steps in which it was signalled on its own

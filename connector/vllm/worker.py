@@ -7,7 +7,6 @@ import concurrent.futures
 import dataclasses
 import logging
 import threading
-import time
 import uuid
 from typing import Any
 
@@ -108,8 +107,6 @@ class WorkerSide:
         self._failed: dict[str, str] = {}
         """Receives that ended without data (bad params, never started): request id -> reason."""
         self._aborted: set[str] = set()
-        self._recv_started: dict[str, float] = {}
-        """Request id -> time.monotonic() its receive was started (for recv_seconds)."""
         self._stats = SparseKVConnectorStats()
         """Observations since the last get_kv_connector_stats (model-runner thread only): decode's receives,
         prefill's per-step layer signals."""
@@ -237,7 +234,6 @@ class WorkerSide:
             self._receiving[req_id] = self.loop.submit(self.receiver.abort_unregistered(
                 spec.transfer_id, addr, "request aborted on decode before it registered"))
             return
-        self._recv_started[req_id] = time.monotonic()
         self._receiving[req_id] = self.loop.submit(self.receiver.receive(
             spec.transfer_id, addr, [list(g) for g in spec.block_ids], spec.first_token, spec.num_tokens,
             after_prefill=spec.prefill_finished))
@@ -300,16 +296,13 @@ class WorkerSide:
             if fut.done():
                 del self._receiving[req_id]
                 exc = fut.exception() if not fut.cancelled() else TimeoutError("cancelled")
-                started = self._recv_started.pop(req_id, None)
                 if exc is None:
                     recving.add(req_id)
                     result = fut.result()
                     if isinstance(result, ReceiveResult):  # (an abort_unregistered has no result)
                         self._stats.add(bytes_received=result.bytes_written, recvs_ok=1,
                                         **{f"bytes_received_{pool}": n for pool, n in result.bytes_by_pool.items()})
-                        if started is not None:
-                            self._stats.data["recv_seconds"].append(time.monotonic() - started)
-                        self._told(req_id, result)
+                        self._told(req_id, result)  # (recv_seconds and tell_seconds among its stages)
                 else:
                     done[req_id] = str(exc)
         for req_id, reason in done.items():
