@@ -91,8 +91,9 @@ def destination_rows(dst_regions: Mapping[tuple[str, int], Region], layer_routes
 
 def mismatch(src: Rank, expected: Sequence[RouteRows], local: Sequence[np.ndarray],
              sent: Mapping[tuple[str, int, tuple[int, int]], bytes]) -> str:
-    """"" when decode's digests (`local`, one uint64 array per route of `expected`) equal what prefill rank `src`
-    sent (`sent`: route key -> little-endian uint64 digests), else a message naming the first few differences."""
+    """An empty string when decode's digests (`local`, one uint64 array per route of `expected`) equal what prefill
+    rank `src` sent (`sent`: route key -> little-endian uint64 digests), else a message naming the first few
+    differences."""
     problems = []
     for rows, mine in zip(expected, local):
         got = sent.get(rows.key)
