@@ -82,6 +82,7 @@ def check(result: SoakResult, reloads: int = 0, rss_sides: tuple[str, ...] = ("p
         assert last["gc_objects"] - first["gc_objects"] < GC_OBJECTS_SLACK, (side, last.get("grown"))
     prefill = result.side("prefill")[-1]["tables"]
     assert prefill["requests"] == prefill["parked"] == prefill["inbox"] == prefill["timeline"] == 0, prefill
+    assert prefill["streaming"] == 0, prefill
     assert prefill["xfer_handles"] == prefill["inflight_bytes"] == 0, prefill
     assert prefill["connections"] <= 1 and prefill["peers"] <= 1 and prefill["nixl_peers"] <= 1, prefill
     assert prefill["released_ids"] <= plan.released_max_ids, prefill

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
 from typing import Any, Callable
 
 from connector.core.descriptors import blocks_moved
@@ -19,6 +18,7 @@ from connector.core.errors import InputError, WriteAbandoned
 from connector.core.plan import fold_ranges
 from connector.engine.batch_writer import BatchWriter
 from connector.engine.config import SenderConfig
+from connector.engine.inbox import Inbox
 from connector.engine.ownership import Ownership
 from connector.engine.peers import PeerTable
 from connector.engine.rank import LocalRank
@@ -55,8 +55,7 @@ class StreamSender:
         """Requests started and not released (the ownership's table, read here on every path)."""
         self._tasks = OwnedTasks(f"prefill rank {me.rank}")
         self._server: ControlServer | None = None
-        self._inbox: deque = deque()
-        self._wake = asyncio.Event()
+        self._inbox = Inbox(loop, config.poll_interval_s, f"prefill rank {me.rank}")
         self.hello = me.hello("prefill", transport)
         self._table = PeerTable(transport, self.hello, me.model, me.rank, config)
         self._last_refusal = ""
@@ -90,7 +89,7 @@ class StreamSender:
                                      on_refusal=self._count_refusal)
         await self._server.start()
         self._tasks.spawn(self._lease_loop())
-        self._tasks.spawn(self._drain_loop())
+        self._tasks.spawn(self._inbox.run())
         return self._server.port
 
     async def aclose(self) -> None:
@@ -104,53 +103,24 @@ class StreamSender:
     def server(self) -> ControlServer | None:
         return self._server
 
-    # ---- framework-thread entry points (return at once) -------------------------------------------------------
-    # They only append to a deque (atomic under the GIL). Waking the loop costs a syscall and a GIL hand-off of
-    # ~100 us, too much for a per-layer hook, so only the per-step calls wake it; while requests are active the loop
-    # drains the deque every `poll_interval_s` anyway. Order is kept: one deque, drained FIFO.
+    # ---- framework-thread entry points (return at once; connector.engine.inbox says which wake the loop) --------
     def start_request(self, transfer_id: str, num_tokens: int) -> None:
-        self._inbox.append((self._start_request, transfer_id, num_tokens))
-        self._wake_loop()
+        self._inbox.put(self._start_request, transfer_id, num_tokens, wake=True)
 
     def begin_chunk(self, transfer_id: str, block_ids: list[list[int]], computed_tokens: int) -> None:
         """The next forward computes tokens up to `computed_tokens`, into `block_ids` (per group, from token 0)."""
-        self._inbox.append((self._begin_chunk, transfer_id, block_ids, computed_tokens))
+        self._inbox.put(self._begin_chunk, transfer_id, block_ids, computed_tokens, wake=False)
 
     def layer_ready(self, transfer_id: str, global_layer: int, event: Any = None) -> None:
         """Layer `global_layer` holds this chunk's tokens (after `event`, a CUDA event, completes)."""
-        self._inbox.append((self._layer_ready, transfer_id, global_layer, event))
+        self._inbox.put_layer(transfer_id, self._layer_ready, global_layer, event)
 
     def end_chunk(self, transfer_id: str, event: Any = None) -> None:
         """Every layer of this rank holds this chunk's tokens: sends what no `layer_ready` covered (the sweep)."""
-        self._inbox.append((self._layer_ready, transfer_id, None, event))
-        self._wake_loop()
+        self._inbox.put(self._layer_ready, transfer_id, None, event, wake=True)
 
     def abort(self, transfer_id: str, reason: str) -> None:
-        self._inbox.append((self._abort, transfer_id, reason))
-        self._wake_loop()
-
-    def _wake_loop(self) -> None:
-        self.loop.call_soon_threadsafe(self._wake.set)
-
-    async def _drain_loop(self) -> None:
-        while True:
-            # Poll only while some request is still computing (hooks can come); requests that wait for decode
-            # or their lease need no polling.
-            if self._inbox or any(not r.all_computed for r in self.requests.values()):
-                await asyncio.sleep(self.config.poll_interval_s)
-            else:
-                self._wake.clear()
-                await self._wake.wait()
-            self._drain_inbox()
-
-    def _drain_inbox(self) -> None:
-        """Run the framework thread's queued calls, in order (on the loop)."""
-        while self._inbox:
-            fn, *args = self._inbox.popleft()
-            try:
-                fn(*args)
-            except Exception:  # noqa: BLE001 - one bad call must not stop the engine
-                log.exception("prefill rank %s: %s%r failed", self.me.rank, fn.__name__, tuple(args))
+        self._inbox.put(self._abort, transfer_id, reason, wake=True)
 
     # ---- loop side -------------------------------------------------------------------------------------------
     def _start_request(self, transfer_id: str, num_tokens: int) -> None:
@@ -161,6 +131,7 @@ class StreamSender:
         req.points.mark("started")
         for p, refused in self.ownership.start(req, time.monotonic()):
             self._tasks.spawn(self._send_quiet(p.conn, self._answer(p.peer, p.register, refused)))
+        self._note_streaming(req)  # registrations that waited for this start are destinations now
         if req.given_up_by is not None:
             log.info("transfer %s: decode engine %r gave it up before prefill started; its KV is kept only %g s",
                      transfer_id, req.given_up_by, self.config.given_up_keep_s)
@@ -240,8 +211,7 @@ class StreamSender:
 
     async def _on_register(self, conn: ControlConnection, peer: PeerInfo, msg: Register) -> None:
         tid = msg.transfer_id
-        if tid not in self.requests:
-            self._drain_inbox()  # a start_request still queued from the framework thread counts
+        self._inbox.drain()  # a start_request and layer hooks still queued from the framework thread count
         serve = tid in self.requests or tid in self.ownership.released
         try:
             if serve:
@@ -280,7 +250,7 @@ class StreamSender:
         if verdict.fails_request:
             self._check_finished(verdict.request, ok=False)
         elif verdict.gives_up:
-            self._drain_inbox()  # a start already queued by the framework thread counts as started
+            self._inbox.drain()  # a start already queued by the framework thread counts as started
             self.ownership.give_up(tid, key[0], time.monotonic())
 
     def _connection_closed(self, conn: ControlConnection) -> None:
@@ -307,7 +277,7 @@ class StreamSender:
         tid = hello.for_transfer
         if hello.role != "decode" or not tid:
             return
-        self._drain_inbox()  # a start already queued by the framework thread counts as started
+        self._inbox.drain()  # a start already queued by the framework thread counts as started
         why = f"{who} was refused at the handshake ({reason})"
         if self.ownership.refused(tid, hello.engine_id, why, time.monotonic()):
             log.warning("transfer %s: %s; its KV is kept %g s more (not the %g s lease) in case another decode "
@@ -335,7 +305,15 @@ class StreamSender:
                 dest.batches_in_flight += 1
                 self._tasks.spawn(self._write_batch(req, dest, batch))
             self._maybe_complete(req, dest)
+        self._note_streaming(req)
         self._check_finished(req)  # e.g. all computed now, and every destination already done or dropped
+
+    def _note_streaming(self, req: SendRequest) -> None:
+        """Whether `req`'s layer hooks must wake the loop: it still computes and some decode rank waits for it."""
+        if not req.all_computed and any(not d.done for d in req.dests.values()):
+            self._inbox.streaming.add(req.transfer_id)
+        else:
+            self._inbox.streaming.discard(req.transfer_id)
 
     async def _write_batch(self, req: SendRequest, dest: Destination, batch: list[tuple[int, int]]) -> None:
         req.first_write_at = req.first_write_at or time.time()
@@ -442,6 +420,7 @@ class StreamSender:
                           why="some decode ranks failed" if req.failed else "all decode ranks completed")
 
     def _release(self, req: SendRequest, ok: bool, why: str) -> None:
+        self._inbox.streaming.discard(req.transfer_id)
         if not self.ownership.release(req, time.monotonic(), FinishedInfo(ok, req.first_write_at)):
             return
         if ok:

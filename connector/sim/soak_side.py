@@ -157,7 +157,7 @@ class PrefillSide(_Side):
                 "nixl_peers": len(t.peers), "xfer_handles": t.open_handles, "inflight_bytes": t.inflight_bytes,
                 "connections": len(server.connections) if server else 0,
                 "open_by_host": sum(server.guard.open.values()) if server else 0,
-                "timeline": len(s.writer.timeline), "inbox": len(s._inbox), "tasks": len(asyncio.all_tasks()),
+                "timeline": len(s.writer.timeline), "inbox": len(s._inbox), "streaming": len(s._inbox.streaming), "tasks": len(asyncio.all_tasks()),
                 "sends_ok": s.stats.sends_ok, "sends_failed": s.stats.sends_failed,
                 "nixl_posts": t.stats.posts, "nixl_reconnects": t.stats.reconnects}
 
