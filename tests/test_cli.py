@@ -134,6 +134,8 @@ BAD_INPUTS = [
     (("bench-pd", "--max-tokens", "0"), "--max-tokens: 0 is out of range"),
     (("bench-pd", "--prompt-tokens", "1,x"), "--prompt-tokens '1,x': give integers"),
     (("bench-pd", "--prompt-tokens", "5000"), "--prompt-tokens [5000]: each must be 2..4080"),
+    (("bench-pd", "--max-model-len", "10"), "--max-model-len: 10 is out of range"),
+    (("bench-pd", "--max-model-len", "8192", "--prompt-tokens", "9000"), "--prompt-tokens [9000]: each must be 2..8176"),
     (("demo", *QWEN, "--mode", "fast"), "argument --mode: invalid choice: 'fast'"),
 ]
 if not _cuda_available():

@@ -10,8 +10,9 @@ from typing import Any
 from connector.cli.checks import int_in
 from connector.core.errors import CliError
 from connector.pd.bench import MODES, BenchConfig, PdBench, dump
+from connector.pd.model import MODELS
 
-MAX_MODEL_LEN = 4096
+MAX_MODEL_LEN = 32768
 
 
 def add_subcommand(subs: Any) -> None:
@@ -21,6 +22,10 @@ def add_subcommand(subs: Any) -> None:
     p.add_argument("--warmup", type=int_in(0, 100), default=3, help="requests per mode before measuring")
     p.add_argument("--prompt-tokens", default="600,900,1000", help="prompt lengths in tokens, cycled")
     p.add_argument("--max-tokens", type=int_in(1, 1024), default=16, help="tokens generated per request")
+    p.add_argument("--model", default="tiny", choices=sorted(MODELS),
+                   help="tiny: 2 layers (the default); deep: 16 narrow layers, where per-layer streaming shows")
+    p.add_argument("--max-model-len", type=int_in(64, MAX_MODEL_LEN), default=4096,
+                   help="the engines' --max-model-len (prompts up to it minus --max-tokens)")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {','.join(MODES)} (default: all)")
     p.add_argument("--engine-python", default=".venv-cpu/bin/python",
                    help="python of the vLLM environment that serves (default: the one tools/cpu-engine-env.sh "
@@ -44,10 +49,11 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
         lengths = tuple(int(x) for x in args.prompt_tokens.split(","))
     except ValueError:
         raise CliError(f"--prompt-tokens {args.prompt_tokens!r}: give integers, e.g. 600,900,1000") from None
-    too_long = [n for n in lengths if not 2 <= n <= MAX_MODEL_LEN - args.max_tokens]
+    longest = args.max_model_len - args.max_tokens
+    too_long = [n for n in lengths if not 2 <= n <= longest]
     if too_long:
-        raise CliError(f"--prompt-tokens {too_long}: each must be 2..{MAX_MODEL_LEN - args.max_tokens} "
-                           f"(max model length {MAX_MODEL_LEN} minus --max-tokens)")
+        raise CliError(f"--prompt-tokens {too_long}: each must be 2..{longest} (--max-model-len "
+                       f"{args.max_model_len} minus --max-tokens; raise --max-model-len for longer prompts)")
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
     unknown = sorted(set(modes) - set(MODES))
     if unknown or not modes:
@@ -57,11 +63,12 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
                            f"with `bash tools/cpu-engine-env.sh`, or point it at a vLLM environment's python")
     return BenchConfig(requests=args.requests, warmup=args.warmup, prompt_lengths=lengths,
                        max_tokens=args.max_tokens, modes=modes, engine_python=args.engine_python,
-                       work_dir=args.work_dir, pin=not args.no_pin)
+                       work_dir=args.work_dir, pin=not args.no_pin, model=args.model,
+                       max_model_len=args.max_model_len)
 
 
 def run(args: argparse.Namespace) -> int:
     config = config_from(args)  # a CliError is printed as one line, exit code 2 (cli.main)
     results = PdBench(config, log=lambda line: print(line, file=sys.stderr, flush=True)).run()
-    print(dump(results, args.json))
+    print(dump(results, args.json, config))
     return 0 if all(r.token_equal == r.requests for r in results) else 1

@@ -28,8 +28,8 @@ from typing import Callable
 from connector.pd import flows, timelines
 from connector.pd.timelines import percentile
 from connector.pd.client import Completion, prompt_ids
-from connector.pd.model import TinyLlama
-from connector.pd.servers import ServerSpec, VllmServer, sparse_kv_config, start_all
+from connector.pd.model import bench_model
+from connector.pd.servers import ServerSpec, VllmServer, metric, sparse_kv_config, start_all
 from connector.transport.ports import free_ports
 
 MODES = ("local", "sparse-concurrent", "sparse-sequential", "nixl", "nixl-clamped")
@@ -47,6 +47,10 @@ class ModeResult:
     breakdown: dict[int, dict[str, tuple[float, float, int]]] = field(default_factory=dict)
     """SparseKVConnector modes: prompt tokens -> stage -> (p50 ms, p99 ms, requests), from both engines' timeline
     lines (connector.pd.timelines)."""
+    kv_bytes_per_request: float | None = None
+    """SparseKVConnector modes: bytes prefill wrote per measured request (its `bytes_sent` counter)."""
+    sent_during_compute: float | None = None
+    """The share of those bytes whose WRITE was posted while prefill still computed the request."""
 
     @property
     def p50_ms(self) -> float:
@@ -72,13 +76,17 @@ class BenchConfig:
     engine_python: str = ".venv-cpu/bin/python"
     work_dir: Path | None = None
     pin: bool = True
+    model: str = "tiny"
+    """A name in connector.pd.model.MODELS."""
+    max_model_len: int = 4096
 
 
 class PdBench:
     def __init__(self, config: BenchConfig, log: Callable[[str], None] = print) -> None:
         self.config, self.log = config, log
         self.root = Path(config.work_dir or tempfile.mkdtemp(prefix="bench-pd-"))
-        self.model = TinyLlama().write(self.root / "tiny-llama")
+        self.spec = bench_model(config.model, config.max_model_len)
+        self.model = self.spec.write(self.root / f"{config.model}-llama")
         self.clamp_dir = self._write_clamp()
         n = config.warmup + config.requests
         self.prompts = [prompt_ids(config.prompt_lengths[i % len(config.prompt_lengths)], seed=10_000 + i)
@@ -99,7 +107,10 @@ class PdBench:
         cpus = None
         if self.config.pin and len(allowed) >= 2:
             cpus = (allowed[1],) if name.endswith("decode") else (allowed[0],)
-        spec = ServerSpec(name, self.model, free_ports(), kv_transfer_config=kv, env=env or {}, cpus=cpus)
+        # room for a few whole prompts at the longest length, and never less than the 256 MiB default
+        cache = max(256 << 20, 4 * self.config.max_model_len * self.spec.kv_bytes_per_token)
+        spec = ServerSpec(name, self.model, free_ports(), kv_transfer_config=kv, env=env or {}, cpus=cpus,
+                          max_model_len=self.config.max_model_len, kv_cache_bytes=cache)
         return VllmServer(spec, self.config.engine_python, self.root / "logs")
 
     def _servers(self, mode: str) -> tuple[list[VllmServer], Callable[[list[int]], Completion]]:
@@ -138,7 +149,10 @@ class PdBench:
         try:
             result = ModeResult(mode, 0, 0)
             asked: list[timelines.ClientRequest] = []
+            sent = None
             for i, prompt in enumerate(self.prompts):
+                if i == self.config.warmup and mode.startswith("sparse"):
+                    sent = bytes_sent(servers[0])
                 sent_at = time.time()
                 out = ask(prompt)
                 if mode == "local":
@@ -152,6 +166,10 @@ class PdBench:
                 tid = (out.kv_transfer_params or {}).get("transfer_id")
                 if tid:
                     asked.append(timelines.ClientRequest(str(tid), len(prompt), sent_at, sent_at + out.ttft_s))
+            if sent is not None and result.requests:
+                total, during = (b - a for a, b in zip(sent, bytes_sent(servers[0])))
+                result.kv_bytes_per_request = total / result.requests
+                result.sent_during_compute = during / total if total else None
             self.log(f"{mode}: p50 {result.p50_ms:.1f} ms, p99 {result.p99_ms:.1f} ms, "
                      f"{result.token_equal}/{result.requests} token-equal")
         finally:
@@ -170,6 +188,13 @@ class PdBench:
         return [self.run_mode("local")] + [self.run_mode(m) for m in modes]
 
 
+def bytes_sent(prefill: VllmServer) -> tuple[float, float]:
+    """Prefill's SparseKVConnector counters: (bytes written, of which posted during compute)."""
+    samples = prefill.metrics()
+    return (metric(samples, "vllm:sparse_kv_bytes_sent_total"),
+            metric(samples, "vllm:sparse_kv_bytes_sent_during_compute_total"))
+
+
 def fresh() -> str:
     return uuid.uuid4().hex
 
@@ -177,25 +202,29 @@ def fresh() -> str:
 def table(results: list[ModeResult]) -> str:
     base, base_by = results[0].p50_ms, results[0].p50_by_length()
     lines = ["| mode | requests | token-equal | TTFT p50 ms | TTFT p99 ms | p50 overhead over local | p50 by prompt "
-             "length (overhead) |", "|---|---|---|---|---|---|---|"]
+             "length (overhead) | KV per request | posted during compute |", "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         over = "—" if r.mode == "local" else f"{r.p50_ms - base:+.1f} ms ({100 * (r.p50_ms / base - 1):+.0f}%)"
         by = ", ".join(f"{n}: {ms:.1f}" + ("" if r.mode == "local" or n not in base_by else f" ({ms - base_by[n]:+.1f})")
                        for n, ms in r.p50_by_length().items())
+        kv = "—" if r.kv_bytes_per_request is None else f"{r.kv_bytes_per_request / 2**20:.1f} MiB"
+        during = "—" if r.sent_during_compute is None else f"{100 * r.sent_during_compute:.0f}%"
         lines.append(f"| {r.mode} | {r.requests} | {r.token_equal}/{r.requests} | {r.p50_ms:.1f} | {r.p99_ms:.1f} "
-                     f"| {over} | {by} |")
+                     f"| {over} | {by} | {kv} | {during} |")
     return "\n".join(lines)
 
 
-def to_json(results: list[ModeResult]) -> dict:
+def to_json(results: list[ModeResult], config: BenchConfig | None = None) -> dict:
     base = results[0].p50_ms
-    return {"date": time.strftime("%Y-%m-%d"), "modes": [
+    about = {} if config is None else {"model": config.model, "max_model_len": config.max_model_len,
+                                       "load_average": os.getloadavg()}
+    return {"date": time.strftime("%Y-%m-%d"), **about, "modes": [
         asdict(r) | {"p50_ms": r.p50_ms, "p99_ms": r.p99_ms, "overhead_p50_ms": r.p50_ms - base,
                      "p50_ms_by_prompt_tokens": r.p50_by_length()} for r in results]}
 
 
-def dump(results: list[ModeResult], as_json: bool) -> str:
+def dump(results: list[ModeResult], as_json: bool, config: BenchConfig | None = None) -> str:
     if as_json:
-        return json.dumps(to_json(results))
+        return json.dumps(to_json(results, config))
     parts = [table(results)] + [timelines.table(r.mode, r.breakdown) for r in results if r.breakdown]
     return "\n\n".join(parts)

@@ -6,7 +6,7 @@ generated token depends on the whole prompt: a decode that got the wrong KV, or 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -26,6 +26,11 @@ class TinyLlama:
     vocab_size: int = 32000
     max_position_embeddings: int = 4096
     seed: int = 1234
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Main KV of one token over every layer (K and V, float32)."""
+        return 2 * self.num_key_value_heads * self.head_dim * 4 * self.num_hidden_layers
 
     def config(self) -> dict:
         fields = asdict(self)
@@ -72,3 +77,18 @@ class TinyLlama:
                   metadata={"format": "pt"})
         cfg_file.write_text(json.dumps(config, indent=2) + "\n")
         return path
+
+
+MODELS = {
+    "tiny": TinyLlama(),
+    # 16 layers, so what per-layer streaming hides shows: with two, half the bytes are exposed whatever the connector
+    # does. Narrow heads keep its compute near the 2-layer model's (attention dominates at these lengths).
+    "deep": TinyLlama(num_hidden_layers=16, hidden_size=128, intermediate_size=256, num_attention_heads=2,
+                      num_key_value_heads=2, head_dim=32),
+}
+"""The models `bench-pd --model` serves (seeded weights, written on first use)."""
+
+
+def bench_model(name: str, max_model_len: int) -> TinyLlama:
+    """MODELS[name], with positions for `max_model_len` tokens."""
+    return replace(MODELS[name], max_position_embeddings=max(MODELS[name].max_position_embeddings, max_model_len))
