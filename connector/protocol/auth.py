@@ -101,3 +101,47 @@ def check_client_proof(token: str, client: Hello, server: Hello, auth: Auth) -> 
     if not hmac.compare_digest(auth.proof, client_proof(token, client, server, auth)):
         raise ControlError(f"{TOKEN_DIFFERS} (bad auth token: the peer's proof does not match): set the same "
                            f"auth_token on both sides")
+
+
+# ---- per-transfer capability ---------------------------------------------------------------------------------------
+# The side-channel token only says "a member of this cluster". A transfer id is vLLM's request id (the router and
+# both engines see it), so it cannot say whose transfer it is. The capability can: an unguessable secret minted per
+# transfer that travels only in kv_transfer_params (prefill's response in the sequential flow; the proxy's two legs
+# in the concurrent one), never over the side channel. Decode proves it with an HMAC bound to this connection's two
+# nonces and the transfer id rather than sending the secret: without TLS an eavesdropper on the side channel (or a
+# relay in the middle) would otherwise read it from one Register and claim the transfer at another prefill rank, and
+# a recorded proof is useless on any other connection (other nonces) or for any other transfer.
+
+TRANSFER_SECRET_BYTES = 16
+"""128 random bits per transfer (`new_transfer_secret`)."""
+MAX_TRANSFER_SECRET = 256
+"""Longest `transfer_secret` accepted from kv_transfer_params (characters)."""
+
+
+def new_transfer_secret() -> str:
+    """A fresh capability for one transfer: 128 random bits, URL-safe text (22 characters)."""
+    return secrets.token_urlsafe(TRANSFER_SECRET_BYTES)
+
+
+def session_of(client: Hello, server: Hello) -> bytes:
+    """What binds a proof to one connection: the client's nonce, then the server's (fresh per connection)."""
+    return client.nonce + server.nonce
+
+
+def transfer_proof(secret: str, session: bytes, transfer_id: str) -> bytes:
+    """HMAC-SHA256(secret, "transfer" + connection nonces + transfer id): what a Register (or Abort) carries to
+    show that the decode holds `transfer_id`'s secret, on this connection only."""
+    return _mac(secret, b"transfer\x00", session + transfer_id.encode())
+
+
+def check_transfer_proof(secret: str, session: bytes, transfer_id: str, proof: bytes) -> str:
+    """'' if `proof` proves `secret` for `transfer_id` on the connection `session`; else why not, in words."""
+    if not proof:
+        return (f"transfer {transfer_id!r} was started with a transfer_secret and this registration proves none: the "
+                f"decode leg's kv_transfer_params must carry the same transfer_secret as the prefill leg's (the "
+                f"router passes prefill's response to decode unchanged, or the proxy gives both legs the secret it "
+                f"minted)")
+    if not hmac.compare_digest(proof, transfer_proof(secret, session, transfer_id)):
+        return (f"transfer {transfer_id!r}: the registration's proof of the transfer_secret is wrong (decode got "
+                f"another secret than prefill's request carries, or this is not the request's decode)")
+    return ""

@@ -34,7 +34,7 @@ from msgspec import Meta
 from connector.core.errors import FrameError
 from connector.core.layout import Region
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 """Wire protocol version; a frame or Hello with any other version is rejected.
 
 History (one line per version; bump it for any change an older peer would misread):
@@ -58,6 +58,10 @@ History (one line per version; bump it for any change an older peer would misrea
      connects for (`for_transfer`), so a prefill that refuses the handshake frees that transfer's KV at once.
      (Within 4: Register.checksum and the Checksums message, optional: a prefill that ignores the flag sends
      none, and a decode that asked for them then fails the transfer saying so.)
+  5  Per-transfer capability: Register and Abort carry `proof`, an HMAC under the transfer's secret (which travels
+     only in kv_transfer_params) bound to the connection's two nonces and the transfer id
+     (connector.protocol.auth.transfer_proof); prefill serves a transfer minted with a secret only to the
+     registration that proves it. A version-4 prefill would drop the field and serve anyone.
 """
 DEFAULT_MAX_FRAME_BYTES = 4 * 1024 * 1024
 """Largest body a receiver accepts after the handshake unless configured otherwise. The largest real messages are
@@ -200,6 +204,9 @@ class Register(msgspec.Struct, frozen=True, tag="register", tag_field="type"):
     so an unknown id is refused at once (restarted prefill, wrong id) instead of parked."""
     checksum: bool = False
     """Decode verifies what it receives (`kv_checksum`): prefill sends its digests (Checksums) before Complete."""
+    proof: Proof = b""
+    """Decode proves it holds the transfer's secret (the `transfer_secret` of its kv_transfer_params):
+    connector.protocol.auth.transfer_proof, never the secret itself; empty when decode got none."""
 
 
 class RegisterAck(msgspec.Struct, frozen=True, tag="register_ack", tag_field="type"):
@@ -251,6 +258,9 @@ class Abort(msgspec.Struct, frozen=True, tag="abort", tag_field="type"):
 
     transfer_id: TransferId
     reason: Reason
+    proof: Proof = b""
+    """Decode -> prefill: as Register's, when decode holds the transfer's secret (an Abort from a decode rank that
+    has no destination of the transfer on its connection counts only with it)."""
 
 
 class Stopped(msgspec.Struct, frozen=True, tag="stopped", tag_field="type"):
