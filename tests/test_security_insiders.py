@@ -18,12 +18,12 @@ import pytest
 
 from connector.core.errors import ControlError, TransferFailed
 from connector.protocol.addressing import PrefillAddress
-from connector.protocol.auth import new_transfer_secret, transfer_proof
+from connector.protocol.auth import engine_name, new_engine_key, new_transfer_secret, transfer_proof
 from connector.protocol.messages import Abort, Complete, Register, RegisterAck, RegisterError, Stopped
 from connector.transport.control import ControlServer, connect
 from tests.adversary import TOKEN, TOKENS, WITH_TOKEN, Relay, blocks, make_scenario
 from tests.helpers import bare_side_channel
-from tests.test_security import (assert_recovered, decode_config, ranks, target,  # noqa: F401
+from tests.test_security import (assert_recovered, decode_config, mallory_hello, ranks, target,  # noqa: F401
                                  transfer, untouched)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -176,6 +176,83 @@ def test_the_owners_engine_id_at_another_rank_neither_receives_nor_aborts(target
     assert target.finished(tid) is True, "the impostor's Abort failed the victim's transfer"
     assert refusals(target) - before == 2
     assert_recovered(target, victim, receiver, "t-other-rank-after")
+
+
+# ---- engine identity (the ranks of one engine share a key: connector.protocol.auth, "engine keys") ----------------
+def test_a_squatter_on_a_decode_identity_does_not_keep_the_real_decode_out(target, ranks):
+    """A token holder connects first as the victim's decode rank ('decode-victim', 0, 0) and holds the connection.
+    The real decode used to be refused for as long as it did ("already connected on another live connection"). Now
+    the real decode's engine is (id, key): the squatter, keyless, is another engine, and one that copies the
+    victim's public key without its private key fails the handshake; the real decode is served."""
+    victim, _unkeyed, mallory = ranks
+    receiver = victim.receiver(decode_config(), engine_key=new_engine_key())
+    squat = mallory_hello(mallory, engine_id=receiver.hello.engine_id)
+    conn = mallory.run(connect("127.0.0.1", target.port, squat, WITH_TOKEN, timeout=10), 20)
+    try:
+        copied = mallory_hello(mallory, engine_id=receiver.hello.engine_id, agent_name="mallory-copy",
+                               engine_key=receiver.hello.engine_key)
+        with pytest.raises(ControlError, match="does not prove"):
+            mallory.run(connect("127.0.0.1", target.port, copied, WITH_TOKEN, timeout=10,
+                                engine_key=new_engine_key()), 20)
+        secret = new_transfer_secret()
+        fut, dst = receive(victim, receiver, target, "t-squatted", 40, secret)
+        target.compute("t-squatted", index=40, secret=secret)
+        fut.result(40)
+        assert victim.bufs.verify(dst, 0, TOKENS) == []
+        assert target.finished("t-squatted") is True
+    finally:
+        mallory.run(conn.aclose(), 10)
+    assert untouched(mallory)
+    assert_recovered(target, victim, receiver, "t-squatted-after")
+
+
+def test_a_connected_engines_other_ranks_cannot_be_claimed_without_its_key(target, ranks, open_rank):
+    """The victim's engine (keyed) has rank (0, 0) connected and an open transfer (no secret: a router that mints
+    none) registered. A token holder claims its engine id at rank (0, 1). It used to be the owner engine: its
+    registration was served (that rank's share of the KV) and its Abort failed the transfer. Now it is another
+    engine: the transfer is not its own to register or abort, whatever rank it claims."""
+    victim, _unkeyed, mallory = ranks
+    receiver = victim.receiver(decode_config(), engine_key=new_engine_key())
+    sc2 = make_scenario(target.cluster.sc.model, decode="tp=2,pp=1")
+    impostor = open_rank(sc2.rank_spec("decode", (0, 1), run_id="victim"))
+    imp = impostor.receiver(decode_config())
+    tid = "t-open-other-rank"
+    fut, dst = receive(victim, receiver, target, tid, 41, "")
+    target.wait_state("victim registered", lambda s: s["parked"] == 1)
+
+    async def meddle() -> list:
+        conn = await connect("127.0.0.1", target.port, imp.hello, WITH_TOKEN, timeout=10)
+        try:
+            await conn.send(Register(tid, 0, 1, blocks(impostor.spec.num_blocks, 42), 0, TOKENS))
+            first = await conn.recv(10)
+            await conn.send(Abort(tid, "the victim's engine gives up"))
+            return [first, await conn.recv(10)]
+        finally:
+            await conn.aclose()
+
+    refused, stopped = impostor.run(meddle(), 30)
+    assert isinstance(refused, RegisterError) and f"belongs to decode engine {engine_name(receiver.hello)!r}" in \
+        refused.reason, refused
+    assert stopped == Stopped(tid, 0, 0)
+    target.compute(tid, index=41)
+    fut.result(40)
+    assert victim.bufs.verify(dst, 0, TOKENS) == []
+    assert untouched(impostor), "the impostor received a share of the victim's KV"
+    assert target.finished(tid) is True, "the impostor's Abort failed the victim's transfer"
+    assert_recovered(target, victim, receiver, "t-open-other-rank-after")
+
+
+def test_a_restarted_decode_engine_with_a_new_key_is_served(target, ranks):
+    """No lock-out: once a keyed engine's connections are gone, the same engine id and rank with a new key (a
+    restarted engine mints one) connects and is served at once."""
+    victim, _unkeyed, _mallory = ranks
+    first = victim.receiver(decode_config(), engine_key=new_engine_key())
+    transfer(target, victim, first, "t-before-restart", seed=43)
+    victim.run(first.aclose(), 20)
+    again = victim.receiver(decode_config(), engine_key=new_engine_key())
+    assert engine_name(again.hello) != engine_name(first.hello)
+    transfer(target, victim, again, "t-after-restart", seed=44)
+    assert_recovered(target, victim, again, "t-restart-after")
 
 
 # ---- fake prefills (a token holder's server that decode connects to for a request of its own) -------------------

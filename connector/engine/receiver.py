@@ -13,6 +13,7 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 
 from connector.core.checksums import destination_rows, mismatch, transfer_spans
@@ -26,7 +27,7 @@ from connector.engine.sources import SourceEngine, SourceTable
 from connector.engine.staging import StagedReader
 from connector.engine.timeline import ReceivePoints
 from connector.protocol.addressing import PrefillAddress
-from connector.protocol.auth import transfer_proof
+from connector.protocol.auth import engine_public_key, transfer_proof
 from connector.protocol.messages import (MAX_TRANSFER_ID, Abort, Checksums, Complete, Error, Register, RegisterAck,
                                          RegisterError, Scatter, Scattered, Stopped)
 from connector.transport.base import KVTransport
@@ -103,6 +104,15 @@ class StreamReceiver:
         """The prefill engines this rank receives from (connector.engine.sources)."""
         self._copier: BlockCopier | None = None
         """`kv_checksum` digests on the KV caches' device (made on first use)."""
+
+    def set_engine_key(self, key: bytes) -> None:
+        """The key every decode rank of this engine shares (connector.vllm: minted by the scheduler side): prefill
+        then knows the engine as (engine id, key) (connector.protocol.auth.engine_name), so no other peer can claim
+        its ranks or keep them out by claiming its id first. Connections opened before keep their identity."""
+        if key != self.sources.engine_key:
+            public = engine_public_key(key)
+            self.hello = self.sources.hello = msgspec.structs.replace(self.hello, engine_key=public)
+            self.sources.engine_key = key
 
     @property
     def busy(self) -> dict[str, int]:

@@ -78,6 +78,8 @@ class SourceTable:
         self.staged, self.tasks, self.transfers = staged, tasks, transfers
         self.plans = PlanCache(model, hello)
         config.side_channel.client_ssl()  # an unreadable CA bundle is a startup error, not a failed transfer
+        self.engine_key = b""
+        """The private key of `hello.engine_key` (StreamReceiver.set_engine_key), which signs each handshake."""
         self.by_address: dict[PrefillAddress, SourceEngine] = {}
         self._connecting: dict[PrefillAddress, asyncio.Lock] = defaultdict(asyncio.Lock)
         self.confirming: dict[tuple[int, Rank], asyncio.Task] = {}
@@ -87,7 +89,7 @@ class SourceTable:
                       for_transfer: str = "") -> ControlConnection:
         return await connect(address.host, port, self.hello, self.config.side_channel, timeout=timeout,
                              heartbeat_ids=lambda: self.transfers.wanted_from(address, port),
-                             for_transfer=for_transfer, check=self._check_layout)
+                             for_transfer=for_transfer, check=self._check_layout, engine_key=self.engine_key)
 
     def _check_layout(self, peer: Hello) -> None:
         """A prefill's claimed layout is checked in the handshake, before decode sends anything about its memory

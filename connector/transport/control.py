@@ -230,14 +230,15 @@ class ControlConnection:
 async def connect(host: str, port: int, hello: Hello, config: SideChannelConfig = SideChannelConfig(), *,
                   timeout: float | None = None, heartbeat_ids: Callable[[], Iterable[str]] | None = None,
                   on_close: Callable[[str], None] | None = None, for_transfer: str = "",
-                  check: Callable[[Hello], None] | None = None) -> ControlConnection:
+                  check: Callable[[Hello], None] | None = None, engine_key: bytes = b"") -> ControlConnection:
     """Open a connection (over TLS with `config.tls_ca_file`) and run the handshake (connector.protocol.messages) in
     at most `timeout` s (default `config.handshake_timeout_s`): send who we are, check the server's Hello (version,
     role, fingerprint, and with `config.auth_token` its proof), and only then send `hello`'s memory (NIXL metadata,
     regions, staging buffer) with our proof, and wait for Welcome. The connection then sends `heartbeat_ids()`
     every `config.heartbeat_interval_s` and closes itself after `config.dead_after_s` of silence. `for_transfer`:
     the transfer this connection is opened for (a server that refuses the handshake frees its KV at once); `check`:
-    refuses the server's Hello (raise) before our memory leaves, as the server's own checks do.
+    refuses the server's Hello (raise) before our memory leaves, as the server's own checks do; `engine_key`: the
+    private key of `hello.engine_key`, which signs the handshake (connector.protocol.auth).
     Raises ControlError if the peer rejects us (with its reason), fails a check, or answers with something else."""
     where, ssl_context = f"{host}:{port}", config.client_ssl()
     timeout = timeout or config.handshake_timeout_s
@@ -253,7 +254,7 @@ async def connect(host: str, port: int, hello: Hello, config: SideChannelConfig 
     try:
         async with asyncio.timeout(timeout):
             reply, nonces = await client_handshake(reader, writer, hello, config.auth_token, where, for_transfer,
-                                                   check)
+                                                   check, engine_key)
     except BaseException as exc:
         writer.close()
         if isinstance(exc, TimeoutError):

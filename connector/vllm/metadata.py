@@ -55,6 +55,9 @@ class SparseKVMetadata(KVConnectorMetadata):
     recvs: dict[str, RecvSpec] = field(default_factory=dict)
     aborts: dict[str, str] = field(default_factory=dict)
     """request id -> transfer id: stop sending / receiving it."""
+    engine_key: bytes = b""
+    """Decode: the key all ranks of this engine prove in their handshakes (connector.protocol.auth.new_engine_key,
+    minted once by the scheduler side); every worker gets it with each step."""
 
 
 @dataclass

@@ -215,6 +215,8 @@ class WorkerSide:
             self._active_sends = active
             self._signals.begin()
         if self.receiver is not None:
+            if meta.engine_key:
+                self.receiver.set_engine_key(meta.engine_key)  # (the same every step: set once)
             for req_id, spec in meta.recvs.items():
                 self._start_receive(req_id, spec)
 
