@@ -88,7 +88,7 @@ class Ownership:
         req = self.requests.get(transfer_id)
         if req is not None and req.owner is not None:
             return req.owner
-        parked = self.parked.get(transfer_id)
+        parked = [p for p in self.parked.get(transfer_id, ()) if not p.register.proof]  # a proof decides later
         return parked[0].peer.key[0] if parked else None
 
     def check_owner(self, transfer_id: str, engine: str) -> None:
