@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Disaggregated prefill/decode proxy for `SparseKVConnector` (push protocol; decode registers first).
 
-For each `/v1/completions` or `/v1/chat/completions` POST the proxy makes a transfer id and sends, at the same
-time, the request to a prefill instance (as a 1-token, non-streamed request with `do_remote_decode`) and to a
+For each `/v1/completions` or `/v1/chat/completions` POST the proxy makes a transfer id and its capability (a
+128-bit `transfer_secret`, which only the two legs get: a peer that knows the id but not the secret cannot take the
+transfer; README, Security) and sends, at the same time, the request to a prefill instance (as a 1-token, non-streamed request with `do_remote_decode`) and to a
 decode instance (the original request with `do_remote_prefill` and the prefill instance's side-channel address).
 The decode instance registers its blocks with the prefill instance's side channel, and prefill pushes the KV into
 them layer by layer while it computes. The client gets the decode response, streamed through unchanged.
@@ -22,6 +23,7 @@ import asyncio
 import itertools
 import json
 import logging
+import secrets
 import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Sequence
@@ -82,18 +84,19 @@ class LegError(Exception):
 SESSION = web.AppKey("session", aiohttp.ClientSession)
 
 
-def prefill_body(body: dict[str, Any], transfer_id: str) -> dict[str, Any]:
+def prefill_body(body: dict[str, Any], transfer_id: str, secret: str) -> dict[str, Any]:
     """The prefill leg only has to compute the prompt's KV: one token, no streaming, and keep the blocks for decode."""
     out = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}  # min_tokens > 1 is invalid
-    out.update(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True, "transfer_id": transfer_id})
+    out.update(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True, "transfer_id": transfer_id,
+                                                               "transfer_secret": secret})
     if "max_completion_tokens" in out:  # chat: takes precedence over max_tokens in vLLM
         out["max_completion_tokens"] = 1
     return out
 
 
-def decode_body(body: dict[str, Any], transfer_id: str, prefill: Prefill) -> dict[str, Any]:
+def decode_body(body: dict[str, Any], transfer_id: str, prefill: Prefill, secret: str) -> dict[str, Any]:
     return {**body, "kv_transfer_params": {"do_remote_prefill": True, "transfer_id": transfer_id,
-                                           "prefill_addr": prefill.side_channel_addr}}
+                                           "prefill_addr": prefill.side_channel_addr, "transfer_secret": secret}}
 
 
 def build_app(prefill_instances: Sequence[Prefill | str], decode_instances: Sequence[str],
@@ -148,16 +151,16 @@ def build_app(prefill_instances: Sequence[Prefill | str], decode_instances: Sequ
         if not isinstance(body, dict):
             return web.json_response({"error": {"message": "body must be a JSON object", "type": "invalid_request"}},
                                      status=400)
-        transfer_id = uuid.uuid4().hex
+        transfer_id, secret = uuid.uuid4().hex, secrets.token_urlsafe(16)  # the secret is never logged
         prefill, decode = next(next_prefill), next(next_decode)
         headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}  # vLLM --api-key
         log.info("%s %s: prefill %s, decode %s", transfer_id, request.path, prefill.url, decode)
         session = request.app[SESSION]
         # Both legs at once: decode registers its blocks while prefill computes, so layers are pushed as they finish.
-        p_task = asyncio.create_task(run_prefill(session, prefill, request.path, prefill_body(body, transfer_id),
+        p_task = asyncio.create_task(run_prefill(session, prefill, request.path, prefill_body(body, transfer_id, secret),
                                                  headers))
         d_task = asyncio.create_task(open_decode(session, decode, request.path,
-                                                 decode_body(body, transfer_id, prefill), headers))
+                                                 decode_body(body, transfer_id, prefill, secret), headers))
         upstream: aiohttp.ClientResponse | None = None
         try:
             # Nothing goes to the client until prefill succeeded, so a prefill failure can still be a clean JSON

@@ -48,6 +48,10 @@ def main() -> None:
     ap.add_argument("role", choices=["producer", "consumer"], help="producer = prefill, consumer = decode")
     ap.add_argument("--model", default="MiniMaxAI/MiniMax-M3")
     ap.add_argument("--transfer-id", default=uuid.uuid4().hex, help="must be the same on both sides")
+    ap.add_argument("--transfer-secret", default=os.environ.get("SPARSE_KV_TRANSFER_SECRET", ""),
+                    help="the transfer's capability, the same on both sides (e.g. python -c 'import secrets; "
+                         "print(secrets.token_urlsafe(16))'; default $SPARSE_KV_TRANSFER_SECRET); without one the "
+                         "transfer is open to any holder of the auth token that knows its id (README, Security)")
     ap.add_argument("--prompt", default=PROMPT, help="must be the same on both sides (same tokens)")
     ap.add_argument("--tp", type=int, help="tensor parallel size (default: 4 producer, 8 consumer)")
     ap.add_argument("--pp", type=int, help="pipeline parallel size (default: 2 producer, 1 consumer)")
@@ -90,9 +94,11 @@ def main() -> None:
     if producer:
         # One token: prefill only computes the prompt's KV (pushed to decode per layer while it computes).
         kv_params = {"do_remote_decode": True, "transfer_id": args.transfer_id}
+        kv_params |= {"transfer_secret": args.transfer_secret} if args.transfer_secret else {}
         params = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": kv_params})
     else:
         kv_params = {"do_remote_prefill": True, "transfer_id": args.transfer_id, "prefill_addr": args.prefill_addr}
+        kv_params |= {"transfer_secret": args.transfer_secret} if args.transfer_secret else {}
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0,
                                 extra_args={"kv_transfer_params": kv_params})
 

@@ -72,10 +72,10 @@ class Target:
             assert time.monotonic() < deadline, f"{what}: prefill state is still {state}"
             time.sleep(0.1)
 
-    def compute(self, tid: str, layer_ms: float = 0.0, wait: bool = True, index: int = 0) -> None:
-        """Prefill computes request `tid` (every layer, then the sweep)."""
+    def compute(self, tid: str, layer_ms: float = 0.0, wait: bool = True, index: int = 0, secret: str = "") -> None:
+        """Prefill computes request `tid` (every layer, then the sweep), started with capability `secret` (if any)."""
         _p, conn = self.cluster.prefill[(0, 0)]
-        self.cluster.ask(conn, ("start", tid, TOKENS, index), 30, "prefill")
+        self.cluster.ask(conn, ("start", tid, TOKENS, index, secret), 30, "prefill")
         conn.send(("chunk", tid, 0, TOKENS, layer_ms, "stream", "all"))
         if wait:
             self.cluster.reply(conn, 60, "prefill")

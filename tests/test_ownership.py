@@ -340,3 +340,65 @@ def test_recent_ids_keep_at_most_max_ids_dropping_the_oldest():
     ids.add("e", NOW + 10)
     assert [t for t in "bcde" if t in ids] == ["b", "d", "e"]
     assert ids.discard("d") and not ids.discard("d") and len(ids) == 2
+
+
+# ---- the transfer's capability (transfer_secret) ------------------------------------------------------------------
+SECRET = "s3cret-of-t1"
+
+
+@dataclass(eq=False)
+class NoncedConn(Conn):
+    """A connection with its handshake nonces (what a transfer proof is bound to)."""
+
+    nonces: bytes = b"n" * 64
+
+
+def proof(conn: NoncedConn, secret: str = SECRET, tid: str = "t1") -> bytes:
+    from connector.protocol.auth import transfer_proof
+
+    return transfer_proof(secret, conn.nonces, tid)
+
+
+@pytest.mark.parametrize("how, refused", [
+    ("valid", ""), ("none", "proves none"), ("wrong secret", "is wrong"), ("other connection", "is wrong"),
+    ("other transfer", "is wrong"),
+])
+def test_a_transfer_with_a_secret_is_served_only_to_its_proof(how, refused):
+    from connector.core.errors import CapabilityError
+
+    own, conn = ownership(), NoncedConn()
+    req = started(own)
+    req.secret = SECRET
+    p = {"valid": proof(conn), "none": b"", "wrong secret": proof(conn, "guess"),
+         "other connection": proof(NoncedConn(nonces=b"m" * 64)), "other transfer": proof(conn, tid="t2")}[how]
+    if not refused:
+        own.serve(conn, peer(), register(proof=p), NOW)
+        assert req.owner == "decode-a"
+        return
+    with pytest.raises(CapabilityError, match=refused):
+        own.serve(conn, peer(), register(proof=p), NOW)
+    assert req.owner is None and not req.dests
+
+
+def test_a_registration_with_a_proof_waits_whoever_came_first_and_the_proof_decides_at_start():
+    """A token holder parks an open registration for the id first: a proving one still waits, and is the one
+    served when the request starts with its secret; the first is refused then."""
+    own, first, second = ownership(), NoncedConn(), NoncedConn(nonces=b"v" * 64)
+    own.park(first, peer("decode-mallory"), register(), NOW)
+    own.park(second, peer("decode-victim"), register(proof=proof(second)), NOW)
+    req = SendRequest("t1", TOKENS, [], secret=SECRET)
+    answers = own.start(req, NOW)
+    assert [(p.peer.key[0], type(err).__name__ if err else None) for p, err in answers] == \
+        [("decode-mallory", "CapabilityError"), ("decode-victim", None)]
+    assert req.owner == "decode-victim"
+
+
+def test_an_abort_without_a_destination_needs_the_proof():
+    own, victim, other = ownership(), NoncedConn(), NoncedConn(nonces=b"x" * 64)
+    req = started(own)
+    req.secret = SECRET
+    own.serve(victim, peer("decode-v"), register(proof=proof(victim)), NOW)
+    impostor = peer("decode-v", (0, 1), ParallelLayout.build(MODEL.num_layers, 2, 1)).key
+    verdict = own.abort(other, impostor, "t1")
+    assert "abort proves none" in verdict.unproven and not verdict.fails_request
+    assert own.abort(other, impostor, "t1", proof(other)).fails_request  # the decode's own rank: it has the secret

@@ -179,12 +179,13 @@ async def test_completions_both_legs_same_transfer_id_overlapping(cluster) -> No
     assert status == 200 and body == {"choices": [{"text": "hello from d0"}]}
 
     p, d = _only(c.fakes, "p0"), _only(c.fakes, "d0")
-    tid = p["kv_transfer_params"]["transfer_id"]
+    tid, secret = p["kv_transfer_params"]["transfer_id"], p["kv_transfer_params"]["transfer_secret"]
     assert len(tid) == 32 and int(tid, 16) >= 0  # uuid4 hex
+    assert len(secret) == 22  # 128 random bits, URL-safe: the transfer's capability, to both legs only
     assert p == {"model": "m", "prompt": "hi", "max_tokens": 1, "stream": False, "temperature": 0.0,
-                 "kv_transfer_params": {"do_remote_decode": True, "transfer_id": tid}}
+                 "kv_transfer_params": {"do_remote_decode": True, "transfer_id": tid, "transfer_secret": secret}}
     assert d == {**request, "kv_transfer_params": {"do_remote_prefill": True, "transfer_id": tid,
-                                                   "prefill_addr": "10.0.0.1:5600"}}
+                                                   "prefill_addr": "10.0.0.1:5600", "transfer_secret": secret}}
     # Decode was there while prefill was still computing (push: decode registers first).
     assert c.fakes.times[("decode", tid)] < c.fakes.times[("prefill_done", tid)]
 
@@ -202,12 +203,12 @@ async def test_chat_streaming_sse_passes_through_in_order(cluster) -> None:
     assert first + rest == b"".join(SSE_CHUNKS)
 
     p, d = _only(c.fakes, "p0"), _only(c.fakes, "d0")
-    tid = d["kv_transfer_params"]["transfer_id"]
-    assert p["kv_transfer_params"] == {"do_remote_decode": True, "transfer_id": tid}
+    tid, secret = d["kv_transfer_params"]["transfer_id"], d["kv_transfer_params"]["transfer_secret"]
+    assert p["kv_transfer_params"] == {"do_remote_decode": True, "transfer_id": tid, "transfer_secret": secret}
     assert p["max_tokens"] == 1 and p["max_completion_tokens"] == 1 and p["stream"] is False
     assert "stream_options" not in p and p["messages"] == request["messages"]
     assert d == {**request, "kv_transfer_params": {"do_remote_prefill": True, "transfer_id": tid,
-                                                   "prefill_addr": "10.0.0.1:5600"}}
+                                                   "prefill_addr": "10.0.0.1:5600", "transfer_secret": secret}}
 
 
 async def test_prefill_failure_cancels_decode_and_names_the_leg(cluster) -> None:

@@ -48,7 +48,8 @@ ADAPTER = {"staging_mb": "the worker allocates the staging buffer itself (Connec
            "auth_token_file": "read by ConnectorSettings.token() into SideChannelConfig.auth_token "
                               "(tests/test_early_checks.py)",
            "auth_token_env": "the same, from the environment variable it names",
-           "holding_step_interval_s": "the scheduler side's pacer (connector.vllm.idle_hold)"}
+           "holding_step_interval_s": "the scheduler side's pacer (connector.vllm.idle_hold)",
+           "require_transfer_secret": "the scheduler side's prefill half (connector.vllm.requests.secret_of)"}
 """Settings the vLLM adapter reads itself instead of handing them to a config."""
 
 

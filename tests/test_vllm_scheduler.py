@@ -335,6 +335,8 @@ def test_sequential_flow_prefill_makes_a_transfer_id_and_answers_with_what_decod
             "prefill_addr": "10.1.2.3:5700", "prefill_engine_id": sched.connector.engine_id,
             "prefill_dp_rank": 0, "prefill_finished": True, "lease_s": 30.0}
     assert {k: params.get(k) for k in ours} == ours  # (vLLM adds keys of its own, e.g. cached-token counts)
+    secret = params["transfer_secret"]  # minted here: nobody could register the id before this response
+    assert len(secret) == 22 and meta_of(so).sends["p9"].transfer_secret == secret
     assert H.free_block_count(sched) < free0  # held for decode
     H.run_step(sched, finished_sending={"p9"})
     assert H.free_block_count(sched) == free0
@@ -346,6 +348,31 @@ def test_sequential_flow_prefill_makes_a_transfer_id_and_answers_with_what_decod
     spec = meta_of(so).recvs["d9"]
     assert (spec.transfer_id, spec.prefill_addr, spec.prefill_finished, spec.error) == ("p9", "10.1.2.3:5700",
                                                                                         True, "")
+    assert spec.transfer_secret == secret and meta_of(so).engine_key  # (decode's engine key, the same each step)
+
+
+@pytest.mark.parametrize("given, require, secret", [
+    ({"transfer_secret": "from-the-proxy"}, False, "from-the-proxy"),  # concurrent flow: the proxy minted it
+    ({}, False, ""),        # a router that names the id but mints no secret: an open transfer
+    ({}, True, "minted"),   # require_transfer_secret: minted anyway (that decode leg is then refused)
+])
+def test_concurrent_flow_prefill_takes_the_proxys_secret_or_none(m3_dir, given, require, secret):
+    sched = build(m3_dir, "kv_producer", extra_config={"require_transfer_secret": require})
+    req = H.make_request("c1", 40, kv_transfer_params={"do_remote_decode": True, "transfer_id": "tid-c1", **given},
+                         max_tokens=1)
+    sched.add_request(req)
+    so, out = H.run_step(sched)
+    got = meta_of(so).sends["c1"].transfer_secret
+    assert (len(got) == 22) if secret == "minted" else got == secret
+    assert H.outputs_by_request(out)["c1"].kv_transfer_params.get("transfer_secret") == (got or None)
+
+
+def test_a_transfer_secret_of_the_wrong_type_fails_the_decode_leg_naming_it(m3_dir):
+    dec = build(m3_dir, "kv_consumer")
+    dec.add_request(H.make_request("d1", 40, kv_transfer_params={**decode_params(), "transfer_secret": 7},
+                                   max_tokens=2))
+    so, _ = H.run_step(dec)
+    assert "transfer_secret must be a string" in meta_of(so).recvs["d1"].error
 
 
 def test_prefill_side_channel_address_comes_from_the_workers_when_they_report_it(m3_dir):

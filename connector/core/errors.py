@@ -53,6 +53,10 @@ class RegistrationError(InputError, ValueError):
     """A registration that is refused before anything is written; the text goes back to decode."""
 
 
+class CapabilityError(RegistrationError):
+    """A registration or abort did not prove the transfer's secret (`transfer_secret`)."""
+
+
 class StagingError(InputError, ValueError):
     """A staged chunk that cannot be accepted; the text goes back to the sender."""
 

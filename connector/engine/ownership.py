@@ -1,9 +1,15 @@
 """Who owns which transfer on a prefill rank: the rules, as one object with no I/O that the sender
 (connector.engine.sender) asks before it answers decode or writes anything.
 
+- A transfer started with a secret (`SendRequest.secret`, the capability of kv_transfer_params) is served only to a
+  registration that proves it on its own connection (connector.protocol.auth.transfer_proof); a wrong or missing
+  proof is refused (CapabilityError), whoever registered first, so knowing a transfer id buys a token holder
+  nothing. Registrations with a proof wait for the request whatever else waits (the proof is checked when it
+  starts); an Abort from a decode rank with no destination of the transfer on its connection counts only with a
+  valid proof.
 - A transfer id belongs to the decode engine that first registers it (`SendRequest.owner`, or the engine of its
-  waiting registrations). A registration from another engine is refused; an abort or heartbeat from another engine
-  changes nothing.
+  waiting registrations without a proof). A registration from another engine is refused; an abort or heartbeat from
+  another engine changes nothing. For an open transfer (no secret) this is all there is.
 - An abort before any registration (decode gave up early) is pinned to the engine that sent it: the request then
   keeps its KV only `given_up_keep_s` after it was computed instead of the lease, and a registration from any
   engine within that time is served. So an unrelated peer's abort cannot deny a transfer, and a decode that really
@@ -26,10 +32,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from connector.core.errors import InputError, RegistrationError
+from connector.core.errors import CapabilityError, InputError, RegistrationError
 from connector.engine.config import SenderConfig
 from connector.engine.sender_state import (Destination, Parked, PeerInfo, RecentIds, SendRequest,
                                           check_against_request, check_registration, parked_cost)
+from connector.protocol.auth import check_transfer_proof
 from connector.protocol.handshake import PeerKey
 from connector.protocol.messages import Register
 
@@ -49,6 +56,9 @@ class AbortVerdict:
     """The request's owner gave up a destination: the request fails once its other destinations are done."""
     gives_up: bool = False
     """Nobody has registered the transfer yet: pin the give-up to the asking engine (`given_up`)."""
+    unproven: str = ""
+    """The transfer has a secret and this Abort (from a rank with no destination of it here) does not prove it:
+    it changes nothing (answered Stopped; counted as a capability refusal)."""
 
 
 class Ownership:
@@ -78,7 +88,7 @@ class Ownership:
         req = self.requests.get(transfer_id)
         if req is not None and req.owner is not None:
             return req.owner
-        parked = self.parked.get(transfer_id)
+        parked = [p for p in self.parked.get(transfer_id, ()) if not p.register.proof]  # a proof decides later
         return parked[0].peer.key[0] if parked else None
 
     def check_owner(self, transfer_id: str, engine: str) -> None:
@@ -144,7 +154,8 @@ class Ownership:
                 f"kv_transfer_params")
         # Decode registers first (docs/architecture.md, "One request, prefill side"): kept until prefill starts it.
         check_registration(reg, peer, self.rank, self.stage, self.block_size)
-        self.check_owner(tid, peer.key[0])
+        if not reg.proof:  # one with a proof waits whoever came first: the proof decides when the request starts
+            self.check_owner(tid, peer.key[0])
         cost, cfg = parked_cost(reg), self.config
         if peer.parked + 1 > cfg.max_parked_per_connection or \
                 peer.parked_bytes + cost > cfg.max_parked_bytes_per_connection:
@@ -165,6 +176,10 @@ class Ownership:
         if conn.is_closed:  # its sweep may have run already: nothing added now would ever be swept
             raise RegistrationError(f"decode rank {peer.key} closed its connection")
         check_against_request(req, reg, peer.key, self.rank)
+        if req.secret:  # before ownership: the capability decides, not who came first
+            problem = check_transfer_proof(req.secret, getattr(conn, "nonces", b""), reg.transfer_id, reg.proof)
+            if problem:
+                raise CapabilityError(problem)
         self.check_owner(reg.transfer_id, peer.key[0])
         check_registration(reg, peer, self.rank, self.stage, self.block_size)
         req.owner = peer.key[0]
@@ -204,15 +219,21 @@ class Ownership:
             if dest is not None and dest.conn is conn and req.all_computed:
                 req.lease_deadline = max(req.lease_deadline, deadline)
 
-    def abort(self, conn: Any, key: PeerKey, transfer_id: str) -> AbortVerdict:
-        """Decode rank `key` gave `transfer_id` up, on `conn`: its waiting registrations go at once, the rest is in
-        the verdict."""
+    def abort(self, conn: Any, key: PeerKey, transfer_id: str, proof: bytes = b"") -> AbortVerdict:
+        """Decode rank `key` gave `transfer_id` up, on `conn` (with `proof` of the transfer's secret, if it has it):
+        its waiting registrations go at once, the rest is in the verdict."""
         self.drop_parked(transfer_id, conn)
         owner = self.owner_of(transfer_id)
         if owner is not None and owner != key[0]:
             return AbortVerdict(foreign_owner=owner)
         req = self.requests.get(transfer_id)
         dest = req.dests.get(key) if req is not None else None
+        if req is not None and req.secret and dest is None:
+            # No destination here: only the capability says this rank is the request's decode (a token holder
+            # claiming the owner's engine id at another rank must not fail the transfer, nor shorten its lease).
+            problem = check_transfer_proof(req.secret, getattr(conn, "nonces", b""), transfer_id, proof)
+            if problem:
+                return AbortVerdict(request=req, unproven=problem.replace("registration", "abort"))
         if dest is not None:
             # Answer where asked: after losing a connection (a cut link) decode asks again over a new one, and must
             # hear Stopped only once no WRITE to it is in flight. The identity is this connection's alone (a second

@@ -13,6 +13,7 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 
 from connector.core.checksums import destination_rows, mismatch, transfer_spans
@@ -26,6 +27,7 @@ from connector.engine.sources import SourceEngine, SourceTable
 from connector.engine.staging import StagedReader
 from connector.engine.timeline import ReceivePoints
 from connector.protocol.addressing import PrefillAddress
+from connector.protocol.auth import engine_public_key, transfer_proof
 from connector.protocol.messages import (MAX_TRANSFER_ID, Abort, Checksums, Complete, Error, Register, RegisterAck,
                                          RegisterError, Scatter, Scattered, Stopped)
 from connector.transport.base import KVTransport
@@ -65,6 +67,15 @@ class _Pending:
     """Byte ranges a staged chunk of this transfer may be scattered to (computed on the first chunk)."""
     digests: dict[Rank, dict[tuple[str, int, tuple[int, int]], bytes]] = field(default_factory=dict)
     """`kv_checksum`: per source, what it says it sent (its Checksums, before its Complete), by route."""
+    secret: str = ""
+    """The transfer's capability (kv_transfer_params' `transfer_secret`; '' if decode got none): proven, never
+    sent, in each Register and Abort (connector.protocol.auth.transfer_proof)."""
+    registered: set[Rank] = field(default_factory=set)
+    """Sources of `engine` this transfer was registered with, on their connections: only what those send about it
+    counts (another prefill that decode talks to cannot complete, fill or fail it)."""
+
+    def proof(self, conn: ControlConnection) -> bytes:
+        return transfer_proof(self.secret, conn.nonces, self.transfer_id) if self.secret else b""
 
     def allowed_ranges(self, regions: list[Region], null_block: int) -> tuple[np.ndarray, np.ndarray]:
         if self.allowed is None:
@@ -93,6 +104,15 @@ class StreamReceiver:
         """The prefill engines this rank receives from (connector.engine.sources)."""
         self._copier: BlockCopier | None = None
         """`kv_checksum` digests on the KV caches' device (made on first use)."""
+
+    def set_engine_key(self, key: bytes) -> None:
+        """The key every decode rank of this engine shares (connector.vllm: minted by the scheduler side): prefill
+        then knows the engine as (engine id, key) (connector.protocol.auth.engine_name), so no other peer can claim
+        its ranks or keep them out by claiming its id first. Connections opened before keep their identity."""
+        if key != self.sources.engine_key:
+            public = engine_public_key(key)
+            self.hello = self.sources.hello = msgspec.structs.replace(self.hello, engine_key=public)
+            self.sources.engine_key = key
 
     @property
     def busy(self) -> dict[str, int]:
@@ -125,18 +145,18 @@ class StreamReceiver:
                     # Handled in line: a Complete that follows it on this connection is dispatched only afterwards.
                     await self._on_scatter(engine, src, conn, msg)
                 case Checksums():
-                    pend = self._waiting(src, msg)
+                    pend = self._waiting(engine, src, msg)
                     if pend is not None:
                         pend.digests.setdefault(src, {}).update(
                             {(r.pool, r.layer, tuple(r.heads)): r.digests for r in msg.routes})
                 case Complete():
-                    self._on_complete(src, msg)
+                    self._on_complete(engine, src, msg)
                 case RegisterError():
-                    self._source_stopped(src, msg, f"refused {msg.transfer_id!r}: {msg.reason}")
+                    self._source_stopped(engine, src, msg, f"refused {msg.transfer_id!r}: {msg.reason}")
                 case Abort():
-                    self._source_stopped(src, msg, f"aborted {msg.transfer_id!r}: {msg.reason}")
+                    self._source_stopped(engine, src, msg, f"aborted {msg.transfer_id!r}: {msg.reason}")
                 case Stopped():
-                    self._source_stopped(src, msg, f"stopped {msg.transfer_id!r}")
+                    self._source_stopped(engine, src, msg, f"stopped {msg.transfer_id!r}")
                 case RegisterAck():
                     pass  # registered; its Complete (or a refusal) follows
                 case Error():
@@ -161,26 +181,34 @@ class StreamReceiver:
                 also = "" if other == src else f" (prefill rank {other}'s connection is dropped with it)"
                 pend.source_failed(other, TransferFailed(lost + also), stopped=False)
 
-    def _waiting(self, src: Rank, msg: Checksums | Complete | RegisterError | Abort | Stopped) -> _Pending | None:
-        """The transfer `msg` is about, if it still waits on `src`."""
+    def _waiting(self, engine: SourceEngine, src: Rank,
+                 msg: Checksums | Complete | RegisterError | Abort | Stopped | Scatter) -> _Pending | None:
+        """The transfer `msg` is about, if it still waits on `src` of `engine` and was registered there: a message
+        about a transfer registered elsewhere (another prefill this rank talks to, a fake one) changes nothing."""
         pend = self._pending.get(msg.transfer_id)
+        if pend is not None and (pend.engine is not engine or src not in pend.registered):
+            log.warning("decode %s: ignoring %s for %s from prefill rank %s at %s: the transfer was not registered "
+                        "on that connection (it is received from %s)", self.me.rank, type(msg).__name__,
+                        msg.transfer_id, src, engine.address, pend.engine.address)
+            return None
         if pend is None or src not in pend.completes:
             log.debug("ignoring %s for %s from prefill rank %s (not waiting)", type(msg).__name__, msg.transfer_id,
                       src)
             return None
         return pend
 
-    def _on_complete(self, src: Rank, msg: Complete) -> None:
-        pend = self._waiting(src, msg)
+    def _on_complete(self, engine: SourceEngine, src: Rank, msg: Complete) -> None:
+        pend = self._waiting(engine, src, msg)
         if pend is not None:
             if not pend.completes[src].done():
                 pend.completes[src].set_result(msg)
             if not pend.stopped[src].done():
                 pend.stopped[src].set_result(None)
 
-    def _source_stopped(self, src: Rank, msg: RegisterError | Abort | Stopped, why: str) -> None:
+    def _source_stopped(self, engine: SourceEngine, src: Rank, msg: RegisterError | Abort | Stopped,
+                        why: str) -> None:
         """`src` writes nothing more for the transfer and will not complete it."""
-        pend = self._waiting(src, msg)
+        pend = self._waiting(engine, src, msg)
         if pend is not None:
             pend.source_failed(src, TransferFailed(f"prefill rank {src} {why}"), stopped=True)
 
@@ -188,8 +216,8 @@ class StreamReceiver:
         """Scatter a staged chunk from this source's staging area (connector.engine.staging) and answer Scattered
         either way: its slot is free again then. In line: a Complete that follows on this connection is dispatched
         only after every chunk before it is in place."""
-        pend = self._pending.get(msg.transfer_id)
-        if pend is None or src not in pend.completes or pend.completes[src].done():
+        pend = self._waiting(engine, src, msg)
+        if pend is None or pend.completes[src].done():
             # Aborted, failed or finished here: the chunks still in flight from prefill are expected; drop them.
             log.debug("dropping staged chunk %d of %s from prefill rank %s: not being received", msg.seq,
                       msg.transfer_id, src)
@@ -226,11 +254,12 @@ class StreamReceiver:
     # ---- transfers -------------------------------------------------------------------------------------------
     async def receive(self, transfer_id: str, prefill: PrefillAddress, block_ids: list[list[int]],
                       first_token: int, num_tokens: int, timeout: float | None = None,
-                      after_prefill: bool = False, checksum: bool | None = None) -> ReceiveResult:
+                      after_prefill: bool = False, checksum: bool | None = None, secret: str = "") -> ReceiveResult:
         """Register `block_ids` (per group, from token 0) with every source and wait until all completed.
         `after_prefill`: prefill already finished computing (the sequential flow), so a source that does not know
         the transfer refuses at once rather than parking the registration until prefill starts it. `checksum`:
-        verify it end to end (None: `config.kv_checksum`)."""
+        verify it end to end (None: `config.kv_checksum`). `secret`: the transfer's capability (kv_transfer_params'
+        `transfer_secret`), which prefill demands if its request carries one."""
         checksum = self.config.kv_checksum if checksum is None else checksum
         points = ReceivePoints()
         points.mark("registered")
@@ -251,16 +280,19 @@ class StreamReceiver:
             layers[r.src.rank].add(r.layer)
         loop = asyncio.get_running_loop()
         pend = _Pending(transfer_id, engine, {src: loop.create_future() for src in layers},
-                        {src: loop.create_future() for src in layers}, block_ids=[list(g) for g in block_ids])
+                        {src: loop.create_future() for src in layers}, block_ids=[list(g) for g in block_ids],
+                        secret=secret)
         self._pending[transfer_id] = pend
         try:
             async with asyncio.timeout(timeout or self.config.transfer_timeout_s):
                 for src, conn in engine.conns.items():
                     offset, nbytes = engine.areas.get(src, (0, 0))
+                    pend.registered.add(src)  # before the send: its answer may be read before send() returns
                     await conn.send(Register(transfer_id, *self.me.rank, block_ids, first_token,
                                              num_tokens, layers=sorted(layers[src]),
                                              staging_offset=offset, staging_bytes=nbytes,
-                                             after_prefill=after_prefill, checksum=checksum))
+                                             after_prefill=after_prefill, checksum=checksum,
+                                             proof=pend.proof(conn)))
                 done = await asyncio.gather(*pend.completes.values())
                 points.mark("landed")
         except TimeoutError:
@@ -320,7 +352,8 @@ class StreamReceiver:
             if not pend.completes[src].done():
                 pend.completes[src].set_exception(TransferFailed(f"transfer {transfer_id!r} aborted: {reason}"))
 
-    async def abort_unregistered(self, transfer_id: str, prefill: PrefillAddress, reason: str) -> None:
+    async def abort_unregistered(self, transfer_id: str, prefill: PrefillAddress, reason: str,
+                                 secret: str = "") -> None:
         """Decode gave up on a transfer before registering it: tell every prefill rank, so it frees the request's
         blocks now instead of after its lease. Nothing was registered, so nothing can land here. A prefill that
         cannot be reached (or refuses us) holds nothing we could free: one warning, no traceback (vLLM's policy
@@ -333,7 +366,8 @@ class StreamReceiver:
             return
         for src, conn in engine.conns.items():
             try:
-                await conn.send(Abort(transfer_id, reason))
+                await conn.send(Abort(transfer_id, reason, transfer_proof(secret, conn.nonces, transfer_id)
+                                      if secret else b""))
             except ControlError as exc:
                 log.warning("could not tell prefill rank %s that %s was aborted: %s", src, transfer_id, exc)
 
@@ -346,7 +380,7 @@ class StreamReceiver:
                 self.sources.confirm_later(pend.engine, src, conn)
                 continue
             try:
-                await conn.send(Abort(pend.transfer_id, reason))
+                await conn.send(Abort(pend.transfer_id, reason, pend.proof(conn)))
             except ControlError as exc:
                 log.warning("could not abort %s on prefill rank %s: %s", pend.transfer_id, src, exc)
         waiting = [f for f in pend.stopped.values() if not f.done()]

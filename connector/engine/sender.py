@@ -14,7 +14,7 @@ import time
 from typing import Any, Callable
 
 from connector.core.descriptors import blocks_moved
-from connector.core.errors import InputError, WriteAbandoned
+from connector.core.errors import CapabilityError, InputError, WriteAbandoned
 from connector.core.plan import fold_ranges
 from connector.engine.batch_writer import BatchWriter
 from connector.engine.config import SenderConfig
@@ -99,13 +99,12 @@ class StreamSender:
             await self._server.aclose()  # each connection's end releases its peer (agent removed off the loop)
         await self._table.aclose()
 
-    @property
-    def server(self) -> ControlServer | None:
-        return self._server
+    server = property(lambda self: self._server, doc="The side channel's server (after `start()`).")
 
     # ---- framework-thread entry points (return at once; connector.engine.inbox says which wake the loop) --------
-    def start_request(self, transfer_id: str, num_tokens: int) -> None:
-        self._inbox.put(self._start_request, transfer_id, num_tokens, wake=True)
+    def start_request(self, transfer_id: str, num_tokens: int, secret: str = "") -> None:
+        """`secret`: the transfer's capability (connector.engine.ownership); '': an open transfer."""
+        self._inbox.put(self._start_request, transfer_id, num_tokens, secret, wake=True)
 
     def begin_chunk(self, transfer_id: str, block_ids: list[list[int]], computed_tokens: int) -> None:
         """The next forward computes tokens up to `computed_tokens`, into `block_ids` (per group, from token 0)."""
@@ -123,11 +122,11 @@ class StreamSender:
         self._inbox.put(self._abort, transfer_id, reason, wake=True)
 
     # ---- loop side -------------------------------------------------------------------------------------------
-    def _start_request(self, transfer_id: str, num_tokens: int) -> None:
+    def _start_request(self, transfer_id: str, num_tokens: int, secret: str = "") -> None:
         if transfer_id in self.requests:
             log.error("transfer %s started twice; ignoring the second start", transfer_id)
             return
-        req = SendRequest(transfer_id, num_tokens, [], finished=self.loop.create_future())
+        req = SendRequest(transfer_id, num_tokens, [], finished=self.loop.create_future(), secret=secret)
         req.points.mark("started")
         for p, refused in self.ownership.start(req, time.monotonic()):
             self._tasks.spawn(self._send_quiet(p.conn, self._answer(p.peer, p.register, refused)))
@@ -228,6 +227,7 @@ class StreamSender:
     def _answer(self, peer: PeerInfo, reg: Register, refused: InputError | None) -> RegisterAck | RegisterError:
         if refused is None:
             return RegisterAck(reg.transfer_id)
+        self.stats.capability_refusals += isinstance(refused, CapabilityError)
         log.warning("refusing registration of %s from decode %s: %s", reg.transfer_id, peer.key, refused)
         return RegisterError(reg.transfer_id, str(refused))
 
@@ -236,10 +236,11 @@ class StreamSender:
         of a transfer another engine owns changes nothing (and is answered Stopped: nothing of it goes here)."""
         tid, key = msg.transfer_id, peer.key
         stopped = Stopped(tid, *self.me.rank)
-        verdict = self.ownership.abort(conn, key, tid)
-        if verdict.foreign_owner is not None:
-            log.warning("ignoring abort of %s from decode %s: the transfer belongs to decode engine %r", tid, key,
-                        verdict.foreign_owner)
+        verdict = self.ownership.abort(conn, key, tid, msg.proof)
+        if verdict.foreign_owner is not None or verdict.unproven:
+            self.stats.capability_refusals += bool(verdict.unproven)
+            log.warning("ignoring abort of %s from decode %s: %s", tid, key, verdict.unproven or
+                        f"the transfer belongs to decode engine {verdict.foreign_owner!r}")
             await self._send_quiet(conn, stopped)
             return
         log.info("transfer %s: decode %s aborted: %s", tid, key, msg.reason)
@@ -266,8 +267,7 @@ class StreamSender:
 
     def _count_refusal(self, kind: str) -> None:
         self.stats.connections_refused += 1
-        if kind == "auth":
-            self.stats.auth_failures += 1
+        self.stats.auth_failures += kind == "auth"
 
     def _handshake_refused(self, hello: Hello, reason: str, address: str) -> None:
         """A handshake failed here (another model, another token, a limit): the transfer the peer connected for

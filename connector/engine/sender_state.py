@@ -77,6 +77,10 @@ class SendRequest:
     given_up_why: str = ""
     """Why, when the give-up came from a refused handshake rather than an abort (what prefill logs as it frees the
     KV)."""
+    secret: str = ""
+    """The transfer's capability (`transfer_secret` of its kv_transfer_params, or minted by prefill's scheduler in
+    the sequential flow): only a registration that proves it is served. '' = an open transfer (a router that named
+    the transfer id but gave no secret): the first decode engine to register owns it."""
 
 
 @dataclass

@@ -78,6 +78,8 @@ class SourceTable:
         self.staged, self.tasks, self.transfers = staged, tasks, transfers
         self.plans = PlanCache(model, hello)
         config.side_channel.client_ssl()  # an unreadable CA bundle is a startup error, not a failed transfer
+        self.engine_key = b""
+        """The private key of `hello.engine_key` (StreamReceiver.set_engine_key), which signs each handshake."""
         self.by_address: dict[PrefillAddress, SourceEngine] = {}
         self._connecting: dict[PrefillAddress, asyncio.Lock] = defaultdict(asyncio.Lock)
         self.confirming: dict[tuple[int, Rank], asyncio.Task] = {}
@@ -87,7 +89,12 @@ class SourceTable:
                       for_transfer: str = "") -> ControlConnection:
         return await connect(address.host, port, self.hello, self.config.side_channel, timeout=timeout,
                              heartbeat_ids=lambda: self.transfers.wanted_from(address, port),
-                             for_transfer=for_transfer)
+                             for_transfer=for_transfer, check=self._check_layout, engine_key=self.engine_key)
+
+    def _check_layout(self, peer: Hello) -> None:
+        """A prefill's claimed layout is checked in the handshake, before decode sends anything about its memory
+        (a fake prefill claiming 4096 ranks is refused knowing nothing of it), and before any plan is built."""
+        check_peer_layout(peer, self.hello, self.model, self.config.side_channel.max_peer_ranks)
 
     async def engine(self, address: PrefillAddress, for_transfer: str = "") -> SourceEngine:
         """The prefill engine at `address`, connected to every rank (at first use; raises ConnectorError). The
@@ -99,9 +106,7 @@ class SourceTable:
             first = await self.connect(address, address.port, for_transfer=for_transfer)
             engine = None
             try:
-                # A prefill's claimed layout is checked before the plan is built, off the loop (a fake prefill
-                # claiming thousands of ranks must not stall this process).
-                check_peer_layout(first.peer, self.hello, self.model, self.config.side_channel.max_peer_ranks)
+                # (Its claimed layout was checked in the handshake: `_check_layout`.) The plan is built off the loop.
                 plan = await self.plans.plan_for(first.peer)
                 engine = SourceEngine(address, accept_peer(first.peer, self.hello, self.model, plan).plan)
                 # Every prefill rank, also those the plan routes nothing from to this rank: each must hear of

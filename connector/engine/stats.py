@@ -51,6 +51,9 @@ class SenderStats:
     frames, wrong proofs... (connector.transport.refusals; logged at a bounded rate, counted here in full)."""
     auth_failures: int = 0
     """... of those, whose proof of the auth token was wrong."""
+    capability_refusals: int = 0
+    """Registrations and Aborts refused because they did not prove the transfer's secret (a token holder that is
+    not the request's decode, or a router that did not pass `transfer_secret` on): connector.engine.ownership."""
     post_seconds: collections.deque[float] = field(default_factory=_samples)
     """Per NIXL WRITE: creating and posting it (on DRAM the copy itself runs in the post)."""
     transfer_seconds: collections.deque[float] = field(default_factory=_samples)

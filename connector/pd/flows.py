@@ -12,6 +12,7 @@ prompt, the KV really came over the wire."""
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 import uuid
@@ -28,15 +29,19 @@ def local(url: str, prompt: list[int], max_tokens: int = 16, *, stream: bool = T
 
 def concurrent(prefill_url: str, side_channel: str, decode_url: str, prompt: list[int], max_tokens: int = 16, *,
                stream: bool = True, prefill_prompt: list[int] | None = None, transfer_id: str | None = None,
-               timeout_s: float = 120.0, require_prefill: bool = True, **extra: Any) -> Completion:
+               timeout_s: float = 120.0, require_prefill: bool = True, transfer_secret: str | None = None,
+               **extra: Any) -> Completion:
     """Both legs at once. Raises the prefill leg's error if it failed (after decode answered), unless
     `require_prefill` is False: then decode's answer is returned whatever became of prefill (a test that kills
-    prefill wants to see what decode did about it)."""
+    prefill wants to see what decode did about it). Whoever mints the transfer id mints its capability too
+    (`transfer_secret`, 128 random bits, given to both legs and nobody else; "" sends none: an open transfer)."""
     tid = transfer_id or uuid.uuid4().hex
+    secret = secrets.token_urlsafe(16) if transfer_secret is None else transfer_secret
+    cap = {"transfer_secret": secret} if secret else {}
     pre_body = completion_body(prefill_prompt or prompt, **extra) | PREFILL_LEG | {
-        "kv_transfer_params": {"do_remote_decode": True, "transfer_id": tid}}
+        "kv_transfer_params": {"do_remote_decode": True, "transfer_id": tid} | cap}
     dec_body = completion_body(prompt, max_tokens, stream=stream, **extra) | {
-        "kv_transfer_params": {"do_remote_prefill": True, "transfer_id": tid, "prefill_addr": side_channel}}
+        "kv_transfer_params": {"do_remote_prefill": True, "transfer_id": tid, "prefill_addr": side_channel} | cap}
     failure: list[BaseException] = []
 
     def prefill_leg() -> None:

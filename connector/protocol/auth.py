@@ -18,6 +18,8 @@ import hmac
 import secrets
 
 import msgspec
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from connector.core.errors import ControlError
 from connector.protocol.messages import NONCE_BYTES, PROTOCOL_VERSION, Auth, Hello, encode_body
@@ -101,3 +103,94 @@ def check_client_proof(token: str, client: Hello, server: Hello, auth: Auth) -> 
     if not hmac.compare_digest(auth.proof, client_proof(token, client, server, auth)):
         raise ControlError(f"{TOKEN_DIFFERS} (bad auth token: the peer's proof does not match): set the same "
                            f"auth_token on both sides")
+
+
+# ---- per-transfer capability ---------------------------------------------------------------------------------------
+# The side-channel token only says "a member of this cluster". A transfer id is vLLM's request id (the router and
+# both engines see it), so it cannot say whose transfer it is. The capability can: an unguessable secret minted per
+# transfer that travels only in kv_transfer_params (prefill's response in the sequential flow; the proxy's two legs
+# in the concurrent one), never over the side channel. Decode proves it with an HMAC bound to this connection's two
+# nonces and the transfer id rather than sending the secret: without TLS an eavesdropper on the side channel (or a
+# relay in the middle) would otherwise read it from one Register and claim the transfer at another prefill rank, and
+# a recorded proof is useless on any other connection (other nonces) or for any other transfer.
+
+TRANSFER_SECRET_BYTES = 16
+"""128 random bits per transfer (`new_transfer_secret`)."""
+MAX_TRANSFER_SECRET = 256
+"""Longest `transfer_secret` accepted from kv_transfer_params (characters)."""
+
+
+def new_transfer_secret() -> str:
+    """A fresh capability for one transfer: 128 random bits, URL-safe text (22 characters)."""
+    return secrets.token_urlsafe(TRANSFER_SECRET_BYTES)
+
+
+def session_of(client: Hello, server: Hello) -> bytes:
+    """What binds a proof to one connection: the client's nonce, then the server's (fresh per connection)."""
+    return client.nonce + server.nonce
+
+
+def transfer_proof(secret: str, session: bytes, transfer_id: str) -> bytes:
+    """HMAC-SHA256(secret, "transfer" + connection nonces + transfer id): what a Register (or Abort) carries to
+    show that the decode holds `transfer_id`'s secret, on this connection only."""
+    return _mac(secret, b"transfer\x00", session + transfer_id.encode())
+
+
+def check_transfer_proof(secret: str, session: bytes, transfer_id: str, proof: bytes) -> str:
+    """'' if `proof` proves `secret` for `transfer_id` on the connection `session`; else why not, in words."""
+    if not proof:
+        return (f"transfer {transfer_id!r} was started with a transfer_secret and this registration proves none: the "
+                f"decode leg's kv_transfer_params must carry the same transfer_secret as the prefill leg's (the "
+                f"router passes prefill's response to decode unchanged, or the proxy gives both legs the secret it "
+                f"minted)")
+    if not hmac.compare_digest(proof, transfer_proof(secret, session, transfer_id)):
+        return (f"transfer {transfer_id!r}: the registration's proof of the transfer_secret is wrong (decode got "
+                f"another secret than prefill's request carries, or this is not the request's decode)")
+    return ""
+
+
+# ---- engine keys ---------------------------------------------------------------------------------------------------
+# An engine id is a string from the engine's config: any token holder can claim it, at a rank the engine has not
+# connected yet or before the engine itself connects. The ranks of one vLLM engine share an Ed25519 key, minted where
+# they all see it (connector.vllm: the scheduler side mints it and ships it to every worker in the connector
+# metadata); each connection proves it with a signature of its own transcript (both nonces), so prefill knows the
+# engine as (engine id, key) and no other peer can be it. A signature rather than an HMAC: prefill never learns the
+# key, so a token holder posing as a prefill (which sees decode's Hello and Auth) cannot become the engine either.
+
+ENGINE_KEY_BYTES = 32
+
+
+def new_engine_key() -> bytes:
+    """A fresh engine key (an Ed25519 private key's 32 bytes): one per engine process start."""
+    return secrets.token_bytes(ENGINE_KEY_BYTES)
+
+
+def engine_public_key(key: bytes) -> bytes:
+    """What an engine's Hello carries for `key`."""
+    return Ed25519PrivateKey.from_private_bytes(key).public_key().public_bytes_raw()
+
+
+def engine_signature(key: bytes, client: Hello, server: Hello) -> bytes:
+    return Ed25519PrivateKey.from_private_bytes(key).sign(b"engine\x00" + transcript(client, server))
+
+
+def check_engine_signature(client: Hello, server: Hello, auth: Auth) -> None:
+    """Raises ControlError unless `auth` carries the signature of the transcript by `client.engine_key` (nothing to
+    check for a peer without one)."""
+    if not client.engine_key:
+        return
+    who = f"decode engine {client.engine_id!r} rank ({client.pp_rank},{client.tp_rank})"
+    try:
+        Ed25519PublicKey.from_public_bytes(client.engine_key).verify(auth.engine_signature,
+                                                                     b"engine\x00" + transcript(client, server))
+    except (InvalidSignature, ValueError):
+        raise ControlError(f"{who} names an engine_key it does not prove (its Auth carries no valid signature by "
+                           f"it): a key copied from another rank's Hello is not that engine") from None
+
+
+def engine_name(hello: Hello) -> str:
+    """The engine a peer is known by here: its engine id, with a fingerprint of its engine key when it has one (so
+    two peers that claim one engine id with different keys are two engines, and neither acts for the other)."""
+    if not hello.engine_key:
+        return hello.engine_id
+    return f"{hello.engine_id}#{hashlib.sha256(hello.engine_key).hexdigest()[:12]}"

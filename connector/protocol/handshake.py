@@ -11,15 +11,16 @@ from connector.core.errors import ControlError, LayoutError
 from connector.core.describe import layout_difference
 from connector.core.layout import POOLS, ModelLayout, ParallelLayout, PoolSpec, RankLayout, Region, check_tp
 from connector.core.plan import TransferPlan, build_plan
-from connector.protocol.auth import MEMORY_FIELDS, check_nonce
+from connector.protocol.auth import MEMORY_FIELDS, check_nonce, engine_name
 from connector.protocol.messages import PROTOCOL_VERSION, Hello, PoolLayout
 
 PeerKey = tuple[str, int, int]
-"""(engine id, pp, tp): a peer rank, told apart from the same rank of another engine."""
+"""(engine, pp, tp): a peer rank, told apart from the same rank of another engine. The engine is its id, with its
+engine key's fingerprint when it has one (connector.protocol.auth.engine_name)."""
 
 
 def peer_key(hello: Hello) -> PeerKey:
-    return (hello.engine_id, hello.pp_rank, hello.tp_rank)
+    return (engine_name(hello), hello.pp_rank, hello.tp_rank)
 
 
 @dataclass(frozen=True)

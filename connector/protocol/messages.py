@@ -34,7 +34,7 @@ from msgspec import Meta
 from connector.core.errors import FrameError
 from connector.core.layout import Region
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 """Wire protocol version; a frame or Hello with any other version is rejected.
 
 History (one line per version; bump it for any change an older peer would misread):
@@ -58,6 +58,13 @@ History (one line per version; bump it for any change an older peer would misrea
      connects for (`for_transfer`), so a prefill that refuses the handshake frees that transfer's KV at once.
      (Within 4: Register.checksum and the Checksums message, optional: a prefill that ignores the flag sends
      none, and a decode that asked for them then fails the transfer saying so.)
+  5  Per-transfer capability: Register and Abort carry `proof`, an HMAC under the transfer's secret (which travels
+     only in kv_transfer_params) bound to the connection's two nonces and the transfer id
+     (connector.protocol.auth.transfer_proof); prefill serves a transfer minted with a secret only to the
+     registration that proves it. A version-4 prefill would drop the field and serve anyone. Engine keys:
+     decode's Hello carries `engine_key`, the Ed25519 public key all ranks of its engine share, and its Auth
+     `engine_signature`, that key's signature of the transcript; prefill then knows the engine as (engine id, key)
+     (connector.protocol.auth.engine_name), so another peer can neither claim its ranks nor keep them out.
 """
 DEFAULT_MAX_FRAME_BYTES = 4 * 1024 * 1024
 """Largest body a receiver accepts after the handshake unless configured otherwise. The largest real messages are
@@ -150,6 +157,9 @@ class Hello(msgspec.Struct, frozen=True, tag="hello", tag_field="type"):
     null_block: Annotated[int, Meta(ge=-1)] = -1
     """The block id this rank keeps empty (vLLM's null block 0, where a sliding window left tokens behind): decode's
     is not written, prefill's is never read; -1: none."""
+    engine_key: Annotated[bytes, Meta(max_length=32)] = b""
+    """Decode: the Ed25519 public key every rank of its engine shares (b"": none). Proven by Auth's
+    `engine_signature`; part of the identity prefill knows the engine by (connector.protocol.auth.engine_name)."""
     for_transfer: TransferId = ""
     """Decode: the transfer that made it open this connection ("" for none). A prefill that refuses the handshake
     (another model, another token) gives that transfer up at once instead of holding its KV for the lease. The
@@ -166,6 +176,9 @@ class Auth(msgspec.Struct, frozen=True, tag="auth", tag_field="type"):
     staging_addr: Count = 0
     staging_device: Count = 0
     staging_bytes: Count = 0
+    engine_signature: Annotated[bytes, Meta(max_length=64)] = b""
+    """Ed25519 signature of the transcript by the key of Hello's `engine_key` (empty without one): a key copied
+    from another rank's Hello does not make its holder that engine."""
 
 
 class Welcome(msgspec.Struct, frozen=True, tag="welcome", tag_field="type"):
@@ -200,6 +213,9 @@ class Register(msgspec.Struct, frozen=True, tag="register", tag_field="type"):
     so an unknown id is refused at once (restarted prefill, wrong id) instead of parked."""
     checksum: bool = False
     """Decode verifies what it receives (`kv_checksum`): prefill sends its digests (Checksums) before Complete."""
+    proof: Proof = b""
+    """Decode proves it holds the transfer's secret (the `transfer_secret` of its kv_transfer_params):
+    connector.protocol.auth.transfer_proof, never the secret itself; empty when decode got none."""
 
 
 class RegisterAck(msgspec.Struct, frozen=True, tag="register_ack", tag_field="type"):
@@ -251,6 +267,9 @@ class Abort(msgspec.Struct, frozen=True, tag="abort", tag_field="type"):
 
     transfer_id: TransferId
     reason: Reason
+    proof: Proof = b""
+    """Decode -> prefill: as Register's, when decode holds the transfer's secret (an Abort from a decode rank that
+    has no destination of the transfer on its connection counts only with it)."""
 
 
 class Stopped(msgspec.Struct, frozen=True, tag="stopped", tag_field="type"):

@@ -74,9 +74,10 @@ class SimRank:
         self.loop.run(sender.start(), 30)
         return sender
 
-    def receiver(self, config: ReceiverConfig | None = None) -> StreamReceiver:
+    def receiver(self, config: ReceiverConfig | None = None, engine_key: bytes = b"") -> StreamReceiver:
         """A StreamReceiver on this rank; by default with the connector's own staging areas (ReceiverConfig), which
-        prefill ranks share equally when the buffer is smaller."""
+        prefill ranks share equally when the buffer is smaller. `engine_key`: its engine's (StreamReceiver.
+        set_engine_key; none by default: a simulated engine is known by its id alone)."""
         spec = self.spec
         if config is None:
             config = ReceiverConfig(  # the connector's default staging area per connection
@@ -84,6 +85,8 @@ class SimRank:
                 lost_source_hold_s=lost_source_hold_s(spec.tcp_user_timeout_s, spec.side_channel.heartbeat_interval_s),
                 kv_checksum=spec.kv_checksum)
         self.engine = StreamReceiver(self.me(), self.transport, config)
+        if engine_key:
+            self.engine.set_engine_key(engine_key)
         return self.engine
 
     def run(self, coro: Any, timeout: float | None = None) -> Any:

@@ -112,15 +112,16 @@ class PrefillCommands:
                     "refused": dict(server.refusals.counts) if server else {},
                     "refusal_lines": server.refusals.lines if server else 0,
                     "connections_refused": sender.stats.connections_refused,
+                    "capability_refusals": sender.stats.capability_refusals,
                     "open_handles": t.open_handles, "inflight_bytes": t.inflight_bytes,
                     "abandoned": t.stats.abandoned, "reconnects": t.stats.reconnects,
                     "sends_failed": sender.stats.sends_failed}
         return ("state", self.rank.run(read(), 10))
 
-    def start(self, tid: str, tokens: int, index: int) -> tuple:
+    def start(self, tid: str, tokens: int, index: int, secret: str = "") -> tuple:
         # Each TP rank of a stage uses the same block ids, as vLLM's scheduler gives all ranks one block table.
         self.blocks[tid] = pick_request_blocks(self.spec, tokens, seed=1000 + index)
-        self.sender.start_request(tid, tokens)
+        self.sender.start_request(tid, tokens, secret)
         return ("ok",)
 
     def chunk(self, tid: str, t0: int, t1: int, layer_ms: float, mode: str, hook_layers: str) -> tuple:

@@ -59,8 +59,10 @@ class ControlConnection:
                  heartbeat_interval_s: float | None = None, dead_after_s: float | None = None,
                  heartbeat_ids: Callable[[], Iterable[str]] | None = None,
                  on_close: Callable[[str], None] | None = None, messages_per_s: float | None = None,
-                 session: Any = None) -> None:
+                 session: Any = None, nonces: bytes = b"") -> None:
         self.peer = peer
+        self.nonces = nonces
+        """Both sides' handshake nonces: what binds a transfer's proof to this connection (protocol.auth)."""
         """The peer's Hello (on the server: completed with the memory its Auth carried)."""
         self.session = session
         """What the server's `on_hello` made of this peer (e.g. the engine's record of it); None on a client."""
@@ -227,13 +229,16 @@ class ControlConnection:
 
 async def connect(host: str, port: int, hello: Hello, config: SideChannelConfig = SideChannelConfig(), *,
                   timeout: float | None = None, heartbeat_ids: Callable[[], Iterable[str]] | None = None,
-                  on_close: Callable[[str], None] | None = None, for_transfer: str = "") -> ControlConnection:
+                  on_close: Callable[[str], None] | None = None, for_transfer: str = "",
+                  check: Callable[[Hello], None] | None = None, engine_key: bytes = b"") -> ControlConnection:
     """Open a connection (over TLS with `config.tls_ca_file`) and run the handshake (connector.protocol.messages) in
     at most `timeout` s (default `config.handshake_timeout_s`): send who we are, check the server's Hello (version,
     role, fingerprint, and with `config.auth_token` its proof), and only then send `hello`'s memory (NIXL metadata,
     regions, staging buffer) with our proof, and wait for Welcome. The connection then sends `heartbeat_ids()`
     every `config.heartbeat_interval_s` and closes itself after `config.dead_after_s` of silence. `for_transfer`:
-    the transfer this connection is opened for (a server that refuses the handshake frees its KV at once).
+    the transfer this connection is opened for (a server that refuses the handshake frees its KV at once); `check`:
+    refuses the server's Hello (raise) before our memory leaves, as the server's own checks do; `engine_key`: the
+    private key of `hello.engine_key`, which signs the handshake (connector.protocol.auth).
     Raises ControlError if the peer rejects us (with its reason), fails a check, or answers with something else."""
     where, ssl_context = f"{host}:{port}", config.client_ssl()
     timeout = timeout or config.handshake_timeout_s
@@ -248,7 +253,8 @@ async def connect(host: str, port: int, hello: Hello, config: SideChannelConfig 
         raise Unreachable(f"cannot connect to {where}: {exc!r}") from exc
     try:
         async with asyncio.timeout(timeout):
-            reply = await client_handshake(reader, writer, hello, config.auth_token, where, for_transfer)
+            reply, nonces = await client_handshake(reader, writer, hello, config.auth_token, where, for_transfer,
+                                                   check, engine_key)
     except BaseException as exc:
         writer.close()
         if isinstance(exc, TimeoutError):
@@ -260,7 +266,7 @@ async def connect(host: str, port: int, hello: Hello, config: SideChannelConfig 
         raise
     return ControlConnection(reader, writer, reply, max_frame_bytes=config.limits.max_frame_bytes,
                              heartbeat_interval_s=config.heartbeat_interval_s, dead_after_s=config.dead_after_s,
-                             heartbeat_ids=heartbeat_ids, on_close=on_close)
+                             heartbeat_ids=heartbeat_ids, on_close=on_close, nonces=nonces)
 
 
 class ControlServer:
@@ -471,7 +477,7 @@ class ControlServer:
             return None
         log.info("control handshake with %s: %s engine %s pp%d/tp%d", addr, peer.role, peer.engine_id,
                  peer.pp_rank, peer.tp_rank)
-        conn = ControlConnection(reader, writer, peer, session=session, **self._conn_kwargs)
+        conn = ControlConnection(reader, writer, peer, session=session, nonces=attempt.nonces, **self._conn_kwargs)
         if self._on_closed is not None:
             conn.closed.add_done_callback(lambda _f: self._on_closed(conn))
         return conn

@@ -13,9 +13,9 @@ from typing import Any, Callable
 
 import msgspec
 
-from connector.core.errors import AuthFailed, ControlError, PeerGaveUp, Unanswered
-from connector.protocol.auth import (check_client_proof, check_server_proof, client_proof, identity, memory_of,
-                                     new_nonce, server_proof)
+from connector.core.errors import AuthFailed, ControlError, InputError, PeerGaveUp, Unanswered
+from connector.protocol.auth import (check_client_proof, check_engine_signature, check_server_proof, client_proof,
+                                     engine_signature, identity, memory_of, new_nonce, server_proof, session_of)
 from connector.protocol.handshake import check_hello
 from connector.protocol.messages import (DEFAULT_MAX_FRAME_BYTES, HANDSHAKE_MAX_FRAME_BYTES, HEADER, Auth, Hello,
                                          Message, Reject, Welcome, check_header, decode_body, encode_frame)
@@ -48,9 +48,13 @@ async def read_frame(reader: asyncio.StreamReader, max_frame_bytes: int = DEFAUL
 
 
 async def client_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, hello: Hello,
-                            auth_token: str, where: str, for_transfer: str = "") -> Hello:
-    """The client's half of the handshake; returns the server's Hello. `for_transfer`: the transfer this connection
-    is opened for (the server frees its KV at once if it refuses the handshake)."""
+                            auth_token: str, where: str, for_transfer: str = "",
+                            check: PeekHook | None = None, engine_key: bytes = b"") -> tuple[Hello, bytes]:
+    """The client's half of the handshake; returns the server's Hello and the connection's nonces
+    (connector.protocol.auth.session_of). `for_transfer`: the transfer this connection is opened for (the server
+    frees its KV at once if it refuses the handshake). `check`: called with the server's Hello once its proof checked
+    out and before anything about our memory leaves (the peer's claimed layout); raise to refuse it. `engine_key`:
+    the private key of `hello.engine_key` (protocol.auth), which signs this connection's transcript."""
     ours = msgspec.structs.replace(identity(hello), nonce=new_nonce(), for_transfer=for_transfer)
     writer.write(encode_frame(ours))
     await writer.drain()
@@ -58,7 +62,9 @@ async def client_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamW
     try:
         check_hello(reply, hello)
         check_server_proof(auth_token, ours, reply)  # before a byte about our memory leaves
-    except ControlError as exc:
+        if check is not None:
+            check(reply)  # so is the layout it claims (a fake prefill of 4096 ranks learns nothing of ours)
+    except (ControlError, InputError) as exc:
         # Tell prefill why (else it sees only a closed connection), then give up.
         with contextlib.suppress(Exception):
             writer.write(encode_frame(Reject(str(exc))))
@@ -66,12 +72,14 @@ async def client_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamW
                 await writer.drain()
         raise ControlError(f"{where}: {exc}") from None
     auth = memory_of(hello)
+    if hello.engine_key:
+        auth = msgspec.structs.replace(auth, engine_signature=engine_signature(engine_key, ours, reply))
     if auth_token:
         auth = msgspec.structs.replace(auth, proof=client_proof(auth_token, ours, reply, auth))
     writer.write(encode_frame(auth))
     await writer.drain()
     _expect(await read_frame(reader, HANDSHAKE_MAX_FRAME_BYTES), Welcome, where)
-    return reply
+    return reply, session_of(ours, reply)
 
 
 def _expect(msg: Message, kind: type, where: str) -> Any:
@@ -99,6 +107,8 @@ class Attempt:
 
     first: Hello | None = None
     """The peer's first Hello, once read (also one that `check_hello` then refuses: another model's)."""
+    nonces: bytes = b""
+    """The connection's two nonces (connector.protocol.auth.session_of), once our Hello is out."""
 
 
 class ServerHandshake:
@@ -135,6 +145,7 @@ class ServerHandshake:
         ours = msgspec.structs.replace(self.identity, nonce=new_nonce())
         if self.auth_token:
             ours = msgspec.structs.replace(ours, proof=server_proof(self.auth_token, first, ours))
+        attempt.nonces = session_of(first, ours)
         writer.write(encode_frame(ours))
         await writer.drain()
         auth = await read_frame(reader, limit)
@@ -149,6 +160,7 @@ class ServerHandshake:
             self.guard.auth_failed(entry.host, claim)
             await asyncio.sleep(self.limits.auth_failure_delay_s)  # every guess costs the guesser this much
             raise AuthFailed(str(exc)) from None
+        check_engine_signature(first, ours, auth)
         return first, auth
 
 

@@ -89,6 +89,12 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     """Log each transfer's timeline at INFO (one `SparseKV timeline {...}` line per transfer per rank and scheduler;
     at DEBUG otherwise): when prefill saw, scheduled and computed it, posted and completed its WRITEs, when decode
     registered, had the KV, told vLLM and scheduled it (README, "Where TTFT goes"; bench-pd's breakdown)."""
+    require_transfer_secret: bool = False
+    """Prefill: a request that names its transfer_id but brings no transfer_secret (a router that does not mint one
+    in the concurrent flow) gets one minted anyway, so its decode leg, which cannot know it, is refused (naming
+    transfer_secret) instead of the transfer being open to any holder of the auth token. Off: such a transfer is
+    open (the first decode engine to register it owns it). Requests without a transfer_id (the sequential flow)
+    always get a secret (README, Security)."""
     kv_checksum: bool = False
     """Decode: verify every transfer end to end. Prefill digests what it sent per (pool, layer, block) and decode
     what its blocks hold once all is in; a difference fails the transfer (vLLM's kv_load_failure_policy applies),

@@ -15,6 +15,12 @@ from connector.vllm.requests import all_block_ids, check_params
 log = logging.getLogger(__name__)
 
 
+def secret(params: dict[str, Any]) -> str:
+    """The transfer's capability from decode's kv_transfer_params ('' for none; check_params vetted its type)."""
+    value = params.get("transfer_secret")
+    return value if isinstance(value, str) else ""
+
+
 class DecodeScheduler:
     def __init__(self, log_timeline: bool = False) -> None:
         self.kv_cache_manager: Any = None
@@ -51,7 +57,7 @@ class DecodeScheduler:
             transfer_id=str(params.get("transfer_id") or ""), prefill_addr=str(params.get("prefill_addr") or ""),
             block_ids=all_block_ids(self.kv_cache_manager, req_id, blocks), first_token=first,
             num_tokens=first + num_external_tokens, error=problem,
-            prefill_finished=bool(params.get("prefill_finished")))
+            prefill_finished=bool(params.get("prefill_finished")), transfer_secret=secret(params))
         self._waiting[req_id] = str(params.get("transfer_id") or "")
         # One transfer per request: if it fails and kv_load_failure_policy is "recompute", vLLM asks again and the
         # request must then be prefilled locally (as vLLM's NixlConnector does).
@@ -103,7 +109,7 @@ class DecodeScheduler:
             # it never registered: prefill would keep the KV for its whole lease. Tell it to let go now.
             self._ready[req_id] = RecvSpec(
                 transfer_id=params["transfer_id"], prefill_addr=params["prefill_addr"], block_ids=(), first_token=0,
-                num_tokens=0, aborted=True, finished=True)
+                num_tokens=0, aborted=True, finished=True, transfer_secret=secret(params))
 
     def waiting(self) -> bool:
         """Requests matched, registering or waiting for their KV."""

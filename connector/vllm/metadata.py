@@ -19,6 +19,8 @@ class SendSpec:
     """Tokens that hold valid KV once this step's forward is done (prefix hits included)."""
     new: bool
     """First step of this request on the workers."""
+    transfer_secret: str = ""
+    """The transfer's capability: only a decode that proves it is served ('' = an open transfer)."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,8 @@ class RecvSpec:
     instead of after its lease."""
     finished: bool = False
     """With `aborted`: vLLM already finished the request (it never had blocks), so nothing is reported back."""
+    transfer_secret: str = ""
+    """kv_transfer_params' `transfer_secret`: proven to prefill in the registration, never sent."""
 
 
 @dataclass
@@ -51,6 +55,9 @@ class SparseKVMetadata(KVConnectorMetadata):
     recvs: dict[str, RecvSpec] = field(default_factory=dict)
     aborts: dict[str, str] = field(default_factory=dict)
     """request id -> transfer id: stop sending / receiving it."""
+    engine_key: bytes = b""
+    """Decode: the key all ranks of this engine prove in their handshakes (connector.protocol.auth.new_engine_key,
+    minted once by the scheduler side); every worker gets it with each step."""
 
 
 @dataclass

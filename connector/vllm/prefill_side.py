@@ -12,7 +12,7 @@ from vllm.v1.request import RequestStatus
 from connector.engine.timeline import PrefillSchedulerPoints, close
 from connector.vllm.config import ConnectorSettings, default_host
 from connector.vllm.metadata import SendSpec, SparseKVMetadata
-from connector.vllm.requests import all_block_ids, check_params
+from connector.vllm.requests import all_block_ids, check_params, secret_of
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ class PrefillScheduler:
         self.side_channel_reported: str | None = None
         """host:port of prefill rank (pp0, tp0)'s side channel, as the workers reported it (else from settings)."""
         self.kv_cache_manager: Any = None
-        self._known: dict[str, tuple[str, int]] = {}   # request id -> (transfer id, prompt tokens)
+        self._known: dict[str, tuple[str, int, str]] = {}  # request id -> (transfer id, prompt tokens, secret)
         self._started: set[str] = set()                # shipped to the workers at least once
         self._held: dict[str, float] = {}              # finished (time.monotonic()); blocks kept until finished_sending
         self.aborts: dict[str, str] = {}               # request id -> transfer id, for the next metadata
@@ -46,7 +46,8 @@ class PrefillScheduler:
         if problem:
             log.error("request %s: %s; it runs as a plain prefill and nothing is sent", request.request_id, problem)
             return
-        self._known[request.request_id] = (self.transfer_id_of(request), request.num_prompt_tokens)
+        self._known[request.request_id] = (self.transfer_id_of(request), request.num_prompt_tokens,
+                                           secret_of(params, self.settings.require_transfer_secret))
         self._points[request.request_id] = points = PrefillSchedulerPoints()
         points.mark("seen")
 
@@ -75,11 +76,12 @@ class PrefillScheduler:
             known = self._known.get(req_id)
             if known is None or req_id not in computed:
                 continue
-            tid, prompt = known
+            tid, prompt, secret = known
             meta.sends[req_id] = SendSpec(
                 transfer_id=tid, num_prompt_tokens=prompt,
                 block_ids=all_block_ids(self.kv_cache_manager, req_id, None),
-                computed_after_step=min(prompt, computed[req_id] + n_scheduled), new=req_id not in self._started)
+                computed_after_step=min(prompt, computed[req_id] + n_scheduled), new=req_id not in self._started,
+                transfer_secret=secret)
             self._started.add(req_id)
             self._scheduled(req_id, tid)
 
@@ -115,7 +117,9 @@ class PrefillScheduler:
         # What decode needs, in prefill's response: a router that copies kv_transfer_params into the decode
         # leg (vLLM's proxy pattern, llm-d) works unchanged. `prefill_finished` tells decode that this transfer
         # exists already, so a prefill that no longer knows it (restarted, lease gone) refuses at once.
-        return True, {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": known[0],
+        # `transfer_secret`: the capability decode must prove (the router passes it on; nobody else sees it).
+        secret = {"transfer_secret": known[2]} if known[2] else {}
+        return True, secret | {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": known[0],
                       "prefill_addr": self.side_channel_addr(), "prefill_engine_id": self.engine_id,
                       "prefill_dp_rank": self.dp_index, "prefill_finished": True, "lease_s": self.settings.lease_s}
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from connector.core.errors import ConfigError
 from connector.protocol.addressing import PrefillAddress
+from connector.protocol.auth import MAX_TRANSFER_SECRET, new_transfer_secret
 from connector.protocol.messages import MAX_TRANSFER_ID
 
 ROUTER_HINT = "pass the kv_transfer_params of prefill's response to decode unchanged, or send both legs the " \
@@ -25,6 +26,11 @@ def check_params(params: dict[str, Any], *, decode: bool) -> str:
         if len(tid) > MAX_TRANSFER_ID:
             return (f"kv_transfer_params transfer_id has {len(tid)} characters, more than the side channel's "
                     f"{MAX_TRANSFER_ID}: use a shorter id (a UUID)")
+    secret = params.get("transfer_secret")
+    if secret is not None and (not isinstance(secret, str) or not 0 < len(secret) <= MAX_TRANSFER_SECRET):
+        return (f"kv_transfer_params transfer_secret must be a string of 1 to {MAX_TRANSFER_SECRET} characters, "
+                f"got {type(secret).__name__} {str(secret)[:8]!r}...: pass prefill's kv_transfer_params on unchanged, "
+                f"or mint one per request (secrets.token_urlsafe(16)) and give both legs the same")
     if decode:
         if "prefill_addr" not in params:
             return f"kv_transfer_params has no prefill_addr (keys given: {given}): {ROUTER_HINT}"
@@ -33,6 +39,17 @@ def check_params(params: dict[str, Any], *, decode: bool) -> str:
         except ConfigError as exc:
             return f"kv_transfer_params prefill_addr: {exc}"
     return ""
+
+
+def secret_of(params: dict[str, Any], require: bool = False) -> str:
+    """Prefill: the capability of a request's transfer. The one its kv_transfer_params carry; else, when they name
+    no transfer_id (the sequential flow: decode learns the id from prefill's response, so nobody can register it
+    before), a fresh one, returned in the response; else (a router that named the id without a secret, in the
+    concurrent flow) none: the transfer is open, unless `require` (require_transfer_secret) mints one anyway."""
+    secret = params.get("transfer_secret")
+    if isinstance(secret, str) and secret:
+        return secret
+    return new_transfer_secret() if require or not params.get("transfer_id") else ""
 
 
 def all_block_ids(kv_cache_manager: Any, req_id: str, blocks: Any) -> tuple[list[int], ...]:

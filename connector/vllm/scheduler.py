@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from connector.core.errors import LayoutError
+from connector.protocol.auth import new_engine_key
 from connector.vllm.config import ConnectorSettings, role_halves
 from connector.vllm.decode_side import DecodeScheduler
 from connector.vllm.idle_hold import HoldPacer
@@ -46,6 +47,9 @@ class SchedulerSide:
         self.prefill = PrefillScheduler(engine_id, self.settings, dp_index) if sends else None
         self.decode = DecodeScheduler(self.settings.log_timeline) if receives else None
         self.handshakes: dict[tuple[int, int], SparseKVHandshake] = {}
+        self.engine_key = new_engine_key() if receives else b""
+        """Minted here, once per engine, where every rank's worker hears of it (the connector metadata): what
+        prefill knows this decode engine by, besides its id (connector.protocol.auth.engine_name)."""
         self._mismatched: set[str] = set()
         """Requests whose kv_transfer_params ask for the other role (warned and counted once each)."""
         self._mismatch_logged_at = -ROLE_MISMATCH_LOG_EVERY_S
@@ -124,7 +128,7 @@ class SchedulerSide:
 
     # ---- per step ---------------------------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> SparseKVMetadata:
-        meta = SparseKVMetadata()
+        meta = SparseKVMetadata(engine_key=self.engine_key)
         if self.decode is not None:
             self.decode.scheduled(scheduler_output)
             self.decode.fill(meta)

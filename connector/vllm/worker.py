@@ -209,12 +209,14 @@ class WorkerSide:
             for req_id, spec in meta.sends.items():
                 if spec.new:
                     self._req_of_tid[spec.transfer_id] = req_id
-                    self.sender.start_request(spec.transfer_id, spec.num_prompt_tokens)
+                    self.sender.start_request(spec.transfer_id, spec.num_prompt_tokens, spec.transfer_secret)
                 self.sender.begin_chunk(spec.transfer_id, [list(g) for g in spec.block_ids], spec.computed_after_step)
                 active.append(spec.transfer_id)
             self._active_sends = active
             self._signals.begin()
         if self.receiver is not None:
+            if meta.engine_key:
+                self.receiver.set_engine_key(meta.engine_key)  # (the same every step: set once)
             for req_id, spec in meta.recvs.items():
                 self._start_receive(req_id, spec)
 
@@ -222,7 +224,8 @@ class WorkerSide:
         if spec.finished:  # vLLM is done with it: only prefill has to hear, and vLLM must hear nothing more
             self.loop.spawn(self.receiver.abort_unregistered(
                 spec.transfer_id, PrefillAddress.parse(spec.prefill_addr),
-                "request ended on decode before it registered"), f"abort of unregistered transfer {spec.transfer_id}")
+                "request ended on decode before it registered", spec.transfer_secret),
+                f"abort of unregistered transfer {spec.transfer_id}")
             return
         if spec.aborted:
             self._aborted.add(req_id)
@@ -232,11 +235,11 @@ class WorkerSide:
         addr = PrefillAddress.parse(spec.prefill_addr)
         if spec.aborted:
             self._receiving[req_id] = self.loop.submit(self.receiver.abort_unregistered(
-                spec.transfer_id, addr, "request aborted on decode before it registered"))
+                spec.transfer_id, addr, "request aborted on decode before it registered", spec.transfer_secret))
             return
         self._receiving[req_id] = self.loop.submit(self.receiver.receive(
             spec.transfer_id, addr, [list(g) for g in spec.block_ids], spec.first_token, spec.num_tokens,
-            after_prefill=spec.prefill_finished))
+            after_prefill=spec.prefill_finished, secret=spec.transfer_secret))
 
     def _abort(self, req_id: str, tid: str) -> None:
         if self.sender is not None and self._req_of_tid.get(tid) == req_id:
