@@ -287,7 +287,7 @@ def test_a_fake_prefill_cannot_complete_or_fail_a_transfer_registered_elsewhere(
                 as server:
             try:
                 await receiver.receive("t-bait", PrefillAddress("127.0.0.1", server.port),
-                                       blocks(victim.spec.num_blocks, 31), 0, TOKENS, timeout=3)
+                                       blocks(victim.spec.num_blocks, 31), 0, TOKENS, timeout=1)
                 return "received"
             except TransferFailed as exc:
                 return str(exc)
@@ -295,7 +295,7 @@ def test_a_fake_prefill_cannot_complete_or_fail_a_transfer_registered_elsewhere(
     why = victim.run(bait(), 30)
     assert "no completion" in why, why  # the fake never completed its own bait
     assert len(sent) == 2
-    assert not fut.done(), "decode finished t-real on a fake prefill's word"
+    assert not fut.done(), f"decode finished t-real on a fake prefill's word: {fut.exception() if fut.done() else None!r}"
     target.compute("t-real", index=30)
     fut.result(40)
     assert victim.bufs.verify(dst, 0, TOKENS) == []
