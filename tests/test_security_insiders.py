@@ -282,6 +282,8 @@ def test_a_fake_prefill_cannot_complete_or_fail_a_transfer_registered_elsewhere(
         elif isinstance(msg, Abort) and msg.transfer_id == "t-bait":  # decode gives its bait up: the fake lets go
             await conn.send(Stopped("t-bait", 0, 0))
 
+    # The bait's timeout stays well inside the target's 3 s lease, which also bounds how long t-real waits parked
+    # there: at 3 s too, the lease sometimes refused t-real first (a race, not the attack).
     async def bait() -> str:
         async with ControlServer(fake_prefill_hello(receiver), on_message, bare_side_channel(auth_token=TOKEN)) \
                 as server:
