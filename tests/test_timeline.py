@@ -101,3 +101,26 @@ def test_bench_pd_reports_ttft_and_its_overhead_per_prompt_length():
     assert "| sparse-concurrent: prompt tokens |" in text  # the breakdown follows
     modes = json.loads(dump([local, pd], as_json=True))["modes"]
     assert modes[1]["p50_ms_by_prompt_tokens"] == {"600": 12.0, "1500": 25.0}
+
+
+def test_a_saved_bench_pd_run_prints_the_same_tables_again(tmp_path, capsys):
+    """`bench-pd --report FILE` renders a saved `--json` run (the README's table comes from one), bytes included."""
+    import json
+
+    from connector.cli.main import main
+    from connector.pd.bench import BenchConfig, ModeResult, dump
+
+    local = ModeResult("local", 2, 2, [10.0, 20.0], [600, 1500])
+    pd = ModeResult("sparse-concurrent", 2, 2, [12.0, 25.0], [600, 1500],
+                    breakdown={600: {"ttft": (12.0, 12.0, 1)}, 1500: {"compute": (9.0, 9.5, 1)}},
+                    kv_bytes_per_request=3 * 2**20, sent_during_compute=0.5)
+    saved = tmp_path / "run.json"
+    saved.write_text(dump([local, pd], True, BenchConfig(model="deep", max_model_len=8192)))
+    assert main(["bench-pd", "--report", str(saved)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("date ") and "model deep, max_model_len 8192" in out
+    assert dump([local, pd], False) in out and "| 3.0 MiB | 50% |" in out
+    assert json.loads(saved.read_text())["modes"][1]["sent_during_compute"] == 0.5
+    saved.write_text("{}")
+    assert main(["bench-pd", "--report", str(saved)]) == 2
+    assert "not a saved `bench-pd --json` run" in capsys.readouterr().err

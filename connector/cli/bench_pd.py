@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any
 
 from connector.cli.checks import int_in
 from connector.core.errors import CliError
-from connector.pd.bench import MODES, BenchConfig, PdBench, dump
+from connector.pd.bench import MODES, BenchConfig, PdBench, dump, from_json
 from connector.pd.model import MODELS
 
 MAX_MODEL_LEN = 32768
@@ -35,6 +36,8 @@ def add_subcommand(subs: Any) -> None:
                    help="let every engine use every core (default: prefill and local on core 0, decode on core 1, "
                         "as on separate nodes)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--report", type=Path, default=None, metavar="FILE",
+                   help="run nothing: print the tables of a saved `bench-pd --json` run")
     p.set_defaults(run=run)
 
 
@@ -68,6 +71,15 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.report is not None:
+        try:
+            saved = json.loads(args.report.read_text())
+            results = from_json(saved)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CliError(f"--report {args.report}: not a saved `bench-pd --json` run ({exc})") from None
+        about = ", ".join(f"{k} {saved[k]}" for k in ("date", "model", "max_model_len", "load_average") if k in saved)
+        print(f"{about}\n\n{dump(results, False)}")
+        return 0
     config = config_from(args)  # a CliError is printed as one line, exit code 2 (cli.main)
     results = PdBench(config, log=lambda line: print(line, file=sys.stderr, flush=True)).run()
     print(dump(results, args.json, config))

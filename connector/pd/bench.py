@@ -16,6 +16,7 @@ prompt. The first `warmup` requests of each mode are not counted."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -221,6 +222,17 @@ def to_json(results: list[ModeResult], config: BenchConfig | None = None) -> dic
     return {"date": time.strftime("%Y-%m-%d"), **about, "modes": [
         asdict(r) | {"p50_ms": r.p50_ms, "p99_ms": r.p99_ms, "overhead_p50_ms": r.p50_ms - base,
                      "p50_ms_by_prompt_tokens": r.p50_by_length()} for r in results]}
+
+
+def from_json(run: dict) -> list[ModeResult]:
+    """The results of a saved `bench-pd --json` run (to print its tables again: `bench-pd --report`)."""
+    names = {f.name for f in dataclasses.fields(ModeResult)}
+    out = []
+    for m in run["modes"]:
+        r = ModeResult(**{k: v for k, v in m.items() if k in names})
+        r.breakdown = {int(n): {stage: tuple(v) for stage, v in stages.items()} for n, stages in r.breakdown.items()}
+        out.append(r)
+    return out
 
 
 def dump(results: list[ModeResult], as_json: bool, config: BenchConfig | None = None) -> str:
