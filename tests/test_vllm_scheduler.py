@@ -261,7 +261,7 @@ def test_extra_config_defaults_are_the_engines_and_build_their_configs():
     assert s.side_channel_port == 5601
     assert s.sender_config("h", 2).side_channel == side == s.receiver_config().side_channel
     assert s.receiver_config() == ReceiverConfig(side, transfer_timeout_s=9.0, staging_slot_bytes=2 << 20)
-    assert s.transport_config("agent").progress_delay_us == 1000
+    assert s.transport_config("agent").progress_delay_us == 10_000
     assert s.transport_config("agent").nixl_threads == 4  # NIXL's UCX thread pool, as vLLM's NixlConnector
     assert ConnectorSettings.from_extra_config({"nixl_threads": "0"}).transport_config("a").nixl_threads == 0
     # a cut link: UCX's TCP user timeout, and decode's hold on a lost prefill rank that follows from it

@@ -15,8 +15,11 @@ from connector.core.errors import ConfigError
 class TransportConfig:
     name: str
     """Agent name, unique per process (and among all peers)."""
-    progress_delay_us: int = 1000
-    """NIXL progress-thread poll delay. Never 0: 0 spins a whole core."""
+    progress_delay_us: int = 10_000
+    """NIXL progress-thread poll timeout when UCX has nothing to say. Never 0: 0 spins a whole core. The thread
+    wakes at once on UCX's event fd (a peer's data, a connection), so this bounds only idle wakeups: at 1 ms they
+    took about 3% of prefill's core for as long as it computed (30 ms of a 1 s prefill on the tiny model,
+    docs/performance.md); at 10 ms, a tenth of that."""
     max_inflight_bytes: int = 1 << 30
     """Backpressure: bytes admitted but not completed, summed over all writes. A single larger write is admitted
     alone when nothing else is in flight."""
