@@ -13,19 +13,24 @@ import msgspec
 import pytest
 
 from connector.core.errors import ControlError
+from connector.protocol.messages import Register, RegisterAck
 from connector.engine.config import SenderConfig, SideChannelConfig
 from connector.sim.cluster import Cluster
 from connector.transport.control import connect
 from connector.transport.nixl import TransportConfig
-from tests.adversary import TOKEN, WITH_TOKEN, Target, make_scenario
+from tests.adversary import TOKEN, TOKENS, WITH_TOKEN, Target, make_scenario
 from tests.test_security import decode_config, transfer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 HANDSHAKES = int(os.environ.get("SPARSE_KV_STORM", "20000"))
 """Full handshakes (Hello, proof, Welcome) of the storm: 1,928 reached the fd limit before."""
-MAX_AGENTS, UNLOADS = 6, 3
+MAX_AGENTS, UNLOADS = 16, 3
 SOCKETS_PER_AGENT = 1 + TransportConfig.__dataclass_fields__["nixl_threads"].default
 """What one loaded decode agent costs prefill: a UCX endpoint (a socket) per worker."""
+PARKED_BYTES = 32 << 20
+RSS_AFTER_PARKING = 40 << 20
+"""How far above its baseline prefill's RSS may stay once registrations that held PARKED_BYTES are gone (what is
+left is pymalloc's and glibc's, measured +25 MB; the code before kept +49 MB after 8 connections parked 124 MB)."""
 FDS_SLACK = 8
 """Open files prefill may have more than at its baseline once an attack is over, beyond its loaded agents."""
 
@@ -36,12 +41,14 @@ def fds(pid: int) -> int:
 
 @pytest.fixture(scope="module")
 def target(m3):
-    """A prefill rank whose agent limits are small enough to reach: 6 agents, 3 unloads an hour."""
+    """A prefill rank whose limits are small enough to reach: 16 agents, 3 unloads an hour, 32 MiB of waiting
+    registrations in all."""
     from connector.sim.env import apply_env
 
     apply_env()
-    config = SenderConfig(lease_s=3.0, write_timeout_s=30.0, max_peer_agents=MAX_AGENTS,
-                          agent_unloads_per_hour=UNLOADS, side_channel=SideChannelConfig(auth_token=TOKEN))
+    config = SenderConfig(lease_s=60.0, write_timeout_s=30.0, max_peer_agents=MAX_AGENTS,
+                          agent_unloads_per_hour=UNLOADS, max_parked_bytes=PARKED_BYTES,
+                          side_channel=SideChannelConfig(auth_token=TOKEN))
     with Cluster(make_scenario(m3, sender_config=config), spawn=("prefill",)) as cluster:
         yield Target(cluster)
 
@@ -76,6 +83,50 @@ def test_a_reconnect_storm_costs_no_open_files(target, open_rank):
     assert after["agents_loaded"] <= before["agents_loaded"] + 1
     fresh = open_rank(target.cluster.sc.rank_spec("decode", (0, 0), run_id="after-storm"))
     transfer(target, fresh, fresh.receiver(decode_config()), "t-after-storm", seed=31)
+
+
+def test_waiting_registrations_are_bounded_in_all(target, open_rank):
+    """8 connections of a peer with the token (each its own agent, claiming a huge cache) parked registrations for
+    requests prefill never starts, each connection within its own allowance (16 MiB): 8 x 124 MB before, and
+    glibc kept most of it after they left. Now all connections together are bounded (max_parked_bytes, here 32
+    MiB; block ids kept as arrays), the rest is refused naming the setting, and RSS is back near the baseline once
+    they closed."""
+    mallory = open_rank(target.cluster.sc.rank_spec("decode", (0, 0), run_id="parker"))
+    honest = mallory.receiver(decode_config()).hello
+    liar = msgspec.structs.replace(honest, regions=[msgspec.structs.replace(r, num_blocks=1 << 40)
+                                                    for r in honest.regions])
+    settle(target, "baseline")
+    rss0 = target.rss()
+    ids = [list(range(40_000))] * 2  # 80,000 block ids: 320 kB as arrays, ~3.2 MB as decoded lists
+
+    async def park(conns: int, each: int):
+        opened, acks, refusals = [], 0, []
+        try:
+            for i in range(conns):
+                conn = await connect("127.0.0.1", target.port, minted(liar, f"parker-{i}-{os.getpid()}"),
+                                     WITH_TOKEN, timeout=20)
+                opened.append(conn)
+                for j in range(each):
+                    await conn.send(Register(f"t-park-{i}-{j}", 0, 0, ids, 0, TOKENS))
+                    answer = await conn.recv(30)
+                    if not isinstance(answer, RegisterAck):
+                        refusals.append(answer.reason)
+                        break
+                    acks += 1
+            return acks, refusals, target.state()
+        finally:
+            for conn in opened:
+                await conn.aclose()
+
+    acks, refusals, during = mallory.run(park(8, 40), 300)
+    assert during["parked_bytes"] <= PARKED_BYTES < during["parked_bytes"] + 330_000, during
+    assert acks == during["parked"] and len(refusals) >= 5, (acks, refusals[:1])
+    assert all("max_parked_bytes=33554432" in r for r in refusals), refusals[:1]
+    target.wait_state("parked registrations gone", lambda s: s["parked"] == s["parked_bytes"] == 0
+                      and s["connections"] == 0 and s["trims"] >= 1, timeout_s=30)
+    assert target.rss() < rss0 + RSS_AFTER_PARKING, (target.rss() - rss0) >> 20
+    fresh = open_rank(target.cluster.sc.rank_spec("decode", (0, 0), run_id="after-parking"))
+    transfer(target, fresh, fresh.receiver(decode_config()), "t-after-parking", seed=34)
 
 
 def minted(hello, name: str):
@@ -127,3 +178,4 @@ def test_minted_agent_names_are_capped_and_a_known_decode_keeps_its_agent(target
     receiver = victim.receiver(decode_config())
     transfer(target, victim, receiver, "t-kept-2", seed=33)  # its agent was kept: no load, no unload
     assert target.state()["agent_loads"] == after["agent_loads"]
+

@@ -55,9 +55,10 @@ class SenderConfig:
     """Memory those waiting registrations may hold, per decode connection (their block ids, kept as arrays)."""
     max_parked: int = 16384
     """Registrations waiting for prefill to start their request, over all decode connections together."""
-    max_parked_bytes: int = 256 * 1024 * 1024
+    max_parked_bytes: int = 64 * 1024 * 1024
     """Memory those waiting registrations may hold over all decode connections together (4 bytes per block id, plus
-    a few hundred per registration: a 128k-token request of 3 groups of 16-token blocks holds about 96 KiB)."""
+    a few hundred per registration: a 128k-token request of 3 groups of 16-token blocks holds about 96 KiB, so 64 MiB
+    hold about 680 such requests queued on prefill, far more shorter ones)."""
     max_peer_agents: int = 512
     """Decode NIXL agents loaded at once, those of live connections and idle ones kept for a reconnect
     (connector.engine.agents); a handshake that would need more is refused."""
