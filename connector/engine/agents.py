@@ -29,6 +29,7 @@ from connector.transport.base import KVTransport
 
 log = logging.getLogger(__name__)
 UNLOAD_WINDOW_S = 3600.0
+RELEASE_WAIT_S = 2.0
 
 
 @dataclass(eq=False)
@@ -50,6 +51,7 @@ class LoadedAgents:
         self._unloads: deque[float] = deque()
         """When the unloads of the last hour happened."""
         self.loads = self.reuses = self.unloads = self.refused = 0
+        self._released = asyncio.Event()
 
     @property
     def loaded(self) -> int:
@@ -76,7 +78,7 @@ class LoadedAgents:
             self._agents.move_to_end(name)
             self.reuses += 1
             return name
-        victim = name if agent is not None else self._victim()
+        victim = name if agent is not None else await self._victim()
         if victim is not None:
             self._spend_unload(name)
         entry = _Agent(metadata)
@@ -100,14 +102,26 @@ class LoadedAgents:
         if (agent := self._agents.get(name)) is not None:
             agent.busy = False
             self._agents.move_to_end(name)
+            self._released.set()
 
     def forget(self, name: str) -> None:
         """Agent `name` was unloaded by its owner (a WRITE to it never ended): no longer loaded."""
         self._agents.pop(name, None)
+        self._released.set()
 
-    def _victim(self) -> str | None:
+    async def _victim(self) -> str | None:
         """None if there is room; else the idle agent to unload: one never written to first, least recently used
-        first. Raises PeerRefused when every loaded agent is on a live connection."""
+        first. Raises PeerRefused when every loaded agent stays on a live connection for RELEASE_WAIT_S (a
+        connection just closed for a newcomer's fair share releases its agent a moment later)."""
+        deadline = time.monotonic() + RELEASE_WAIT_S
+        while len(self._agents) >= self.max_agents and not any(not a.busy for a in self._agents.values()) \
+                and time.monotonic() < deadline:
+            self._released.clear()
+            try:
+                async with asyncio.timeout(deadline - time.monotonic()):
+                    await self._released.wait()
+            except TimeoutError:
+                break
         if len(self._agents) < self.max_agents:
             return None
         idle = [(n, a) for n, a in self._agents.items() if not a.busy]

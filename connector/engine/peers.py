@@ -49,15 +49,24 @@ class PeerInfo:
         self.parked_bytes = 0
         """Registrations of this connection waiting for their request to start, and their estimated memory."""
         self.writes = 0
-        """WRITEs to this peer in flight: its agent is removed only once none is."""
+        """WRITEs to this peer in flight: its agent is released only once none is."""
+        self.served = False
+        """Some WRITE went to it."""
         self._idle = asyncio.Event()
         self._idle.set()
         self.closing = False
         self.released = asyncio.Event()
 
+    @property
+    def evictable(self) -> bool:
+        """Its connection may be closed for a newcomer's fair share (connector.transport.admission): nothing was
+        ever written to it (a decode that received KV here is not closed for another)."""
+        return not self.served and not self.writes
+
     def write_started(self) -> None:
         self.writes += 1
-        self.table.agents.served(self.agent)  # a request prefill computes goes there: a real decode's agent
+        self.served = True  # a request prefill computes goes there: a real decode
+        self.table.agents.served(self.agent)
         self._idle.clear()
 
     def write_done(self) -> None:
