@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import os
 
-import msgspec
 import pytest
 
 from connector.engine.config import SenderConfig, SideChannelConfig

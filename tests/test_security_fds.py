@@ -19,7 +19,7 @@ from connector.sim.cluster import Cluster
 from connector.transport.control import connect
 from connector.transport.nixl import TransportConfig
 from tests.adversary import TOKEN, TOKENS, WITH_TOKEN, Target, make_scenario
-from tests.test_security import decode_config, transfer
+from tests.test_security import RSS_SLACK, decode_config, transfer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 HANDSHAKES = int(os.environ.get("SPARSE_KV_STORM", "20000"))
@@ -66,7 +66,7 @@ def test_a_reconnect_storm_costs_no_open_files(target, open_rank):
     mallory = open_rank(target.cluster.sc.rank_spec("decode", (0, 0), run_id="storm"))
     hello = mallory.receiver(decode_config()).hello
     settle(target, "baseline")
-    before, fds0 = target.state(), fds(target.pid)
+    before, fds0, rss0 = target.state(), fds(target.pid), target.rss()
 
     async def storm(n: int) -> int:
         done = 0
@@ -81,6 +81,7 @@ def test_a_reconnect_storm_costs_no_open_files(target, open_rank):
     assert fds(target.pid) <= fds0 + SOCKETS_PER_AGENT + FDS_SLACK, (fds0, fds(target.pid))
     assert after["agent_loads"] - before["agent_loads"] == 1, after  # loaded once, then found loaded
     assert after["agents_loaded"] <= before["agents_loaded"] + 1
+    assert target.rss() < rss0 + RSS_SLACK
     fresh = open_rank(target.cluster.sc.rank_spec("decode", (0, 0), run_id="after-storm"))
     transfer(target, fresh, fresh.receiver(decode_config()), "t-after-storm", seed=31)
 
@@ -151,7 +152,7 @@ def test_minted_agent_names_are_capped_and_a_known_decode_keeps_its_agent(target
     mallory = open_rank(target.cluster.sc.rank_spec("decode", (0, 0), run_id="mint"))
     hello = mallory.receiver(decode_config()).hello
     settle(target, "baseline")
-    before, fds0 = target.state(), fds(target.pid)
+    before, fds0, rss0 = target.state(), fds(target.pid), target.rss()
 
     async def mint(n: int) -> list[str]:
         out = []
@@ -175,6 +176,7 @@ def test_minted_agent_names_are_capped_and_a_known_decode_keeps_its_agent(target
     assert after["agents_loaded"] == MAX_AGENTS and after["agent_unloads"] - before["agent_unloads"] == UNLOADS
     assert after["agents_refused"] - before["agents_refused"] == len(refusals)
     assert fds(target.pid) <= fds0 + room * SOCKETS_PER_AGENT + UNLOADS * (SOCKETS_PER_AGENT - 1) + FDS_SLACK
+    assert target.rss() < rss0 + RSS_SLACK
     receiver = victim.receiver(decode_config())
     transfer(target, victim, receiver, "t-kept-2", seed=33)  # its agent was kept: no load, no unload
     assert target.state()["agent_loads"] == after["agent_loads"]

@@ -87,6 +87,8 @@ class LoadedAgents:
         self._agents[name] = entry  # holds the slot while NIXL loads
         try:
             if victim is not None:
+                log.info("unloading idle NIXL agent %r for %r (%d loaded: setting max_peer_agents)", victim, name,
+                         len(self._agents))
                 await asyncio.to_thread(self.transport.remove_peer, victim)
                 self.unloads += 1
             loaded = await asyncio.to_thread(self.transport.add_peer, metadata, name)

@@ -49,4 +49,5 @@ class ParkedTrim:
             return
         self._trimmed_at_bytes, self._last = dropped_bytes, now
         self.trims += 1
+        log.debug("waiting registrations that held %d B in all went: trimming the heap", dropped_bytes)
         spawn(asyncio.to_thread(self._trim))
