@@ -41,6 +41,7 @@ class ParkedTrim:
         self._last = 0.0
         self._trim = _malloc_trim()
         self.trims = 0
+        """Trims that have run to their end."""
 
     def after(self, dropped_bytes: int, spawn: Callable[[Any], Any]) -> None:
         now = time.monotonic()
@@ -48,6 +49,9 @@ class ParkedTrim:
                 or now - self._last < TRIM_INTERVAL_S:
             return
         self._trimmed_at_bytes, self._last = dropped_bytes, now
-        self.trims += 1
         log.debug("waiting registrations that held %d B in all went: trimming the heap", dropped_bytes)
-        spawn(asyncio.to_thread(self._trim))
+        spawn(self._run(self._trim))
+
+    async def _run(self, trim: Callable[[], Any]) -> None:
+        await asyncio.to_thread(trim)
+        self.trims += 1
