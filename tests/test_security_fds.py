@@ -30,7 +30,8 @@ SOCKETS_PER_AGENT = 1 + TransportConfig.__dataclass_fields__["nixl_threads"].def
 PARKED_BYTES = 32 << 20
 RSS_AFTER_PARKING = 40 << 20
 """How far above its baseline prefill's RSS may stay once registrations that held PARKED_BYTES are gone (what is
-left is pymalloc's and glibc's, measured +12 to +15 MB; the code before kept +49 MB after 8 connections parked 124 MB)."""
+left is pymalloc's and glibc's, measured +12 to +15 MB; the code before kept +49 MB after 8 connections parked
+124 MB)."""
 FDS_SLACK = 8
 """Open files prefill may have more than at its baseline once an attack is over, beyond its loaded agents."""
 
