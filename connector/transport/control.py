@@ -188,8 +188,7 @@ class ControlConnection:
                         continue  # liveness only: reading it was the point
                     case Hello() | Auth() | Welcome() | Reject():
                         await self._send_best_effort(Error(f"unexpected {type(msg).__name__} after the handshake"))
-                        self._shutdown(f"protocol violation: {type(msg).__name__} after the handshake",
-                                       logging.WARNING)
+                        self._shutdown(f"protocol violation: {type(msg).__name__} after the handshake", logging.WARNING)
                         return
                     case _:
                         self.active_at = time.monotonic()
@@ -404,8 +403,8 @@ class ControlServer:
         """Closers of `host`'s authenticated connections whose session may go, least recently active first."""
         conns = sorted((c for c in self.connections if c.host == host and not c.is_closed
                         and getattr(c.session, "evictable", False)), key=lambda c: c.active_at)
-        return [lambda why, c=c: (self.refusals.note("evicted", "closing %s: %s", c.address, why), c._shutdown(why, logging.WARNING))
-                for c in conns]
+        return [lambda why, c=c: (self.refusals.note("evicted", "closing %s: %s", c.address, why),
+                                  c._shutdown(why, logging.WARNING)) for c in conns]
 
     async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, entry: Pending,
                          accepted_at: float) -> ControlConnection | None:
