@@ -182,11 +182,35 @@ def test_registrations_refused(case, match):
         ([] if nothing_started else [1] if case == "twice" else [0])
 
 
+def test_waiting_registrations_are_bounded_in_all_connections_together():
+    """Each connection within its own allowance, the registrations of all of them are bounded too (max_parked,
+    max_parked_bytes); what a connection's close drops frees the room again, and a parked one is kept compact."""
+    config = replace(CONFIG, max_parked_per_connection=100, max_parked=5, max_parked_bytes=1 << 20)
+    own = ownership(config)
+    conns = [(Conn(), peer(f"decode-{i}")) for i in range(3)]
+    for i in range(5):
+        conn, decode = conns[i % 3]
+        own.park(conn, decode, register(f"t{i}"), NOW)
+    with pytest.raises(RegistrationError, match="max_parked=5, max_parked_bytes=1048576"):
+        own.park(*conns[2], register("t-more"), NOW)
+    conn, decode = conns[0]
+    own.connection_closed(conn, decode.key)
+    assert own.parked_count == 3 and own.parked_bytes == 3 * parked_cost(register("t1"))
+    own.park(*conns[2], register("t-more"), NOW)
+    kept = own.parked["t-more"][0]
+    assert kept.block_ids[0].dtype.itemsize == 4 and kept.register == register("t-more")
+    big = replace(CONFIG, max_parked_bytes=4096)
+    own, decode = ownership(big), peer(num_blocks=2000)
+    with pytest.raises(RegistrationError, match="max_parked_bytes=4096"):
+        own.park(Conn(), decode, register("t-big", block_ids=[list(range(4)) + [0] * 996] * 2), NOW)
+    assert own.parked_bytes == own.parked_count == 0
+
+
 @pytest.mark.parametrize("count, ids_each, refused", [
     (3, 4, False),       # max_parked_per_connection=3
     (4, 4, True),
-    (1, 40_000, False),  # ~2 x 40,000 ids x 48 B = 3.8 MB < 16 MiB
-    (1, 200_000, True),  # ~19 MB > 16 MiB
+    (1, 40_000, False),     # 2 x 40,000 ids x 4 B (kept as int32 arrays) = 320 kB < 16 MiB
+    (1, 2_100_000, True),   # 16.8 MB > 16 MiB
 ])
 def test_waiting_registrations_are_bounded_per_connection(count, ids_each, refused):
     config = replace(CONFIG, max_parked_bytes_per_connection=16 << 20)

@@ -17,6 +17,7 @@ import pytest
 
 from connector.core.errors import ConfigError, ControlError, TransferFailed
 from connector.engine.config import SenderConfig, SideChannelConfig
+from connector.engine.sender_state import Parked
 from connector.protocol.addressing import PrefillAddress
 from connector.protocol.handshake import plan_between
 from connector.protocol.messages import HEADER, PROTOCOL_VERSION, Register, RegisterAck, RegisterError, Reject
@@ -112,14 +113,15 @@ def test_building_a_large_peer_plan_does_not_stall_the_loop(m3, open_rank):
 def test_waiting_registrations_are_bounded_per_connection(target, victim, open_rank):
     """A Register for a request prefill has not started was parked up to the lease (~392 MB of RSS per 50 MB
     frame). Now it is checked in full first (block-id lists no longer than the decode cache, a staging slot inside
-    the announced buffer), and what waits is bounded per connection in count (64 here) and memory (16 MiB)."""
+    the announced buffer), and what waits is bounded per connection in count (64 here) and memory (16 MiB, of
+    block ids kept as arrays; all connections together: tests/test_security_fds.py)."""
     rank, receiver = victim
     mallory = open_rank(target.cluster.sc.rank_spec("decode", (0, 0), run_id="mallory"))
     honest = mallory.receiver(decode_config()).hello
     # a peer that claims a huge cache, so that long block lists pass the cache bound and hit the memory bound
     liar = msgspec.structs.replace(honest, regions=[msgspec.structs.replace(r, num_blocks=1 << 40)
                                                     for r in honest.regions])
-    big_ids = [list(range(100_000))] * 2  # ~9.6 MB of Python objects each, parked
+    big_ids = [list(range(100_000))] * 2  # ~9.6 MB of Python objects each as decoded; 800 kB parked as arrays
 
     async def flood(hello, make: list) -> list:
         conn = await connect("127.0.0.1", target.port, hello, WITH_TOKEN, timeout=10)
@@ -147,9 +149,11 @@ def test_waiting_registrations_are_bounded_per_connection(target, victim, open_r
     assert all(isinstance(a, RegisterError) for a in answers), answers
     assert "staging slot" in answers[0].reason and "staging slot" in answers[1].reason
     assert "cache has" in answers[2].reason and "outside" in answers[3].reason
-    answers = mallory.run(flood(liar, [Register(f"t-big{i}", 0, 0, big_ids, 0, TOKENS) for i in range(8)]), 60)
+    bigs = [Register(f"t-big{i:02d}", 0, 0, big_ids, 0, TOKENS) for i in range(24)]
+    answers = mallory.run(flood(liar, bigs), 60)
     kinds = [type(a).__name__ for a in answers]
-    assert kinds[:1] == ["RegisterAck"] and set(kinds[1:]) == {"RegisterError"}, kinds
+    fits = (16 << 20) // Parked.of(None, None, bigs[0], 0.0).cost  # 20 of them within 16 MiB
+    assert kinds[:fits] == ["RegisterAck"] * fits and set(kinds[fits:]) == {"RegisterError"}, kinds
     assert "max_parked_bytes_per_connection" in answers[-1].reason
     small = [Register(f"t-s{i}", 0, 0, blocks(mallory.spec.num_blocks, i), 0, TOKENS) for i in range(70)]
     answers = mallory.run(flood(honest, small), 60)

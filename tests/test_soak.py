@@ -31,7 +31,8 @@ in RSS over so short a run, so the tables and object counts are asserted exactly
 FDS_SLACK, THREADS_SLACK, TASKS_SLACK = 3, 1, 2
 UCX_SOCKETS_PER_RELOAD = 1 + TransportConfig.__dataclass_fields__["nixl_threads"].default
 """Sockets NIXL 1.5.1 leaves open on each side each time prefill unloads a decode agent (remove_remote_agent) and
-loads it, or a new one, again: one per UCX worker (NIXL's own plus `nixl_threads`). Measured with two bare
+loads it, or a new one, again (prefill now keeps agents loaded across reconnects, connector.engine.agents, so only a
+restart under a new agent name loads one): one per UCX worker (NIXL's own plus `nixl_threads`). Measured with two bare
 Transports in one process: 2, 4 and 10 more sockets per add_peer + WRITE + remove_peer cycle with nixl_threads 0, 1
 and 4, still there seconds later. Decode gets its back when its agent closes (a restart); prefill never does while
 it runs. Outside this code (NIXL closes its endpoints with ucp_ep_close_nbx in flush mode and frees the request):
@@ -112,7 +113,12 @@ def test_decode_peer_churn_leaves_nothing_growing():
     decode = result.side("decode")
     assert (decode[-1]["churns"], decode[-1]["restarts"]) == (14, 4)
     baseline = next(s for s in decode if s["requests"] >= result.plan.warmup)
-    extra_sockets = check(result, reloads=decode[-1]["churns"] - baseline["churns"], rss_sides=("prefill",))
+    # a reconnect finds its agent still loaded (connector.engine.agents): only a restart loads one, and the
+    # restarted rank's old agent stays loaded, idle, within max_peer_agents
+    restarts = decode[-1]["restarts"] - baseline["restarts"]
+    assert result.side("prefill")[-1]["tables"]["nixl_loaded"] <= 1 + decode[-1]["restarts"]
+    extra_sockets = check(result, reloads=restarts, rss_sides=("prefill",))
     if extra_sockets > FDS_SLACK:  # everything else passed: what is left is NIXL's (UCX_SOCKETS_PER_RELOAD)
-        pytest.xfail(f"NIXL 1.5.1 leaves {UCX_SOCKETS_PER_RELOAD} sockets per decode agent reload open: "
-                     f"{extra_sockets} more than at the baseline")
+        pytest.xfail(f"NIXL 1.5.1 keeps {UCX_SOCKETS_PER_RELOAD} sockets per decode agent loaded (the restarted "
+                     f"ranks' idle ones included, until unloaded; and leaks them on unload): {extra_sockets} more "
+                     f"than at the baseline after {restarts} restarts")

@@ -53,7 +53,20 @@ class SenderConfig:
     max_parked_per_connection: int = 4096
     """Registrations one decode connection may have waiting for prefill to start their request."""
     max_parked_bytes_per_connection: int = 16 * 1024 * 1024
-    """Memory those waiting registrations may hold, per decode connection (estimated from their block ids)."""
+    """Memory those waiting registrations may hold, per decode connection (their block ids, kept as arrays)."""
+    max_parked: int = 16384
+    """Registrations waiting for prefill to start their request, over all decode connections together."""
+    max_parked_bytes: int = 64 * 1024 * 1024
+    """Memory those waiting registrations may hold over all decode connections together (4 bytes per block id, plus
+    a few hundred per registration: a 128k-token request of 3 groups of 16-token blocks holds about 96 KiB, so 64 MiB
+    hold about 680 such requests queued on prefill, far more shorter ones)."""
+    max_peer_agents: int = 512
+    """Decode NIXL agents loaded at once, those of live connections and idle ones kept for a reconnect
+    (connector.engine.agents); a handshake that would need more is refused."""
+    agent_unloads_per_hour: int = 64
+    """Idle decode agents unloaded to make room for new ones, at most this many in any hour: NIXL 1.5.1 leaves
+    `nixl_threads` sockets open on each unload, so this bounds how fast prefill's open files can grow
+    (connector.engine.agents); beyond it a handshake that needs an unload is refused."""
     staging_ring_slots: int = 4
     """Staged chunks in flight per decode connection: decode's staging area for the connection is cut into this many
     slots, so the gather of one chunk, the WRITE of the next and decode's scatter of a third overlap."""

@@ -20,7 +20,7 @@
   first Hello named is given up the same way, with the reason; unauthenticated, so only while no engine owns the
   transfer, and a registration within `given_up_keep_s` is still served.
 - Registrations are checked in full before anything is kept; one that waits for its request to start counts against
-  its connection's limits (count and memory), and waits at most the lease.
+  its connection's limits and those of all connections together (count and memory), and waits at most the lease.
 - What a connection holds here (its destinations, its waiting registrations) ends with it, in one sweep when it
   closes (`connection_closed`), the way httpcore's pool sweeps its closed connections. Nothing is hooked on the
   connection per transfer: a connection lives as long as heartbeats keep it open, and a callback per transfer kept
@@ -35,7 +35,7 @@ from typing import Any
 from connector.core.errors import CapabilityError, InputError, RegistrationError
 from connector.engine.config import SenderConfig
 from connector.engine.sender_state import (Destination, Parked, PeerInfo, RecentIds, SendRequest,
-                                          check_against_request, check_registration, parked_cost)
+                                          check_against_request, check_registration)
 from connector.protocol.auth import check_transfer_proof
 from connector.protocol.handshake import PeerKey
 from connector.protocol.messages import Register
@@ -71,6 +71,10 @@ class Ownership:
         """Requests prefill has started and not released, by transfer id."""
         self.parked: dict[str, list[Parked]] = {}
         """Registrations that came before their request started, by transfer id (all of one decode engine)."""
+        self.parked_bytes = 0
+        """What they hold (bounded in all by max_parked_bytes, as their count is by max_parked)."""
+        self.parked_bytes_dropped = 0
+        """What the registrations that waited and went (served, refused, expired, closed) held, in all."""
         self.released = RecentIds(config.released_memory_s)
         """Transfers released lately -> how they ended (the sender's FinishedInfo): a late registration for one is
         refused clearly, a late waiter hears the outcome. One table, so the outcome goes when the id does, also when
@@ -156,7 +160,8 @@ class Ownership:
         check_registration(reg, peer, self.rank, self.stage, self.block_size)
         if not reg.proof:  # one with a proof waits whoever came first: the proof decides when the request starts
             self.check_owner(tid, peer.key[0])
-        cost, cfg = parked_cost(reg), self.config
+        parked, cfg = Parked.of(conn, peer, reg, now), self.config
+        cost = parked.cost
         if peer.parked + 1 > cfg.max_parked_per_connection or \
                 peer.parked_bytes + cost > cfg.max_parked_bytes_per_connection:
             raise RegistrationError(
@@ -164,9 +169,16 @@ class Ownership:
                 f"for prefill to start their requests, the most one connection may (settings "
                 f"max_parked_per_connection={cfg.max_parked_per_connection}, "
                 f"max_parked_bytes_per_connection={cfg.max_parked_bytes_per_connection})")
+        if self.parked_count + 1 > cfg.max_parked or self.parked_bytes + cost > cfg.max_parked_bytes:
+            raise RegistrationError(
+                f"prefill rank {self.rank} already has {self.parked_count} registrations ({self.parked_bytes} B) "
+                f"of all decode connections waiting for prefill to start their requests, the most it keeps "
+                f"(settings max_parked={cfg.max_parked}, max_parked_bytes={cfg.max_parked_bytes}); raise them if "
+                f"this many requests really queue on prefill")
         peer.parked += 1
         peer.parked_bytes += cost
-        self.parked.setdefault(tid, []).append(Parked(conn, peer, reg, now, cost))
+        self.parked_bytes += cost
+        self.parked.setdefault(tid, []).append(parked)
         self.given_up.discard(tid)  # an early abort (maybe another engine's) does not bind this registration
 
     def serve(self, conn: Any, peer: PeerInfo, reg: Register, now: float) -> tuple[SendRequest, Destination]:
@@ -202,6 +214,8 @@ class Ownership:
         for p in dropped:
             p.peer.parked -= 1
             p.peer.parked_bytes -= p.cost
+            self.parked_bytes -= p.cost
+            self.parked_bytes_dropped += p.cost
         return dropped
 
     def expired_waits(self, now: float) -> list[tuple[str, list[Parked]]]:

@@ -2,8 +2,10 @@
 
 An identity (engine id, pp, tp) and a NIXL agent name belong to one live connection: a second claim waits a moment
 for the first connection to end (a restarted rank reconnecting before its old connection was noticed closed) and is
-refused if it does not. A peer's NIXL agent is loaded for its own connection only and removed when that connection
-ends, once no WRITE to it is in flight; its entry goes with it. So nothing here grows with peers that came and went.
+refused if it does not. A peer's NIXL agent is used for its own connection only; when that connection ends, once no
+WRITE to it is in flight, its entry goes and its agent is handed back to connector.engine.agents, which keeps it
+loaded (idle, never written) for a reconnect, within `max_peer_agents`. So nothing here grows with peers that came
+and went, and a peer reconnecting costs no NIXL load (NIXL 1.5.1 leaks sockets on each unload).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Callable
 from connector.core.errors import PeerRefused
 from connector.core.layout import ModelLayout
 from connector.core.plan import Rank, Route
+from connector.engine.agents import LoadedAgents
 from connector.engine.config import SenderConfig
 from connector.engine.plans import PlanCache
 from connector.protocol.handshake import AcceptedPeer, PeerKey, accept_peer, check_peer_layout, peer_key
@@ -46,14 +49,24 @@ class PeerInfo:
         self.parked_bytes = 0
         """Registrations of this connection waiting for their request to start, and their estimated memory."""
         self.writes = 0
-        """WRITEs to this peer in flight: its agent is removed only once none is."""
+        """WRITEs to this peer in flight: its agent is released only once none is."""
+        self.served = False
+        """Some WRITE went to it."""
         self._idle = asyncio.Event()
         self._idle.set()
         self.closing = False
         self.released = asyncio.Event()
 
+    @property
+    def evictable(self) -> bool:
+        """Its connection may be closed for a newcomer's fair share (connector.transport.admission): nothing was
+        ever written to it (a decode that received KV here is not closed for another)."""
+        return not self.served and not self.writes
+
     def write_started(self) -> None:
         self.writes += 1
+        self.served = True  # a request prefill computes goes there: a real decode
+        self.table.agents.served(self.agent)
         self._idle.clear()
 
     def write_done(self) -> None:
@@ -83,6 +96,8 @@ class PeerTable:
         self.by_key: dict[PeerKey, PeerInfo] = {}
         """Identities held by live (or closing) connections."""
         self._agents: dict[str, PeerInfo] = {}
+        self.agents = LoadedAgents(transport, config.max_peer_agents, config.agent_unloads_per_hour)
+        """The decode agents loaded on the transport (live and idle)."""
 
     def peek(self, hello: Hello) -> None:
         """Cheap checks of a first Hello, before anything is answered (raises LayoutError)."""
@@ -104,9 +119,9 @@ class PeerTable:
             plan = await self.plans.plan_for(hello)
             info.accepted = accept_peer(hello, self.own, self.model, plan)
             info.layer_routes = plan.layer_routes(self.rank, info.key[1:])
-            # NIXL calls can wait behind a DRAM copy in progress: off the loop. (Cancelled here, at shutdown only,
-            # the agent may still load; the transport removes every peer when it closes.)
-            info.agent = await asyncio.to_thread(self.transport.add_peer, hello.agent_metadata, hello.agent_name)
+            # NIXL calls can wait behind a DRAM copy in progress: they run off the loop. (Cancelled here, at
+            # shutdown only, the agent may still load; the transport removes every peer when it closes.)
+            info.agent = await self.agents.acquire(hello.agent_name, hello.agent_metadata)
         except BaseException:
             self._forget(info)
             info.released.set()
@@ -135,7 +150,7 @@ class PeerTable:
                                   f"closed, within dead_after_s)") from None
 
     async def release(self, info: PeerInfo) -> None:
-        """Drop a peer whose connection ended: once no WRITE to it is in flight, remove its agent, then its entry."""
+        """Drop a peer whose connection ended: once no WRITE to it is in flight, its agent goes idle, its entry goes."""
         if info.closing:
             await info.released.wait()
             return
@@ -144,8 +159,11 @@ class PeerTable:
             if not await info.wait_idle(self.config.write_timeout_s + 5.0):
                 log.error("decode %s: %d WRITE(s) still in flight %.0f s after its connection ended; removing its "
                           "agent anyway", info.key, info.writes, self.config.write_timeout_s + 5.0)
+                if info.agent:  # a WRITE NIXL still runs: this agent must not be handed to anyone again
+                    await asyncio.to_thread(self.transport.remove_peer, info.agent)
+                    self.agents.forget(info.agent)
             if info.agent:
-                await asyncio.to_thread(self.transport.remove_peer, info.agent)
+                self.agents.release(info.agent)
         finally:
             self._forget(info)
             info.released.set()

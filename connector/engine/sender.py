@@ -26,6 +26,7 @@ from connector.engine.sender_state import (Destination, FinishedInfo, PeerInfo, 
                                            lease_expiry_note)
 from connector.engine.stats import SenderStats
 from connector.engine.timeline import close
+from connector.engine.trim import ParkedTrim
 from connector.protocol.handshake import PeerKey
 from connector.protocol.messages import (Abort, Complete, Heartbeat, Hello, Message, Register, RegisterAck,
                                          RegisterError, Scattered, Stopped)
@@ -47,8 +48,7 @@ class StreamSender:
         any) registered. With a staging buffer, decode ranks that have one too get scattered blocks as staged
         chunks (connector.engine.staging), others direct WRITEs (connector.engine.batch_writer chooses)."""
         self.me, self.transport, self.config, self.loop = me, transport, config, loop
-        self.on_finished = on_finished
-        self.stats = SenderStats()
+        self.on_finished, self.stats = on_finished, SenderStats()
         self.writer = BatchWriter(me, transport, config, self.stats)
         self.ownership = Ownership(config, me.rank, me.stage, me.block_size)
         self.requests: dict[str, SendRequest] = self.ownership.requests
@@ -60,6 +60,7 @@ class StreamSender:
         self._table = PeerTable(transport, self.hello, me.model, me.rank, config)
         self._last_refusal = ""
         """The last decode rank refused at the handshake here, and why (named when a lease expires unread)."""
+        self._trim = ParkedTrim()
 
     @property
     def port(self) -> int:
@@ -445,9 +446,8 @@ class StreamSender:
     async def _lease_loop(self) -> None:
         while True:
             await asyncio.sleep(1.0)
-            # One call per tick, so its locals end with it: a loop variable left in this coroutine's frame kept
-            # the last request it looked at (with its destination, closed connection and peer) alive while
-            # the sender idled (the soak found it after peer churn).
+            # One call per tick, so its locals end with it: a loop variable left in this frame kept the last request
+            # it looked at (its destination, closed connection and peer) alive while idle (the soak found it).
             self._lease_tick(time.monotonic())
 
     def _lease_tick(self, now: float) -> None:
@@ -470,6 +470,7 @@ class StreamSender:
             for p in parked:
                 self._tasks.spawn(self._send_quiet(p.conn, RegisterError(tid, why)))
         self.ownership.forget_old(now)
+        self._trim.after(self.ownership.parked_bytes_dropped, self._tasks.spawn)  # their memory goes back
 
     async def wait_finished(self, transfer_id: str, timeout: float) -> bool:
         req = self.requests.get(transfer_id)

@@ -8,6 +8,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+import numpy as np
+
 from connector.core.descriptors import check_blocks
 from connector.core.errors import RegistrationError
 from connector.core.layout import blocks_for
@@ -83,18 +86,41 @@ class SendRequest:
     the transfer id but gave no secret): the first decode engine to register owns it."""
 
 
-@dataclass
+@dataclass(eq=False)
 class Parked:
     """A registration that arrived before prefill started its request (checked already, except against the
-    request itself)."""
+    request itself). Its block ids and layers wait as arrays (4 or 8 bytes each): as the lists msgspec decodes
+    they cost ~40 bytes per id, and a peer parking hundreds of thousands left glibc and pymalloc holding hundreds
+    of MB after it left (issue 20). `register` gives them back as lists."""
 
     conn: Any
     peer: PeerInfo
-    register: Register
+    stripped: Register
+    """The registration with no block ids and no layers (those are below)."""
+    block_ids: tuple[np.ndarray, ...]
+    layers: np.ndarray
     at: float
     """time.monotonic() it arrived (it waits at most the lease)."""
-    cost: int
-    """Estimated bytes it holds (parked_cost)."""
+
+    @classmethod
+    def of(cls, conn: Any, peer: PeerInfo, reg: Register, at: float) -> "Parked":
+        return cls(conn, peer, msgspec.structs.replace(reg, block_ids=[], layers=[]),
+                   tuple(_compact(ids) for ids in reg.block_ids), _compact(reg.layers), at)
+
+    @property
+    def register(self) -> Register:
+        return msgspec.structs.replace(self.stripped, block_ids=[ids.tolist() for ids in self.block_ids],
+                                       layers=self.layers.tolist())
+
+    @property
+    def cost(self) -> int:
+        """Bytes it holds (what max_parked_bytes and max_parked_bytes_per_connection count)."""
+        return parked_cost(self.stripped) + self.layers.nbytes + sum(ids.nbytes + 112 for ids in self.block_ids)
+
+
+def _compact(ids: list[int]) -> np.ndarray:
+    arr = np.array(ids, dtype=np.int64)
+    return arr.astype(np.int32) if arr.size and 0 <= arr.min() and arr.max() < 2**31 else arr
 
 
 @dataclass(frozen=True)
@@ -177,8 +203,10 @@ def _check_staging(reg: Register, peer: PeerInfo) -> None:
 
 
 def parked_cost(reg: Register) -> int:
-    """Estimated memory a waiting registration holds: a Python int and its list slot per id (~40 B), plus change."""
-    return 48 * (sum(len(ids) for ids in reg.block_ids) + len(reg.layers)) + 256 + len(reg.transfer_id)
+    """Bytes a registration would hold as a Parked one: 4 per block id and layer (8 beyond 2**31), plus its
+    objects."""
+    return 4 * (sum(len(ids) for ids in reg.block_ids) + len(reg.layers)) + 112 * len(reg.block_ids) + 400 + \
+        len(reg.transfer_id)
 
 
 def given_up_note(req: SendRequest, given_up_keep_s: float) -> tuple[int, str]:

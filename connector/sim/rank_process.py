@@ -104,7 +104,11 @@ class PrefillCommands:
         an attack), NIXL handles and bytes in flight, and the transport's counters."""
         async def read() -> dict[str, int]:
             sender, server, t = self.sender, self.sender.server, self.rank.transport
-            return {"peers": len(sender.peers), "agents": len(t.peers),
+            agents = sender._table.agents
+            return {"peers": len(sender.peers), "agents": agents.in_use, "agents_loaded": len(t.peers),
+                    "agents_idle": agents.loaded - agents.in_use, "agent_loads": agents.loads,
+                    "agent_unloads": agents.unloads, "agents_refused": agents.refused,
+                    "parked_bytes": sender.ownership.parked_bytes, "trims": sender._trim.trims,
                     "connections": len(server.connections) if server else 0, "parked": sender.parked_count,
                     "requests": len(sender.requests), "given_up": len(sender.ownership.given_up),
                     "open_by_host": sum(server.guard.open.values()) if server else 0,

@@ -154,7 +154,7 @@ class PrefillSide(_Side):
         s, t, own = self.sender, self.rank.transport, self.sender.ownership
         server = s.server
         return {"requests": len(s.requests), "parked": s.parked_count, "released_ids": len(own.released), "given_up": len(own.given_up), "peers": len(s.peers),
-                "nixl_peers": len(t.peers), "xfer_handles": t.open_handles, "inflight_bytes": t.inflight_bytes,
+                "nixl_peers": s._table.agents.in_use, "nixl_loaded": len(t.peers), "xfer_handles": t.open_handles, "inflight_bytes": t.inflight_bytes,
                 "connections": len(server.connections) if server else 0,
                 "open_by_host": sum(server.guard.open.values()) if server else 0,
                 "timeline": len(s.writer.timeline), "inbox": len(s._inbox), "streaming": len(s._inbox.streaming), "tasks": len(asyncio.all_tasks()),

@@ -14,7 +14,12 @@ authenticated decode out. So
   which arrivals of unknown connections never evict;
 - failed proofs count per (address, claimed identity), so a guesser on a decode's host locks out only the identity
   it claims; an identity known to have authenticated is never locked out (its failed attempts are still answered
-  late), else claiming it with wrong proofs would lock the real decode out."""
+  late), else claiming it with wrong proofs would lock the real decode out;
+- with every one of `max_connections` taken, the address holding the most gives up one of its connections to a
+  newcomer from an address holding fewer (by two or more): a pending one, else an authenticated one its owner says
+  may go (on prefill: one that was never written to, least recently active first; a decode that received KV here is
+  never closed for it). So a peer holding the token on a few addresses cannot keep a decode from another address
+  out; it would need about `max_connections` addresses of its own."""
 
 from __future__ import annotations
 
@@ -63,6 +68,8 @@ class AdmissionGuard:
         self._known: OrderedDict[tuple[str, Identity], None] = OrderedDict()
         """(host, identity) pairs that authenticated, least recently first (bounded: limits.known_identities)."""
         self._failures: dict[tuple[str, Identity], deque[float]] = {}
+        self.evictions = 0
+        """Authenticated connections closed for a newcomer's fair share (`admit`)."""
 
     # ---- counts ---------------------------------------------------------------------------------------------
     @property
@@ -79,16 +86,39 @@ class AdmissionGuard:
         return sum(len(v) for v in self._pending.values())
 
     # ---- accept ---------------------------------------------------------------------------------------------
-    def admit(self, host: str) -> str | None:
+    def admit(self, host: str, evictable: Callable[[str], list[Callable[[str], None]]] | None = None) -> str | None:
         """None (and the connection counted) if a connection from `host` may be accepted at all, else why not.
-        Only connections in all and per address are checked here: the pending budget evicts (`begin`)."""
+        Only connections in all and per address are checked here: the pending budget evicts (`begin`). With
+        `max_connections` open, a newcomer from an address holding fewer than the address holding most (by two or
+        more) takes the place of one of that address's connections (`_make_room`): its oldest pending one, else
+        the first of `evictable(address)` (authenticated ones that may go, least recently active first)."""
         lim = self.limits
-        if self.total >= lim.max_connections:
-            return f"{lim.max_connections} connections are open (setting max_connections)"
-        if self.open[host] >= lim.max_connections_per_host:
+        if self.open.get(host, 0) >= lim.max_connections_per_host:
             return f"{host} has {self.open[host]} connections open (setting max_connections_per_host)"
+        if self.total >= lim.max_connections and (refused := self._make_room(host, evictable)) is not None:
+            return refused
         self.open[host] += 1
         return None
+
+    def _make_room(self, host: str, evictable: Callable[[str], list[Callable[[str], None]]] | None) -> str | None:
+        """Fair shares across source addresses: see `admit`. None if a connection was evicted for `host`'s."""
+        lim = self.limits
+        full = f"{lim.max_connections} connections are open (setting max_connections)"
+        biggest = max(self.open, key=self.open.__getitem__)
+        mine, most = self.open.get(host, 0), self.open[biggest]
+        if mine + 1 >= most:
+            return f"{full} and {host} holds {mine} of them, no fewer than any other address"
+        why = (f"{full}: {biggest} holds the most ({most}) and a connection from {host}, which holds {mine}, takes "
+               f"the place of one of them")
+        pending = self._pending.get(biggest)
+        if pending:
+            self._evict(pending[0], why)
+            return None
+        for close in evictable(biggest) if evictable is not None else ():
+            close(why)
+            self.evictions += 1
+            return None
+        return f"{full}, and none of those of {biggest}, which holds the most, may be closed for it"
 
     def release(self, host: str) -> None:
         self.open[host] -= 1

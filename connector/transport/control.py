@@ -14,6 +14,7 @@ import contextlib
 import inspect
 import logging
 import ssl
+import time
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
 
 from connector.core.errors import AuthFailed, ControlError, FrameError, PeerGaveUp, Unanswered, Unreachable
@@ -35,7 +36,8 @@ log = logging.getLogger(__name__)
 MessageHandler = Callable[["ControlConnection", Message], Awaitable[None]]
 HelloHook = Callable[[Hello], Any]
 """Called with a peer's authenticated Hello (memory included); raise to refuse it. What it returns (or awaits to)
-becomes `conn.session`; if that has an `aclose()`, the server awaits it once the connection has ended."""
+becomes `conn.session`; if that has an `aclose()`, the server awaits it once the connection has ended; if its
+`evictable` is true, the connection may be closed for a newcomer's fair share (connector.transport.admission)."""
 RefusedHook = Callable[[Hello, str, str], None]
 """Called with a refused peer's first Hello (not authenticated), the reason and the peer's address."""
 MAX_QUEUED = 1024
@@ -68,6 +70,8 @@ class ControlConnection:
         """What the server's `on_hello` made of this peer (e.g. the engine's record of it); None on a client."""
         self.address = format_addr(writer.get_extra_info("peername"))
         """Peer `host:port`."""
+        self.host, self.active_at = str((writer.get_extra_info("peername") or ("",))[0]), time.monotonic()
+        """Peer host, and when it last sent something other than an empty Heartbeat."""
         self._reader, self._writer = reader, writer
         self._max_frame_bytes = max_frame_bytes
         self._send_timeout_s = send_timeout_s
@@ -186,10 +190,10 @@ class ControlConnection:
                         continue  # liveness only: reading it was the point
                     case Hello() | Auth() | Welcome() | Reject():
                         await self._send_best_effort(Error(f"unexpected {type(msg).__name__} after the handshake"))
-                        self._shutdown(f"protocol violation: {type(msg).__name__} after the handshake",
-                                       logging.WARNING)
+                        self._shutdown(f"protocol violation: {type(msg).__name__} after the handshake", logging.WARNING)
                         return
                     case _:
+                        self.active_at = time.monotonic()
                         self._queue.put_nowait(msg)
                         if self._queue.qsize() >= MAX_QUEUED:
                             self._room.clear()
@@ -273,23 +277,22 @@ class ControlServer:
     """Accepts side-channel connections. Use as `async with ControlServer(...) as server:`; `server.port` is the
     bound port (useful with port=0).
 
-    Everything configurable comes in `config` (connector.transport.side_channel). Per connection, from accept (TLS
-    is started per connection, after admission, so a socket that never starts it is counted all the same):
-    `config.limits` decide whether it may start (connections in all and per address), the pending budget it joins
-    until it authenticated (connector.transport.admission: newcomers evict the oldest; known identities have their
-    own lane), and its deadline: authenticated within `limits.handshake_deadline_s` of accept (or
-    `handshake_timeout_s`, if shorter), TLS included. The handshake (connector.protocol.messages) reads frames of at
-    most `limits.handshake_frame_bytes`:
-    the peer's Hello is checked against `hello` (version, role, fingerprint) and by `peek` (cheap checks), answered
-    with our identity, a nonce and, with `auth_token`, our proof; its Auth must carry a valid proof. Then `on_hello` gets the peer's Hello with its
-    memory (raise to reject, the message is the reason), and the server answers Welcome and awaits
+    Everything configurable comes in `config` (connector.transport.side_channel). Per connection, from accept (TLS is
+    started per connection, after admission, so a socket that never starts it is counted all the same): `config.limits`
+    decide whether it may start (connections in all and per address), the pending budget it joins until it authenticated
+    (connector.transport.admission: newcomers evict the oldest; known identities have their own lane), and its deadline:
+    authenticated within `limits.handshake_deadline_s` of accept (or `handshake_timeout_s`, if shorter), TLS included.
+    The handshake (connector.protocol.messages) reads frames of at most `limits.handshake_frame_bytes`: the peer's Hello
+    is checked against `hello` (version, role, fingerprint) and by `peek` (cheap checks), answered with our identity, a
+    nonce and, with `auth_token`, our proof; its Auth must carry a valid proof. Then `on_hello` gets the peer's Hello
+    with its memory (raise to reject, the message is the reason), and the server answers Welcome and awaits
     `on_message(conn, msg)` for each further message, in order. A handler exception is logged and answered with
     RegisterError (for Register) or Error; the connection stays up. `on_closed(conn)` runs once per handshaken
     connection, soon after it closed (from the loop, never inside the code that closed it): the one cleanup of
     everything that ran on it, rather than a callback per use hooked on `conn.closed`. `on_refused(hello, reason,
     address)` runs for each handshake that failed after the peer's first Hello was read (that Hello is not
-    authenticated). Each refused or failed connection is counted by kind and logged at a bounded rate
-    (`refusals`, connector.transport.refusals); `on_refusal(kind)` is called for each (the engine's metrics)."""
+    authenticated). Each refused or failed connection is counted by kind and logged at a bounded rate (`refusals`,
+    connector.transport.refusals); `on_refusal(kind)` is called for each (the engine's metrics)."""
 
     def __init__(self, hello: Hello, on_message: MessageHandler, config: SideChannelConfig = SideChannelConfig(), *,
                  host: str = "127.0.0.1", port: int = 0, on_hello: HelloHook | None = None,
@@ -299,11 +302,8 @@ class ControlServer:
         self.host = host
         self.port = port
         """The bound port once started."""
-        self._on_message = on_message
-        self._auth_token = config.auth_token
-        self._on_hello = on_hello
-        self._on_closed = on_closed
-        self._on_refused = on_refused
+        self._on_message, self._auth_token, self._on_hello = on_message, config.auth_token, on_hello
+        self._on_closed, self._on_refused = on_closed, on_refused
         self._handshake_timeout_s = config.handshake_timeout_s
         self.limits = config.limits
         self.guard = AdmissionGuard(self.limits)
@@ -373,7 +373,7 @@ class ControlServer:
         accepted_at = asyncio.get_running_loop().time()
         peername = writer.get_extra_info("peername")
         host = str(peername[0]) if isinstance(peername, tuple) else str(peername)
-        refused = self.guard.admit(host)
+        refused = self.guard.admit(host, self._evictable)
         if refused is not None:
             self.refusals.note("limit", "refusing a connection from %s: %s", format_addr(peername), refused)
             writer.transport.abort()  # closed at once, nothing buffered for it
@@ -404,6 +404,13 @@ class ControlServer:
             self.guard.release(host)
             self._handlers.discard(task)
             await end_session(session)
+
+    def _evictable(self, host: str) -> list[Callable[[str], None]]:
+        """Closers of `host`'s authenticated connections whose session may go, least recently active first."""
+        conns = sorted((c for c in self.connections if c.host == host and not c.is_closed
+                        and getattr(c.session, "evictable", False)), key=lambda c: c.active_at)
+        return [lambda why, c=c: (self.refusals.note("evicted", "closing %s: %s", c.address, why),
+                                  c._shutdown(why, logging.WARNING)) for c in conns]
 
     async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, entry: Pending,
                          accepted_at: float) -> ControlConnection | None:

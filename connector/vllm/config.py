@@ -69,6 +69,15 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     max_peer_ranks: PositiveInt = _SIDE.max_peer_ranks
     max_parked_per_connection: PositiveInt = _SENDER.max_parked_per_connection
     max_parked_bytes_per_connection: PositiveInt = _SENDER.max_parked_bytes_per_connection
+    max_parked: PositiveInt = _SENDER.max_parked
+    """Registrations waiting for prefill to start their request, over all decode connections together."""
+    max_parked_bytes: PositiveInt = _SENDER.max_parked_bytes
+    """The memory those may hold, over all decode connections together."""
+    max_peer_agents: PositiveInt = _SENDER.max_peer_agents
+    """Decode NIXL agents a prefill worker keeps loaded at once (live and idle ones)."""
+    agent_unloads_per_hour: PositiveInt = _SENDER.agent_unloads_per_hour
+    """Idle decode agents a prefill worker unloads for new ones, at most, per hour (NIXL 1.5.1 leaks sockets on
+    each)."""
     given_up_keep_s: Positive = _SENDER.given_up_keep_s
     lease_s: Positive = _SENDER.lease_s
     max_inflight_bytes: PositiveInt = _TRANSPORT["max_inflight_bytes"]
