@@ -14,7 +14,8 @@ from connector.core.hf_config import load_model
 from connector.protocol.addressing import PrefillAddress
 from connector.protocol.handshake import check_hello, layout_wire
 from connector.protocol.messages import HEADER, PROTOCOL_VERSION, check_header
-from connector.transport.control import ControlServer, connect
+from connector.transport.control import ControlServer
+from connector.transport.client import connect
 from connector.transport.ports import free_ports
 from tests.adversary import blocks, make_scenario
 from tests.helpers import bare_side_channel, log_records

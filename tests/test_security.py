@@ -17,7 +17,8 @@ from connector.engine.config import ReceiverConfig, SenderConfig, SideChannelCon
 from connector.protocol.addressing import PrefillAddress
 from connector.protocol.messages import Abort, Heartbeat, Register, RegisterAck, RegisterError, Reject, Stopped
 from connector.sim.cluster import Cluster
-from connector.transport.control import ControlServer, connect
+from connector.transport.control import ControlServer
+from connector.transport.client import connect
 from tests.adversary import TOKEN, TOKENS, WITH_TOKEN, Relay, Target, blocks, guess, make_scenario, send_frames
 from tests.helpers import bare_side_channel
 

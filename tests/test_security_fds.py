@@ -16,7 +16,7 @@ from connector.core.errors import ControlError
 from connector.protocol.messages import Register, RegisterAck
 from connector.engine.config import SenderConfig, SideChannelConfig
 from connector.sim.cluster import Cluster
-from connector.transport.control import connect
+from connector.transport.client import connect
 from connector.transport.nixl import TransportConfig
 from tests.adversary import TOKEN, TOKENS, WITH_TOKEN, Target, make_scenario
 from tests.test_security import RSS_SLACK, decode_config, transfer

@@ -20,7 +20,8 @@ from connector.core.errors import ControlError, TransferFailed
 from connector.protocol.addressing import PrefillAddress
 from connector.protocol.auth import engine_name, new_engine_key, new_transfer_secret, transfer_proof
 from connector.protocol.messages import Abort, Complete, Register, RegisterAck, RegisterError, Stopped
-from connector.transport.control import ControlServer, connect
+from connector.transport.control import ControlServer
+from connector.transport.client import connect
 from tests.adversary import TOKEN, TOKENS, WITH_TOKEN, Relay, blocks, make_scenario
 from tests.helpers import bare_side_channel
 from tests.test_security import (assert_recovered, decode_config, mallory_hello, ranks, target,  # noqa: F401

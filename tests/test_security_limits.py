@@ -22,7 +22,7 @@ from connector.protocol.addressing import PrefillAddress
 from connector.protocol.handshake import plan_between
 from connector.protocol.messages import HEADER, PROTOCOL_VERSION, Register, RegisterAck, RegisterError, Reject
 from connector.sim.cluster import Cluster
-from connector.transport.control import connect
+from connector.transport.client import connect
 from tests.adversary import (TOKEN, TOKENS, WITH_TOKEN, Target, blocks, hello_frame, make_scenario,
                              send_frames)
 from tests.test_security import RSS_SLACK, TARGET_CONFIG, assert_recovered, decode_config, target, transfer  # noqa: F401

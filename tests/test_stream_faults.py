@@ -19,7 +19,7 @@ from connector.sim.buffers import pick_blocks
 from connector.sim.cluster import Cluster, Scenario
 from connector.sim.env import apply_env
 from connector.sim.rank import SimRank
-from connector.transport.control import connect
+from connector.transport.client import connect
 from tests.helpers import bare_side_channel, scenario
 
 pytestmark = pytest.mark.slow

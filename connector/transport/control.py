@@ -2,9 +2,9 @@
 
 What crosses the wire (messages, frames, the Hello checks, the proofs) is `connector.protocol`; the handshake's two
 halves over a socket are `connector.transport.handshake`, the server's limits `connector.transport.limits`. This
-module holds the connections and the server. Lifetimes: a `ControlConnection` owns its reader and heartbeat
-tasks and cancels them on `aclose()`; a `ControlServer` owns its connection tasks and closes them on exit. Every wait
-on a peer has a timeout.
+module holds the connections and the server; a client opens one with `connector.transport.client.connect`.
+Lifetimes: a `ControlConnection` owns its reader and heartbeat tasks and cancels them on `aclose()`; a
+`ControlServer` owns its connection tasks and closes them on exit. Every wait on a peer has a timeout.
 """
 
 from __future__ import annotations
@@ -17,19 +17,19 @@ import ssl
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
 
-from connector.core.errors import AuthFailed, ControlError, FrameError, PeerGaveUp, Unanswered, Unreachable
+from connector.core.errors import AuthFailed, ControlError, FrameError, PeerGaveUp, Unanswered
 from connector.protocol.auth import with_memory
 from connector.protocol.messages import (DEFAULT_MAX_FRAME_BYTES, Auth, Error, Heartbeat, Hello, Message, Register,
                                          RegisterError, Reject, Welcome, encode_frame)
 from connector.transport.admission import AdmissionGuard, Pending
-from connector.transport.handshake import (Attempt, PeekHook, ServerHandshake, client_handshake, end_session,
-                                           format_addr, is_loopback, read_frame)
+from connector.transport.handshake import (Attempt, PeekHook, ServerHandshake, end_session, format_addr, is_loopback,
+                                           read_frame)
 from connector.transport.limits import RateLimiter
 from connector.transport.refusals import RefusalLog
 from connector.transport.side_channel import SideChannelConfig
 from connector.transport.tls import PausedUntilTLS
 
-__all__ = ["ControlConnection", "ControlServer", "SideChannelConfig", "connect", "format_addr", "read_frame"]
+__all__ = ["ControlConnection", "ControlServer", "SideChannelConfig", "format_addr", "read_frame"]
 
 log = logging.getLogger(__name__)
 
@@ -229,48 +229,6 @@ class ControlConnection:
             self._writer.write(encode_frame(msg))
             async with asyncio.timeout(1.0):
                 await self._writer.drain()
-
-
-async def connect(host: str, port: int, hello: Hello, config: SideChannelConfig = SideChannelConfig(), *,
-                  timeout: float | None = None, heartbeat_ids: Callable[[], Iterable[str]] | None = None,
-                  on_close: Callable[[str], None] | None = None, for_transfer: str = "",
-                  check: Callable[[Hello], None] | None = None, engine_key: bytes = b"") -> ControlConnection:
-    """Open a connection (over TLS with `config.tls_ca_file`) and run the handshake (connector.protocol.messages) in
-    at most `timeout` s (default `config.handshake_timeout_s`): send who we are, check the server's Hello (version,
-    role, fingerprint, and with `config.auth_token` its proof), and only then send `hello`'s memory (NIXL metadata,
-    regions, staging buffer) with our proof, and wait for Welcome. The connection then sends `heartbeat_ids()`
-    every `config.heartbeat_interval_s` and closes itself after `config.dead_after_s` of silence. `for_transfer`:
-    the transfer this connection is opened for (a server that refuses the handshake frees its KV at once); `check`:
-    refuses the server's Hello (raise) before our memory leaves, as the server's own checks do; `engine_key`: the
-    private key of `hello.engine_key`, which signs the handshake (connector.protocol.auth).
-    Raises ControlError if the peer rejects us (with its reason), fails a check, or answers with something else."""
-    where, ssl_context = f"{host}:{port}", config.client_ssl()
-    timeout = timeout or config.handshake_timeout_s
-    try:
-        async with asyncio.timeout(timeout):
-            reader, writer = await asyncio.open_connection(host, port, ssl=ssl_context,
-                                                           server_hostname=host if ssl_context else None)
-    except ssl.SSLError as exc:  # (an OSError) reached, but the TLS handshake failed
-        raise ControlError(f"TLS handshake with {where} failed: {exc!r} (tls_ca_file on decode must hold the CA "
-                           f"of prefill's tls_cert_file, issued for this host)") from exc
-    except (OSError, TimeoutError) as exc:
-        raise Unreachable(f"cannot connect to {where}: {exc!r}") from exc
-    try:
-        async with asyncio.timeout(timeout):
-            reply, nonces = await client_handshake(reader, writer, hello, config.auth_token, where, for_transfer,
-                                                   check, engine_key)
-    except BaseException as exc:
-        writer.close()
-        if isinstance(exc, TimeoutError):
-            raise ControlError(f"handshake with {where} timed out after {timeout} s") from None
-        if isinstance(exc, asyncio.IncompleteReadError):
-            raise ControlError(f"{where} closed the connection during the handshake") from None
-        if isinstance(exc, (ConnectionError, OSError)) and not isinstance(exc, ControlError):
-            raise ControlError(f"handshake with {where} failed: {exc!r}") from exc
-        raise
-    return ControlConnection(reader, writer, reply, max_frame_bytes=config.limits.max_frame_bytes,
-                             heartbeat_interval_s=config.heartbeat_interval_s, dead_after_s=config.dead_after_s,
-                             heartbeat_ids=heartbeat_ids, on_close=on_close, nonces=nonces)
 
 
 class ControlServer:
