@@ -141,6 +141,18 @@ def transfer_with(target, rank, receiver, tid: str, seed: int, secret: str) -> N
     assert target.finished(tid) is True
 
 
+async def register_then_abort(hello, port: int, tid: str, block_ids) -> list:
+    """An impostor's rank (0, 1) of the victim's engine registers `tid` and then aborts it: the two answers."""
+    conn = await connect("127.0.0.1", port, hello, WITH_TOKEN, timeout=10)
+    try:
+        await conn.send(Register(tid, 0, 1, block_ids, 0, TOKENS))
+        first = await conn.recv(10)
+        await conn.send(Abort(tid, "the victim's engine gives up"))
+        return [first, await conn.recv(10)]
+    finally:
+        await conn.aclose()
+
+
 def test_the_owners_engine_id_at_another_rank_neither_receives_nor_aborts(target, ranks, open_rank):
     """A token holder claims the victim's engine id at a decode rank the victim has not connected ((0, 1) of a TP2
     engine: the victim is TP1). It used to pass as the owner engine: registered the victim's transfer and received
@@ -157,17 +169,8 @@ def test_the_owners_engine_id_at_another_rank_neither_receives_nor_aborts(target
     before = refusals(target)
     target.compute(tid, index=20, secret=secret, layer_ms=20.0, wait=False)  # still computing while it meddles
 
-    async def meddle() -> list:
-        conn = await connect("127.0.0.1", target.port, imp.hello, WITH_TOKEN, timeout=10)
-        try:
-            await conn.send(Register(tid, 0, 1, blocks(impostor.spec.num_blocks, 21), 0, TOKENS))
-            first = await conn.recv(10)
-            await conn.send(Abort(tid, "the victim's engine gives up"))
-            return [first, await conn.recv(10)]
-        finally:
-            await conn.aclose()
-
-    refused, stopped = impostor.run(meddle(), 30)
+    refused, stopped = impostor.run(register_then_abort(imp.hello, target.port, tid,
+                                                        blocks(impostor.spec.num_blocks, 21)), 30)
     target.chunk_done()
     assert isinstance(refused, RegisterError) and "proves none" in refused.reason, refused
     assert stopped == Stopped(tid, 0, 0)
@@ -221,17 +224,8 @@ def test_a_connected_engines_other_ranks_cannot_be_claimed_without_its_key(targe
     fut, dst = receive(victim, receiver, target, tid, 41, "")
     target.wait_state("victim registered", lambda s: s["parked"] == 1)
 
-    async def meddle() -> list:
-        conn = await connect("127.0.0.1", target.port, imp.hello, WITH_TOKEN, timeout=10)
-        try:
-            await conn.send(Register(tid, 0, 1, blocks(impostor.spec.num_blocks, 42), 0, TOKENS))
-            first = await conn.recv(10)
-            await conn.send(Abort(tid, "the victim's engine gives up"))
-            return [first, await conn.recv(10)]
-        finally:
-            await conn.aclose()
-
-    refused, stopped = impostor.run(meddle(), 30)
+    refused, stopped = impostor.run(register_then_abort(imp.hello, target.port, tid,
+                                                        blocks(impostor.spec.num_blocks, 42)), 30)
     assert isinstance(refused, RegisterError) and f"belongs to decode engine {engine_name(receiver.hello)!r}" in \
         refused.reason, refused
     assert stopped == Stopped(tid, 0, 0)
