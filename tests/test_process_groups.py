@@ -54,6 +54,20 @@ def test_the_first_server_to_die_is_named_at_once_and_the_others_are_stopped(tmp
     assert slow.proc.poll() is not None  # stopped, not left loading
 
 
+def test_a_startup_error_quotes_the_first_traceback_when_the_tail_is_another(tmp_path):
+    """vLLM's engine core prints its root cause first; the API server's own traceback then fills the log's tail."""
+    code = ("import sys\n"
+            "print('Traceback (most recent call last):')\n"
+            "print('OSError: [Errno 98] side channel port 5555 in use')\n"
+            "for i in range(100): print(f'api server line {i}')\n"
+            "sys.exit(1)\n")
+    with pytest.raises(ServerError) as err:
+        start_all([Stand("prefill", code, tmp_path)], timeout_s=30)
+    message = str(err.value)
+    assert "first traceback:\nTraceback (most recent call last):\nOSError: [Errno 98] side channel port 5555" in message
+    assert message.endswith("last lines:\n" + "\n".join(f"api server line {i}" for i in range(60, 100)))
+
+
 def test_a_server_not_healthy_in_time_is_named(tmp_path):
     slow = Stand("prefill", "import time; print('loading'); time.sleep(120)", tmp_path)
     ok = Stand("decode", f"import pathlib, time; pathlib.Path({str(tmp_path / 'decode.ready')!r}).touch(); "

@@ -128,6 +128,8 @@ def group_members(pgid: int) -> list[int]:
     return members
 HEALTH_POLL_S = 1.0
 """How often a starting vLLM server's /health is asked."""
+FIRST_TRACEBACK_LINES = 60
+"""How much of the first traceback a startup error quotes: a vLLM engine core's root cause fits."""
 
 
 class ProcessGroup:
@@ -163,6 +165,21 @@ class ProcessGroup:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return "(no log)"
+
+    def log_excerpt(self, lines: int = 40) -> str:
+        """The log's first traceback (vLLM's engine core prints its root cause there, while the API server's own
+        traceback fills the tail) followed by the last `lines` lines."""
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        tail_from = max(0, len(text) - lines)
+        first = next((i for i, line in enumerate(text[:tail_from]) if "Traceback (most recent call last)" in line),
+                     None)
+        if first is None:
+            return "\n".join(["last lines:", *text[tail_from:]])
+        cause = text[first:min(first + FIRST_TRACEBACK_LINES, tail_from)]
+        return "\n".join(["first traceback:", *cause, "...", "last lines:", *text[tail_from:]])
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
@@ -227,13 +244,13 @@ class ProcessGroup:
             if ready():
                 return self
             time.sleep(poll_s)
-        raise ServerError(f"{self.name} not {what} within {timeout_s:.0f} s; log {self.log_path}, last lines:\n"
-                          f"{self.log_tail()}")
+        raise ServerError(f"{self.name} not {what} within {timeout_s:.0f} s; log {self.log_path}, "
+                          f"{self.log_excerpt()}")
 
     def _died(self, what: str) -> ServerError:
         code = self.proc.returncode if self.proc is not None else None
-        return ServerError(f"{self.name} exited with {code} {what}; log {self.log_path}, last lines:\n"
-                           f"{self.log_tail()}")
+        return ServerError(f"{self.name} exited with {code} {what}; log {self.log_path}, "
+                           f"{self.log_excerpt()}")
 
     def __enter__(self):  # noqa: ANN204 - the subclass
         return self.start()
@@ -345,7 +362,7 @@ def start_all(servers: list[VllmServer], timeout_s: float = 400.0) -> None:
             if pending and time.monotonic() >= deadline:
                 first = pending[0]
                 raise ServerError(f"{', '.join(p.name for p in pending)} not healthy within {timeout_s:.0f} s; log "
-                                  f"{first.log_path}, last lines:\n{first.log_tail()}")
+                                  f"{first.log_path}, {first.log_excerpt()}")
             if pending:
                 time.sleep(HEALTH_POLL_S)
     except BaseException:
