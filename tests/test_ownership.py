@@ -426,3 +426,35 @@ def test_an_abort_without_a_destination_needs_the_proof():
     verdict = own.abort(other, impostor, "t1")
     assert "abort proves none" in verdict.unproven and not verdict.fails_request
     assert own.abort(other, impostor, "t1", proof(other)).fails_request  # the decode's own rank: it has the secret
+
+
+@pytest.mark.parametrize("who", ["unrelated engine", "refused handshake", "its decode, with the proof"])
+def test_an_early_give_up_of_a_transfer_with_a_secret_counts_only_with_the_proof(who):
+    """A give-up before the request starts is weighed when it starts with its secret: a token holder's abort (or
+    an unauthenticated handshake refusal naming the transfer) leaves the full lease for the real decode, which
+    may register long after `given_up_keep_s`; the decode's own proven give-up still frees the KV early."""
+    own, conn = ownership(), NoncedConn()
+    if who == "unrelated engine":
+        own.give_up("t1", "decode-mallory", NOW, nonces=conn.nonces, proof=proof(conn, "guess"))
+    elif who == "refused handshake":
+        assert own.refused("t1", "decode-v", "another token", NOW)
+    else:
+        own.give_up("t1", "decode-mallory", NOW, nonces=conn.nonces)  # pushed out of nothing: the proven one counts
+        own.give_up("t1", "decode-v", NOW, nonces=conn.nonces, proof=proof(conn))
+    req = SendRequest("t1", TOKENS, [], secret=SECRET)
+    own.start(req, NOW)
+    own.all_computed(req, NOW)
+    if who == "its decode, with the proof":
+        assert req.given_up_by == "decode-v" and req.lease_deadline == NOW + CONFIG.given_up_keep_s
+    else:
+        assert req.given_up_by is None and req.lease_deadline == NOW + CONFIG.lease_s
+    assert "t1" not in own.given_up
+
+
+def test_a_handshake_refusal_does_not_shorten_a_started_transfer_with_a_secret():
+    own = ownership()
+    req = SendRequest("t1", TOKENS, [], secret=SECRET)
+    own.start(req, NOW)
+    own.all_computed(req, NOW)
+    assert not own.refused("t1", "decode-v", "another token", NOW + 1)
+    assert req.given_up_by is None and req.lease_deadline == NOW + CONFIG.lease_s

@@ -12,6 +12,7 @@ byte-exact and that prefill holds nothing the attack left behind (tests.test_sec
 from __future__ import annotations
 
 import asyncio
+import time
 
 import msgspec
 import pytest
@@ -24,10 +25,12 @@ from connector.transport.control import ControlServer
 from connector.transport.client import connect
 from tests.adversary import TOKEN, TOKENS, WITH_TOKEN, Relay, blocks, make_scenario
 from tests.helpers import bare_side_channel
-from tests.test_security import (assert_recovered, decode_config, mallory_hello, ranks, target,  # noqa: F401
-                                 transfer, untouched)
+from tests.test_security import (TARGET_CONFIG, assert_recovered, decode_config, mallory_hello,  # noqa: F401
+                                 ranks, target, transfer, untouched)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+LEASE_TICK_S = 1.0
+"""How often prefill's sender checks its leases (connector.engine.sender._lease_loop)."""
 
 
 def receive(rank, receiver, target, tid: str, seed: int, secret: str, **kw):
@@ -151,6 +154,34 @@ async def register_then_abort(hello, port: int, tid: str, block_ids) -> list:
         return [first, await conn.recv(10)]
     finally:
         await conn.aclose()
+
+
+def test_a_token_holders_early_abort_does_not_shorten_the_victims_lease(target, ranks):
+    """Before prefill starts the request, a token holder aborts its id (guessing at the secret). Such an early
+    give-up used to be pinned to the attacker's engine and still cut the request's KV keep from the lease to
+    `given_up_keep_s`: the victim registering after that was refused. Now an early give-up of a transfer with a
+    secret counts only with its proof, weighed when the request starts: the victim registering after
+    `given_up_keep_s` (and within the lease) is served."""
+    victim, receiver, mallory = ranks
+    tid, secret = "t-early-abort-secret", new_transfer_secret()
+
+    async def abort_early() -> object:
+        conn = await connect("127.0.0.1", target.port, mallory.engine.hello, WITH_TOKEN, timeout=10)
+        try:
+            await conn.send(Abort(tid, "not mine", transfer_proof(new_transfer_secret(), conn.nonces, tid)))
+            return await conn.recv(10)
+        finally:
+            await conn.aclose()
+
+    assert mallory.run(abort_early(), 20) == Stopped(tid, 0, 0)
+    target.compute(tid, index=14, secret=secret)
+    keep_s, lease_s = TARGET_CONFIG.given_up_keep_s, TARGET_CONFIG.lease_s
+    wait_s = keep_s + LEASE_TICK_S + 0.6  # past what the attacker's give-up would have left (checked once a second)
+    assert lease_s - wait_s >= 1.0, "the test needs a lease well past given_up_keep_s"
+    time.sleep(wait_s)
+    transfer_with(target, victim, receiver, tid, 14, secret)
+    assert untouched(mallory)
+    assert_recovered(target, victim, receiver, "t-early-abort-secret-after")
 
 
 def test_the_owners_engine_id_at_another_rank_neither_receives_nor_aborts(target, ranks, open_rank):
@@ -277,7 +308,7 @@ def test_a_fake_prefill_cannot_complete_or_fail_a_transfer_registered_elsewhere(
         elif isinstance(msg, Abort) and msg.transfer_id == "t-bait":  # decode gives its bait up: the fake lets go
             await conn.send(Stopped("t-bait", 0, 0))
 
-    # The bait's timeout stays well inside the target's 3 s lease, which also bounds how long t-real waits parked
+    # The bait's timeout stays well inside the target's 4 s lease, which also bounds how long t-real waits parked
     # there: at 3 s too, the lease sometimes refused t-real first (a race, not the attack).
     async def bait() -> str:
         async with ControlServer(fake_prefill_hello(receiver), on_message, bare_side_channel(auth_token=TOKEN)) \

@@ -13,7 +13,10 @@
 - An abort before any registration (decode gave up early) is pinned to the engine that sent it: the request then
   keeps its KV only `given_up_keep_s` after it was computed instead of the lease, and a registration from any
   engine within that time is served. So an unrelated peer's abort cannot deny a transfer, and a decode that really
-  gave up does not hold prefill's blocks for the lease.
+  gave up does not hold prefill's blocks for the lease. For a transfer with a secret only a give-up that proves it
+  counts: one that came before the request started is kept with its connection's nonces and proof and weighed when
+  the request starts with its secret (`EarlyGiveUp`), so a token holder's early abort cannot shorten the victim's
+  lease either.
 - A destination (decode rank) is the registering connection's own: its block ids, its regions, its NIXL agent.
   Heartbeats extend a lease only for transfers with a destination on that connection.
 - A decode rank refused at the handshake (another model, another token) cannot register, so the transfer its
@@ -39,6 +42,26 @@ from connector.engine.sender_state import (Destination, Parked, PeerInfo, Recent
 from connector.protocol.auth import check_transfer_proof
 from connector.protocol.handshake import PeerKey
 from connector.protocol.messages import Register
+
+
+@dataclass(frozen=True)
+class EarlyGiveUp:
+    """A give-up that came before its request started: who, why, and what proves it (empty for a handshake
+    refusal, which is unauthenticated) on the connection with `nonces`."""
+
+    engine: str
+    why: str = ""
+    nonces: bytes = b""
+    proof: bytes = b""
+
+    def holds_for(self, req: SendRequest) -> bool:
+        """Whether it counts for `req`: always for an open transfer, only with a valid proof for one with a secret."""
+        return not req.secret or not check_transfer_proof(req.secret, self.nonces, req.transfer_id, self.proof)
+
+
+MAX_EARLY_GIVE_UPS = 8
+"""Kept per transfer id, the latest: a token holder's unproven give-ups cannot push out the real decode's proven one
+unless it sends this many after it (then the transfer only keeps its KV for the lease)."""
 
 
 @dataclass(frozen=True)
@@ -80,7 +103,7 @@ class Ownership:
         refused clearly, a late waiter hears the outcome. One table, so the outcome goes when the id does, also when
         `max_ids` pushes the oldest out (a second table pruned by `expire` kept those forever: the soak found it)."""
         self.given_up = RecentIds(config.released_memory_s)
-        """Transfers decode aborted before prefill started them -> the engine that did."""
+        """Transfers decode aborted before prefill started them -> their EarlyGiveUps, oldest first."""
 
     @property
     def parked_count(self) -> int:
@@ -114,7 +137,8 @@ class Ownership:
         engine would claim the transfer; an abort would find nothing to stop and be answered Stopped while
         prefill was about to write): returns each with its refusal, if it got one."""
         self.requests[req.transfer_id] = req
-        req.given_up_by, req.given_up_why = self.given_up.get(req.transfer_id) or (None, "")
+        early = [g for g in self.given_up.get(req.transfer_id) or () if g.holds_for(req)]
+        req.given_up_by, req.given_up_why = (early[-1].engine, early[-1].why) if early else (None, "")
         self.given_up.discard(req.transfer_id)
         served = []
         for p in self.drop_parked(req.transfer_id):
@@ -258,14 +282,17 @@ class Ownership:
             return AbortVerdict(request=req, destination=dest, fails_request=True)
         return AbortVerdict(request=req, destination=dest, gives_up=transfer_id not in self.released)
 
-    def give_up(self, transfer_id: str, engine: str, now: float, why: str = "") -> None:
+    def give_up(self, transfer_id: str, engine: str, now: float, why: str = "", nonces: bytes = b"",
+                proof: bytes = b"") -> None:
         """`engine` gave the transfer up before registering it (concurrent flow, a client that left at once; `why`:
-        it was refused at the handshake): remembered, pinned to that engine; a request (now or when it starts)
-        keeps its KV only `given_up_keep_s` after it was computed, not for the lease, unless some engine registers
-        it meanwhile."""
+        it was refused at the handshake; `proof` of the transfer's secret on the connection with `nonces`, if it
+        sent one): remembered, pinned to that engine; a request (now or when it starts) keeps its KV only
+        `given_up_keep_s` after it was computed, not for the lease, unless some engine registers it meanwhile. A
+        started request with a secret was checked by `abort`; one that starts later weighs the proof then."""
         req = self.requests.get(transfer_id)
         if req is None:
-            self.given_up.add(transfer_id, now, (engine, why))
+            early = [*(self.given_up.get(transfer_id) or ()), EarlyGiveUp(engine, why, nonces, proof)]
+            self.given_up.add(transfer_id, now, early[-MAX_EARLY_GIVE_UPS:])
             return
         req.given_up_by, req.given_up_why = engine, why
         if req.all_computed:
@@ -277,6 +304,9 @@ class Ownership:
         it already or it was released. The claim is not authenticated (the handshake failed): it weighs no more
         than an early abort. True if it gave the transfer up."""
         if self.owner_of(transfer_id) is not None or transfer_id in self.released:
+            return False
+        req = self.requests.get(transfer_id)
+        if req is not None and req.secret:  # only its decode's proof may shorten its lease, and this one has none
             return False
         self.give_up(transfer_id, engine, now, why)
         return True

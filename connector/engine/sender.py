@@ -253,7 +253,7 @@ class StreamSender:
             self._check_finished(verdict.request, ok=False)
         elif verdict.gives_up:
             self._inbox.drain()  # a start already queued by the framework thread counts as started
-            self.ownership.give_up(tid, key[0], time.monotonic())
+            self.ownership.give_up(tid, key[0], time.monotonic(), nonces=conn.nonces, proof=msg.proof)
 
     def _connection_closed(self, conn: ControlConnection) -> None:
         """A decode connection closed (the server calls this once per connection): everything that ran on it ends
