@@ -96,6 +96,27 @@ def test_the_same_token_from_a_file_and_a_variable_passes(tmp_path):
     assert out.returncode == 0 and "ok    auth_token: set on both sides, the same" in out.stdout, out.stdout
 
 
+@pytest.mark.parametrize("case, needle", [
+    ("trusted, no key", "FAIL  prefill keys: decode trusts only prefills with a key in trusted_prefill_keys, and "
+                        "prefill has no prefill_key_file"),
+    ("another key", "is not in decode's trusted_prefill_keys"),
+    ("the same key", "ok    prefill keys: prefill signs its handshakes with"),
+    ("key, decode trusts any", "warn  prefill keys: prefill signs its handshakes, but decode trusts any peer"),
+])
+def test_prefill_keys(tmp_path, capsys, case, needle):
+    from connector.cli.main import main as cli
+
+    assert cli(["keygen", str(tmp_path / "prefill.key")]) == 0
+    assert cli(["keygen", str(tmp_path / "other.key")]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    public, other = printed[0], printed[3]
+    prefill = {} if case == "trusted, no key" else {"prefill_key_file": str(tmp_path / "prefill.key")}
+    decode = {"trusted_prefill_keys": [other if case == "another key" else public]}
+    out = pair(prefill, {} if case == "key, decode trusts any" else decode)
+    assert needle in out.stdout, out.stdout
+    assert (out.returncode == 2) == (case in ("trusted, no key", "another key")), out.stdout
+
+
 @pytest.mark.parametrize("host, more, needle", [
     ("0.0.0.0", [], "'0.0.0.0' is no address decode can connect to"),
     ("127.0.0.1", ["--multi-node"], "127.0.0.1 is loopback, and decode runs on another node"),

@@ -24,6 +24,8 @@ DERIVED = {
     ("SenderConfig", "side_channel"): (),
     ("ReceiverConfig", "side_channel"): (),
     ("SideChannelConfig", "limits"): (),
+    ("SideChannelConfig", "prefill_key"): ("prefill_key_file",),
+    ("SideChannelConfig", "trusted_keys"): ("trusted_prefill_keys",),
     ("ReceiverConfig", "staging_slot_bytes"): ("staging_slot_mb",),
     ("ReceiverConfig", "lost_source_hold_s"): ("tcp_user_timeout_s", "heartbeat_interval_s"),
     ("TransportConfig", "name"): (),  # unique per worker process
@@ -48,6 +50,9 @@ ADAPTER = {"staging_mb": "the worker allocates the staging buffer itself (Connec
            "auth_token_file": "read by ConnectorSettings.token() into SideChannelConfig.auth_token "
                               "(tests/test_early_checks.py)",
            "auth_token_env": "the same, from the environment variable it names",
+           "prefill_key_file": "read by ConnectorSettings.prefill_key() into SideChannelConfig.prefill_key",
+           "trusted_prefill_keys": "hex text parsed by ConnectorSettings.trusted_keys() into SideChannelConfig."
+                                   "trusted_keys (tests/test_prefill_keys.py)",
            "holding_step_interval_s": "the scheduler side's pacer (connector.vllm.idle_hold)",
            "require_transfer_secret": "the scheduler side's prefill half (connector.vllm.requests.secret_of)"}
 """Settings the vLLM adapter reads itself instead of handing them to a config."""

@@ -104,6 +104,7 @@ class Doctor:
         self.check_settings()
         if len(self.settings) == 2:
             self.check_tokens()
+            self.check_prefill_keys()
             self.check_tls()
             self.check_models()
             check_side_channel(self)
@@ -174,6 +175,39 @@ class Doctor:
             if s.auth_token:
                 self.add(WARN, f"{side} auth_token", "written in the config, so vLLM's 'non-default args' log line "
                                                      "prints it: use auth_token_file or auth_token_env")
+
+    def check_prefill_keys(self) -> None:
+        from connector.protocol.auth import engine_public_key, key_fingerprint
+
+        try:
+            key = self.settings["prefill"].prefill_key()
+        except ConfigError as exc:
+            self.add(WARN if self.multi_node else FAIL, "prefill prefill_key_file",
+                     str(exc).removeprefix("SparseKVConnector: "))
+            return
+        try:
+            trusted = self.settings["decode"].trusted_keys()
+        except ConfigError as exc:
+            self.add(FAIL, "decode trusted_prefill_keys", str(exc).removeprefix("SparseKVConnector: "))
+            return
+        public = engine_public_key(key) if key else b""
+        if trusted and not key:
+            self.add(FAIL, "prefill keys", "decode trusts only prefills with a key in trusted_prefill_keys, and "
+                                           "prefill has no prefill_key_file: decode would refuse every handshake")
+        elif trusted and public not in trusted:
+            self.add(FAIL, "prefill keys", f"prefill's key {key_fingerprint(public)} is not in decode's "
+                                           f"trusted_prefill_keys: add `python -m connector keygen --public FILE`'s "
+                                           f"output for prefill's prefill_key_file")
+        elif trusted:
+            self.add(OK, "prefill keys", f"prefill signs its handshakes with {key_fingerprint(public)}, which decode "
+                                         f"trusts")
+        elif key:
+            self.add(WARN, "prefill keys", "prefill signs its handshakes, but decode trusts any peer with the token "
+                                           "as a prefill: add prefill's public key to decode's trusted_prefill_keys")
+        elif self.multi_node:
+            self.add(WARN, "prefill keys", "none: any holder of the auth token can pose as a prefill to a decode "
+                                           "that a request points at it, and WRITE into decode's KV memory "
+                                           "(README, Security: prefill_key_file, trusted_prefill_keys)")
 
     def check_tls(self) -> None:
         pre, dec = self.settings["prefill"], self.settings["decode"]

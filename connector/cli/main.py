@@ -3,6 +3,7 @@
   serve-local  a prefill engine, a decode engine and a router on this machine (the tiny model, CPU), one command
   doctor       check a prefill/decode pair's --kv-transfer-config (and running engines) before traffic
   settings     every kv_connector_extra_config setting, its default and meaning
+  keygen       a prefill key: prefill signs each handshake with it, decode trusts only the keys it lists
   plan         which prefill rank sends which (pool, layer, heads) to which decode rank
   demo         prefill and decode ranks as OS processes, every byte over NIXL and verified
   bench        raw NIXL against the connector, bulk and streamed, on one process pair
@@ -19,6 +20,7 @@ from connector.cli.bench_pd import add_subcommand as add_bench_pd
 from connector.cli.checks import Parser
 from connector.cli.demo import add_subcommands
 from connector.cli.doctor import add_subcommand as add_doctor
+from connector.cli.keygen import add_subcommand as add_keygen
 from connector.cli.serve_local import add_subcommand as add_serve_local
 from connector.cli.settings import add_subcommand as add_settings
 from connector.core.errors import InputError
@@ -30,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_local(subs)
     add_doctor(subs)
     add_settings(subs)
+    add_keygen(subs)
     plan = subs.add_parser("plan", help="print which prefill rank sends which (pool, layer, heads) to which decode rank")
     add_common(plan)
     plan.add_argument("--prefill", required=True, metavar="tp=T,pp=P[,layers=a:b:c]",

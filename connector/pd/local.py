@@ -5,7 +5,8 @@ Every process is started in a process group of its own and tied to this one (con
 if the launcher is killed outright, the kernel still tells each server to stop); `stop()` ends every group, router
 first. Waits are bounded, and a server that dies or does not come up is named with the last lines of its log. The
 auth token between prefill and decode is fresh per run and reaches the engines in a file (`auth_token_file`, mode
-0600 in the work folder), so vLLM prints its path, never the token."""
+0600 in the work folder), so vLLM prints its path, never the token; so is a prefill key (`prefill_key_file`), whose
+public half decode trusts alone (`trusted_prefill_keys`): the pair is set up as README, Security advises."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from connector.core.errors import ConfigError
+from connector.protocol.auth import engine_public_key, new_engine_key
 from connector.pd import flows
 from connector.pd.client import complete, completion_body, prompt_ids
 from connector.pd.model import TinyLlama
@@ -28,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 FLOWS = {"concurrent": "proxy.py", "sequential": "sequential_router.py"}
 """Router script per flow: both legs at once (KV pushed while prefill computes), or vLLM's prefill-then-decode."""
 TOKEN_FILE = "auth-token"
+KEY_FILE = "prefill.key"
 METRIC_WAIT_S = 15.0
 """How long the check waits for decode's /metrics to show the transfer (vLLM publishes it with its step stats)."""
 
@@ -82,15 +85,21 @@ class LocalPair:
         self.token_path.touch(mode=0o600)
         self.token_path.chmod(0o600)
         self.token_path.write_text(secrets.token_hex(32) + "\n")
+        prefill_key, self.key_path = new_engine_key(), self.work_dir / KEY_FILE
+        self.key_path.touch(mode=0o600)
+        self.key_path.chmod(0o600)
+        self.key_path.write_text(prefill_key.hex() + "\n")
         # Both engines share a laptop's cores: there the first handshake (UCX starting, NIXL loading the peer) has
         # taken over 10 s, the production default (CI, 2 cores: timed out at 10.0 s, the request answered HTTP 500).
         common = {"auth_token_file": str(self.token_path), "handshake_timeout_s": LOCAL_HANDSHAKE_TIMEOUT_S,
                   "handshake_deadline_s": LOCAL_HANDSHAKE_TIMEOUT_S}
-        prefill_kv = sparse_kv_config("kv_producer", side_channel_port=self.side_port, **common)
+        prefill_kv = sparse_kv_config("kv_producer", side_channel_port=self.side_port,
+                                      prefill_key_file=str(self.key_path), **common)
         self.prefill = VllmServer(ServerSpec("prefill", model, free_ports(), kv_transfer_config=prefill_kv),
                                   config.engine_python, logs, tie_to_parent=True)
-        self.decode = VllmServer(ServerSpec("decode", model, free_ports(),
-                                            kv_transfer_config=sparse_kv_config("kv_consumer", **common)),
+        decode_kv = sparse_kv_config("kv_consumer", trusted_prefill_keys=[engine_public_key(prefill_key).hex()],
+                                     **common)
+        self.decode = VllmServer(ServerSpec("decode", model, free_ports(), kv_transfer_config=decode_kv),
                                  config.engine_python, logs, tie_to_parent=True)
         legs = (["--prefill", f"{self.prefill.url},{self.side_channel}"] if config.flow == "concurrent"
                 else ["--prefill", self.prefill.url])

@@ -37,9 +37,9 @@ def new_nonce() -> bytes:
 
 
 def identity(hello: Hello) -> Hello:
-    """`hello` as it goes on the wire: no memory and no proof."""
+    """`hello` as it goes on the wire, and as the transcript holds it: no memory, no proof and no signature."""
     return msgspec.structs.replace(hello, agent_metadata=b"", regions=[], staging_addr=0, staging_device=0,
-                                   staging_bytes=0, proof=b"")
+                                   staging_bytes=0, proof=b"", signature=b"")
 
 
 def memory_of(hello: Hello, proof: bytes = b"") -> Auth:
@@ -49,7 +49,8 @@ def memory_of(hello: Hello, proof: bytes = b"") -> Auth:
 
 def with_memory(hello: Hello, auth: Auth) -> Hello:
     """A peer's Hello completed with the memory its Auth carried (what the server keeps as `conn.peer`)."""
-    return msgspec.structs.replace(hello, proof=b"", **{name: getattr(auth, name) for name in MEMORY_FIELDS})
+    return msgspec.structs.replace(hello, proof=b"", signature=b"",
+                                   **{name: getattr(auth, name) for name in MEMORY_FIELDS})
 
 
 def transcript(client: Hello, server: Hello) -> bytes:
@@ -194,3 +195,62 @@ def engine_name(hello: Hello) -> str:
     if not hello.engine_key:
         return hello.engine_id
     return f"{hello.engine_id}#{hashlib.sha256(hello.engine_key).hexdigest()[:12]}"
+
+
+# ---- prefill keys ---------------------------------------------------------------------------------------------------
+# Decode hands its memory (NIXL agent metadata and every region) to the prefill it connects to, and NIXL lets that
+# agent WRITE anywhere in what decode registered, other requests' blocks included. The token cannot say "this peer
+# is a prefill": every engine holds it, and a decode connects wherever a request's kv_transfer_params point (a client
+# of decode's HTTP API chooses them). A prefill key can: an Ed25519 key that only prefill nodes hold
+# (`prefill_key_file`), whose public half decode is given (`trusted_prefill_keys`). Prefill's Hello carries the
+# public key (`engine_key`) and a signature of the transcript (`signature`, both nonces: a Hello replayed from
+# another connection fails); a decode with trusted keys checks both before a byte about its memory leaves.
+
+KEY_TEXT_CHARS = 2 * ENGINE_KEY_BYTES
+"""An Ed25519 key (private or public) as text: 64 hex digits (`python -m connector keygen`)."""
+
+
+def key_from_text(text: str, what: str) -> bytes:
+    """The 32 bytes of a key written as 64 hex digits (surrounding whitespace dropped); ValueError naming `what`."""
+    text = text.strip()
+    try:
+        key = bytes.fromhex(text)
+    except ValueError:
+        key = b""
+    if len(key) != ENGINE_KEY_BYTES:
+        raise ValueError(f"{what} is not an Ed25519 key of {KEY_TEXT_CHARS} hex digits (got {len(text)} characters; "
+                         f"`python -m connector keygen FILE` writes one)")
+    return key
+
+
+def key_fingerprint(public_key: bytes) -> str:
+    """How a public key is named in messages: its first 16 hex digits."""
+    return public_key.hex()[:16]
+
+
+def prefill_signature(key: bytes, client: Hello, server: Hello) -> bytes:
+    """Prefill's signature of the transcript (its Hello carrying the public half of `key` as `engine_key`)."""
+    return Ed25519PrivateKey.from_private_bytes(key).sign(b"prefill-key\x00" + transcript(client, server))
+
+
+def check_prefill_key(trusted: frozenset[bytes], client: Hello, server: Hello) -> None:
+    """Decode's check of prefill's key: nothing to check without `trusted` keys; else ControlError unless prefill's
+    Hello names one of them and carries its signature of this connection's transcript."""
+    if not trusted:
+        return
+    if not server.engine_key:
+        raise ControlError("this decode trusts only prefills with a key in trusted_prefill_keys, and this prefill has "
+                           "none (prefill_key_file unset there, or an older connector): set prefill_key_file on "
+                           "prefill; nothing about decode's memory was sent")
+    if server.engine_key not in trusted:
+        raise ControlError(f"prefill's key {key_fingerprint(server.engine_key)} is not in decode's "
+                           f"trusted_prefill_keys ({len(trusted)} key(s)): add the public key `python -m connector "
+                           f"keygen --public FILE` prints for its prefill_key_file, or this is not a prefill of this "
+                           f"cluster; nothing about decode's memory was sent")
+    try:
+        Ed25519PublicKey.from_public_bytes(server.engine_key).verify(server.signature,
+                                                                     b"prefill-key\x00" + transcript(client, server))
+    except (InvalidSignature, ValueError):
+        raise ControlError(f"prefill names the trusted key {key_fingerprint(server.engine_key)} but does not prove "
+                           f"it (no valid signature of this connection's handshake): a key copied from another "
+                           f"prefill's Hello is not that prefill; nothing about decode's memory was sent") from None

@@ -65,6 +65,9 @@ History (one line per version; bump it for any change an older peer would misrea
      decode's Hello carries `engine_key`, the Ed25519 public key all ranks of its engine share, and its Auth
      `engine_signature`, that key's signature of the transcript; prefill then knows the engine as (engine id, key)
      (connector.protocol.auth.engine_name), so another peer can neither claim its ranks nor keep them out.
+     (Within 5: prefill keys. Prefill's Hello may carry `engine_key` and `signature`, its prefill key's signature of
+     the transcript; `signature` stays out of the transcript, as the proof does, so a peer that ignores it still
+     verifies. A decode with trusted_prefill_keys refuses a prefill without a trusted one.)
 """
 DEFAULT_MAX_FRAME_BYTES = 4 * 1024 * 1024
 """Largest body a receiver accepts after the handshake unless configured otherwise. The largest real messages are
@@ -159,7 +162,11 @@ class Hello(msgspec.Struct, frozen=True, tag="hello", tag_field="type"):
     is not written, prefill's is never read; -1: none."""
     engine_key: Annotated[bytes, Meta(max_length=32)] = b""
     """Decode: the Ed25519 public key every rank of its engine shares (b"": none). Proven by Auth's
-    `engine_signature`; part of the identity prefill knows the engine by (connector.protocol.auth.engine_name)."""
+    `engine_signature`; part of the identity prefill knows the engine by (connector.protocol.auth.engine_name).
+    Prefill: the public half of its prefill key (prefill_key_file; b"": none), proven by `signature`."""
+    signature: Annotated[bytes, Meta(max_length=64)] = b""
+    """Prefill: Ed25519 signature of the transcript by its prefill key (connector.protocol.auth.prefill_signature);
+    a decode with trusted_prefill_keys sends its memory only to a prefill that proves one of them."""
     for_transfer: TransferId = ""
     """Decode: the transfer that made it open this connection ("" for none). A prefill that refuses the handshake
     (another model, another token) gives that transfer up at once instead of holding its KV for the lease. The

@@ -45,7 +45,7 @@ async def connect(host: str, port: int, hello: Hello, config: SideChannelConfig 
     try:
         async with asyncio.timeout(timeout):
             reply, nonces = await client_handshake(reader, writer, hello, config.auth_token, where, for_transfer,
-                                                   check, engine_key)
+                                                   check, engine_key, config.trusted_keys)
     except BaseException as exc:
         writer.close()
         if isinstance(exc, TimeoutError):

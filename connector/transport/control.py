@@ -18,7 +18,7 @@ import time
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
 
 from connector.core.errors import AuthFailed, ControlError, FrameError, PeerGaveUp, Unanswered
-from connector.protocol.auth import with_memory
+from connector.protocol.auth import key_fingerprint, with_memory
 from connector.protocol.messages import (DEFAULT_MAX_FRAME_BYTES, Auth, Error, Heartbeat, Hello, Message, Register,
                                          RegisterError, Reject, Welcome, encode_frame)
 from connector.transport.admission import AdmissionGuard, Pending
@@ -268,7 +268,7 @@ class ControlServer:
         self.refusals = RefusalLog(log, self.limits.refusal_log_interval_s, on_refusal)
         """Refused and failed connections by kind, and how many lines they were logged in."""
         self._preauth_s = min(self.limits.handshake_deadline_s, self._handshake_timeout_s)
-        self._hs = ServerHandshake(hello, config.auth_token, self.limits, self.guard, peek)
+        self._hs = ServerHandshake(hello, config.auth_token, self.limits, self.guard, peek, config.prefill_key)
         self._ssl = config.server_ssl()
         self._conn_kwargs = dict(max_frame_bytes=self.limits.max_frame_bytes,
                                  heartbeat_interval_s=config.heartbeat_interval_s, dead_after_s=config.dead_after_s,
@@ -289,8 +289,10 @@ class ControlServer:
 
         self._server = await loop.create_server(factory, self.host, self.port)
         self.port = self._server.sockets[0].getsockname()[1]
-        log.info("control server listening on %s:%d (%s, %s)", self.host, self.port,
-                 "auth token set" if self._auth_token else "no auth token", "TLS" if self._ssl else "no TLS")
+        key = self._hs.identity.engine_key
+        log.info("control server listening on %s:%d (%s, %s, %s)", self.host, self.port,
+                 "auth token set" if self._auth_token else "no auth token", "TLS" if self._ssl else "no TLS",
+                 f"prefill key {key_fingerprint(key)}" if key else "no prefill key")
         if not self._auth_token and not is_loopback(self.host):
             log.warning("the side channel listens on %s:%d, reachable from other hosts, WITHOUT an auth_token: any "
                         "host that reaches it can connect as a decode rank, register transfers and receive their KV. "

@@ -14,8 +14,9 @@ from typing import Any, Callable
 import msgspec
 
 from connector.core.errors import AuthFailed, ControlError, InputError, PeerGaveUp, Unanswered
-from connector.protocol.auth import (check_client_proof, check_engine_signature, check_server_proof, client_proof,
-                                     engine_signature, identity, memory_of, new_nonce, server_proof, session_of)
+from connector.protocol.auth import (check_client_proof, check_engine_signature, check_prefill_key, check_server_proof,
+                                     client_proof, engine_public_key, engine_signature, identity, memory_of, new_nonce,
+                                     prefill_signature, server_proof, session_of)
 from connector.protocol.handshake import check_hello
 from connector.protocol.messages import (DEFAULT_MAX_FRAME_BYTES, HANDSHAKE_MAX_FRAME_BYTES, HEADER, Auth, Hello,
                                          Message, Reject, Welcome, check_header, decode_body, encode_frame)
@@ -49,12 +50,15 @@ async def read_frame(reader: asyncio.StreamReader, max_frame_bytes: int = DEFAUL
 
 async def client_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, hello: Hello,
                             auth_token: str, where: str, for_transfer: str = "",
-                            check: PeekHook | None = None, engine_key: bytes = b"") -> tuple[Hello, bytes]:
+                            check: PeekHook | None = None, engine_key: bytes = b"",
+                            trusted_prefill_keys: frozenset[bytes] = frozenset()) -> tuple[Hello, bytes]:
     """The client's half of the handshake; returns the server's Hello and the connection's nonces
     (connector.protocol.auth.session_of). `for_transfer`: the transfer this connection is opened for (the server
     frees its KV at once if it refuses the handshake). `check`: called with the server's Hello once its proof checked
     out and before anything about our memory leaves (the peer's claimed layout); raise to refuse it. `engine_key`:
-    the private key of `hello.engine_key` (protocol.auth), which signs this connection's transcript."""
+    the private key of `hello.engine_key` (protocol.auth), which signs this connection's transcript.
+    `trusted_prefill_keys`: if any, the server must prove one of them (protocol.auth.check_prefill_key), also
+    before our memory leaves."""
     ours = msgspec.structs.replace(identity(hello), nonce=new_nonce(), for_transfer=for_transfer)
     writer.write(encode_frame(ours))
     await writer.drain()
@@ -62,6 +66,7 @@ async def client_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamW
     try:
         check_hello(reply, hello)
         check_server_proof(auth_token, ours, reply)  # before a byte about our memory leaves
+        check_prefill_key(trusted_prefill_keys, ours, reply)  # a token holder is not a prefill
         if check is not None:
             check(reply)  # so is the layout it claims (a fake prefill of 4096 ranks learns nothing of ours)
     except (ControlError, InputError) as exc:
@@ -117,10 +122,14 @@ class ServerHandshake:
     late)."""
 
     def __init__(self, hello: Hello, auth_token: str, limits: ServerLimits, guard: AdmissionGuard,
-                 peek: PeekHook | None) -> None:
+                 peek: PeekHook | None, prefill_key: bytes = b"") -> None:
         self.hello, self.auth_token, self.limits, self.guard, self.peek = hello, auth_token, limits, guard, peek
+        self.prefill_key = prefill_key
+        """The private half of our prefill key (b"": none), which signs each handshake's transcript."""
         self.identity = identity(hello)
         """What we tell peers about ourselves: least privilege, never our NIXL metadata or addresses."""
+        if prefill_key:
+            self.identity = msgspec.structs.replace(self.identity, engine_key=engine_public_key(prefill_key))
 
     async def run(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, entry: Pending,
                   attempt: Attempt) -> tuple[Hello, Auth]:
@@ -145,6 +154,8 @@ class ServerHandshake:
         ours = msgspec.structs.replace(self.identity, nonce=new_nonce())
         if self.auth_token:
             ours = msgspec.structs.replace(ours, proof=server_proof(self.auth_token, first, ours))
+        if self.prefill_key:
+            ours = msgspec.structs.replace(ours, signature=prefill_signature(self.prefill_key, first, ours))
         attempt.nonces = session_of(first, ours)
         writer.write(encode_frame(ours))
         await writer.drain()

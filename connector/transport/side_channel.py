@@ -32,6 +32,12 @@ class SideChannelConfig:
     """Decode: PEM CA bundle; set it to connect over TLS and verify prefill's certificate and host."""
     limits: ServerLimits = field(default_factory=ServerLimits)
     """Prefill: connections, frame sizes, message rate and failed authentications (connector.transport.limits)."""
+    prefill_key: bytes = b""
+    """Prefill: the private half of its prefill key (an Ed25519 key's 32 bytes; b"": none), which signs every
+    handshake (connector.protocol.auth, prefill keys)."""
+    trusted_keys: frozenset[bytes] = frozenset()
+    """Decode: the public prefill keys it trusts; if any, it sends its memory (NIXL metadata and regions, with which
+    a peer can WRITE anywhere decode registered) only to a prefill that proves one of them."""
     max_peer_ranks: int = 256
     """The most ranks (tp_size x pp_size) a peer engine may claim; a larger claim is refused before any plan is
     built (a plan's cost grows with the peer's ranks)."""

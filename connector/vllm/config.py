@@ -19,6 +19,7 @@ from msgspec import Meta
 
 from connector.core.errors import ConfigError
 from connector.engine.config import ReceiverConfig, SenderConfig, default_staging_mb, lost_source_hold_s
+from connector.protocol.auth import key_from_text
 from connector.transport.limits import ServerLimits
 from connector.transport.nixl import TransportConfig
 from connector.transport.side_channel import SideChannelConfig
@@ -54,6 +55,14 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     """Prefill: PEM private key of tls_cert_file."""
     tls_ca_file: str = _SIDE.tls_ca_file
     """Decode: PEM CA bundle; set = connect over TLS and verify prefill's certificate and host."""
+    prefill_key_file: str = ""
+    """Prefill: a file holding its prefill key (`python -m connector keygen FILE` writes one, mode 0600), read by
+    every worker at start; each handshake is signed with it, for decodes that set trusted_prefill_keys."""
+    trusted_prefill_keys: Annotated[list[str], Meta(max_length=1024)] = []
+    """Decode: the public prefill keys (64 hex digits each, as `python -m connector keygen` prints them) of the
+    prefills it may feed from. Set, decode sends its memory (NIXL metadata and regions, with which a peer can WRITE
+    anywhere decode registered) only to a prefill that proves one of them, so a holder of the auth token cannot
+    pose as a prefill. Empty: any prefill that proves the token."""
     max_connections: PositiveInt = _LIMITS.max_connections
     max_connections_per_host: PositiveInt = _LIMITS.max_connections_per_host
     max_handshakes: PositiveInt = _LIMITS.max_handshakes
@@ -182,8 +191,36 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
             return token
         return self.auth_token
 
+    def prefill_key(self) -> bytes:
+        """The private prefill key from prefill_key_file (b"" = none). Raises ConfigError naming the setting when
+        the file cannot be read or does not hold a key."""
+        if not self.prefill_key_file:
+            return b""
+        try:
+            with open(self.prefill_key_file, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as exc:
+            raise ConfigError(f"SparseKVConnector: prefill_key_file {self.prefill_key_file!r} cannot be read: "
+                              f"{exc.strerror}: give a file this process can read (on every prefill node)") from None
+        try:
+            return key_from_text(text, f"prefill_key_file {self.prefill_key_file!r}")
+        except ValueError as exc:
+            raise ConfigError(f"SparseKVConnector: {exc}") from None
+
+    def trusted_keys(self) -> frozenset[bytes]:
+        """trusted_prefill_keys as keys. Raises ConfigError naming the entry that is not a key."""
+        keys = set()
+        for i, text in enumerate(self.trusted_prefill_keys):
+            try:
+                keys.add(key_from_text(text, f"trusted_prefill_keys[{i}] ({text[:20]!r})"))
+            except ValueError as exc:
+                raise ConfigError(f"SparseKVConnector: {exc}: give the public key it prints (--public), never the "
+                                  f"private key file's content") from None
+        return frozenset(keys)
+
     def side_channel(self) -> SideChannelConfig:
-        return build(SideChannelConfig, self, auth_token=self.token(), limits=build(ServerLimits, self))
+        return build(SideChannelConfig, self, auth_token=self.token(), limits=build(ServerLimits, self),
+                     prefill_key=self.prefill_key(), trusted_keys=self.trusted_keys())
 
     def sender_config(self, host: str, port: int) -> SenderConfig:
         return build(SenderConfig, self, host=host, port=port, side_channel=self.side_channel())

@@ -121,6 +121,8 @@ def check_transfer_config(ktc: Any, starting: Any = None) -> ConnectorSettings |
         check_role(ktc.kv_role)
         settings = ConnectorSettings.from_extra_config(ktc.kv_connector_extra_config)
         settings.token()
+        settings.prefill_key()
+        settings.trusted_keys()
         if starting is not None and role_halves(ktc.kv_role)[0]:  # it listens: kv_producer or kv_both
             check_ports_free(settings, starting.parallel_config)
     except ConfigError as exc:

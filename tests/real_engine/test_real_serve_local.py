@@ -104,6 +104,12 @@ def test_serve_local_answers_token_equal_and_sigterm_leaves_nothing(tmp_path):
         assert len(token) == 64 and not [name for name, log in logs.items() if token in log] and token not in text
         prefill_log = next(log for name, log in logs.items() if name.startswith("prefill"))
         assert "auth_token_file" in prefill_log and "auth token set" in prefill_log
+        # So did the prefill key, and decode trusts only its public half: the answer above came through a handshake
+        # that proved it.
+        key = (tmp_path / "prefill.key").read_text().strip()
+        assert len(key) == 64 and not [name for name, log in logs.items() if key in log] and key not in text
+        decode_log = next(log for name, log in logs.items() if name.startswith("decode"))
+        assert "prefill_key_file" in prefill_log and "trusted_prefill_keys" in decode_log
         assert groups_alive(groups), "the engines should be running before SIGTERM"
     except BaseException:
         os.killpg(proc.pid, signal.SIGKILL)
