@@ -145,5 +145,7 @@ def test_a_token_holder_posing_as_prefill_learns_nothing_of_a_decode_that_trusts
                 "the trusted key, copied": "does not prove it"}[fake]
     assert expected in why and "nothing about decode's memory was sent" in why, why
     assert metadata not in sent and b"nixlSerDes" not in sent, "decode sent its NIXL metadata to the fake prefill"
+    # Nor its agent's name, with which the fake could claim it at the real prefill first (squatting).
+    assert receiver.hello.agent_name.encode() not in sent
     assert untouched(rank)
     transfer(keyed_target, rank, receiver, f"t-after-{fake.replace(' ', '-')}", seed=7)

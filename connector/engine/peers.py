@@ -14,6 +14,8 @@ import asyncio
 import logging
 from typing import Callable
 
+import msgspec
+
 from connector.core.errors import PeerRefused
 from connector.core.layout import ModelLayout
 from connector.core.plan import Rank, Route
@@ -23,6 +25,7 @@ from connector.engine.plans import PlanCache
 from connector.protocol.handshake import AcceptedPeer, PeerKey, accept_peer, check_peer_layout, peer_key
 from connector.protocol.messages import Hello
 from connector.transport.base import KVTransport
+from connector.transport.nixl.agent import metadata_agent_name
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +112,13 @@ class PeerTable:
         self.peek(hello)
         if hello.role != "decode":
             raise PeerRefused(f"a {hello.role} rank cannot register with a prefill rank")
+        if not hello.agent_name:
+            # A decode that trusts prefill keys names its agent only in its Auth, inside the metadata (which its
+            # proof covers): a fake prefill that it refused never learns the name, so cannot squat it here.
+            named = metadata_agent_name(hello.agent_metadata)
+            if not named:
+                raise PeerRefused("the decode rank names no NIXL agent, neither in its Hello nor in its metadata")
+            hello = msgspec.structs.replace(hello, agent_name=named)
         if hello.agent_name == self.own.agent_name:
             raise PeerRefused(f"NIXL agent name {hello.agent_name!r} is this prefill rank's own")
         await self._wait_for_holders(hello)

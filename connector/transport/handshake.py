@@ -60,6 +60,8 @@ async def client_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamW
     `trusted_prefill_keys`: if any, the server must prove one of them (protocol.auth.check_prefill_key), also
     before our memory leaves."""
     ours = msgspec.structs.replace(identity(hello), nonce=new_nonce(), for_transfer=for_transfer)
+    if trusted_prefill_keys:  # our agent's name goes in the Auth's metadata, to a proven prefill only
+        ours = msgspec.structs.replace(ours, agent_name="")
     writer.write(encode_frame(ours))
     await writer.drain()
     reply = _expect(await read_frame(reader, HANDSHAKE_MAX_FRAME_BYTES), Hello, where)
