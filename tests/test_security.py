@@ -26,15 +26,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 RSS_SLACK = 150 * 2**20
 """How far above its post-warm-up RSS the prefill process may be after an attack (the attacks here would add
 hundreds of MB to GB: tests/test_security_limits.py)."""
-TARGET_CONFIG = SenderConfig(lease_s=4.0, given_up_keep_s=1.0, write_timeout_s=30.0, max_parked_per_connection=64,
+TARGET_CONFIG = SenderConfig(lease_s=6.0, given_up_keep_s=1.0, write_timeout_s=30.0, max_parked_per_connection=64,
                              side_channel=SideChannelConfig(auth_token=TOKEN))
 """A short lease, and a give-up keep well inside it: the lease ticks once a second, so a give-up frees the KV 1-2 s
-after the request is computed and the lease 4-5 s after (test_security_insiders' early-abort test tells them apart)."""
+after the request is computed and the lease 6-7 s after (test_security_insiders' early-abort test tells them apart)."""
 
 
 @pytest.fixture(scope="module")
 def target(m3):
-    """One real prefill process for the module (token set, 4 s lease), warmed up by one legitimate transfer."""
+    """One real prefill process for the module (token set, 6 s lease), warmed up by one legitimate transfer."""
     from connector.sim.env import apply_env
 
     apply_env()
@@ -168,7 +168,7 @@ def test_an_unrelated_abort_before_registration_does_not_deny_the_transfer(targe
 
 
 def test_a_foreign_heartbeat_does_not_hold_kv_past_the_lease(target, ranks):
-    """A finished request nobody registered is freed after its lease (4 s here) although another peer keeps
+    """A finished request nobody registered is freed after its lease (6 s here) although another peer keeps
     listing it in heartbeats: only the registering connection's heartbeats extend a lease."""
     victim, receiver, mallory = ranks
     target.compute("t-pinned", index=7)
