@@ -81,7 +81,7 @@ i64 = st.integers(min_value=0, max_value=2**63 - 1)
 
 @settings(max_examples=60, deadline=None)
 @given(st.builds(Register, ids, st.integers(0, 64), st.integers(0, 64),
-                 st.lists(st.lists(st.integers(0, 2**31)), max_size=4), i64, i64))
+                 st.lists(st.lists(st.integers(0, 2**31 - 1)), max_size=4), i64, i64))  # ids are int32 on the wire
 def test_roundtrip_register_property(msg):
     assert decode_frame(encode_frame(msg)) == msg
 

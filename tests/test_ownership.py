@@ -198,7 +198,7 @@ def test_waiting_registrations_are_bounded_in_all_connections_together():
     assert own.parked_count == 3 and own.parked_bytes == 3 * parked_cost(register("t1"))
     own.park(*conns[2], register("t-more"), NOW)
     kept = own.parked["t-more"][0]
-    assert kept.block_ids[0].dtype.itemsize == 4 and kept.register == register("t-more")
+    assert kept.stripped.groups[0].dtype.itemsize == 4 and kept.register == register("t-more")
     big = replace(CONFIG, max_parked_bytes=4096)
     own, decode = ownership(big), peer(num_blocks=2000)
     with pytest.raises(RegistrationError, match="max_parked_bytes=4096"):

@@ -140,7 +140,7 @@ def test_waiting_registrations_are_bounded_per_connection(target, victim, open_r
     rss0 = target.rss()
     n = mallory.spec.num_blocks
     far = blocks(n, 1)
-    far[0][1] = 10**12
+    far[0][1] = 2**31 - 1  # the largest id a Register can carry (protocol 6: packed int32)
     garbage = [Register("t-g1", 0, 0, blocks(n, 1), 0, TOKENS, staging_offset=-5),
                Register("t-g2", 0, 0, blocks(n, 1), 0, TOKENS, staging_bytes=1 << 40),
                Register("t-g3", 0, 0, [list(range(n + 1))] * 2, 0, TOKENS),

@@ -219,7 +219,7 @@ def batch_pool_bytes(src_regions: Mapping[tuple[str, int], Region], dst_regions:
         if dst_null == NO_NULL_BLOCK:
             return max(0, b1 - b0)
         if (group, b0, b1) not in live:
-            live[(group, b0, b1)] = sum(1 for b in dst_blocks[group][b0:b1] if b != dst_null)
+            live[(group, b0, b1)] = int(np.count_nonzero(np.asarray(dst_blocks[group][b0:b1]) != dst_null))
         return live[(group, b0, b1)]
 
     for layer, b0, b1 in spans:

@@ -70,12 +70,12 @@ class BatchWriter:
 
     def descriptors(self, req: SendRequest, dest: Destination, batch: list[tuple[int, int]]) -> Descriptors:
         return batch_descriptors(self.me.by_key, dest.peer.accepted.regions, dest.layer_routes,
-                                 self._spans(dest, batch), req.block_ids, dest.register.block_ids, self._nulls(dest))
+                                 self._spans(dest, batch), req.block_ids, dest.register.groups, self._nulls(dest))
 
     def pool_bytes(self, dest: Destination, batch: list[tuple[int, int]]) -> dict[str, int]:
         """What `descriptors` of the same batch move, per pool."""
         return batch_pool_bytes(self.me.by_key, dest.peer.accepted.regions, dest.layer_routes, self._spans(dest, batch),
-                                dest.register.block_ids, dest.peer.hello.null_block)
+                                dest.register.groups, dest.peer.hello.null_block)
 
     def _nulls(self, dest: Destination) -> tuple[int, int]:
         """(prefill's, decode's) null block: positions decode's holds are not sent."""
@@ -97,7 +97,7 @@ class BatchWriter:
         reg = dest.register
         spans = transfer_spans(dest.layer_routes, reg.first_token, reg.num_tokens, self.me.block_size)
         rows = source_rows(self.me.by_key, dest.peer.accepted.regions, dest.layer_routes, spans, req.block_ids,
-                           reg.block_ids, self._nulls(dest))
+                           reg.groups, self._nulls(dest))
         pieces: list[list[RouteDigests]] = [[]]
         size = 0
         for r in rows:
@@ -128,7 +128,7 @@ class BatchWriter:
                 and len(descs) >= self.config.stage_min_descriptors \
                 and descs.nbytes < len(descs) * self.stage_below_bytes():
             segments = batch_segments(self.me.by_key, dest.peer.accepted.regions, dest.layer_routes,
-                                      self._spans(dest, batch), req.block_ids, reg.block_ids, self._nulls(dest))
+                                      self._spans(dest, batch), req.block_ids, reg.groups, self._nulls(dest))
 
             def answered(ok: bool, why: str) -> None:
                 times.answers += 1

@@ -89,33 +89,31 @@ class SendRequest:
 @dataclass(eq=False)
 class Parked:
     """A registration that arrived before prefill started its request (checked already, except against the
-    request itself). Its block ids and layers wait as arrays (4 or 8 bytes each): as the lists msgspec decodes
-    they cost ~40 bytes per id, and a peer parking hundreds of thousands left glibc and pymalloc holding hundreds
-    of MB after it left (issue 20). `register` gives them back as lists."""
+    request itself). Its block ids came packed (4 bytes each, protocol 6) and wait so; its layers wait as an
+    array. As the lists msgspec used to decode they cost ~40 bytes per id, and a peer parking hundreds of
+    thousands left glibc and pymalloc holding tens of MB after it left, more after each time (issue 20).
+    `register` gives the registration back whole."""
 
     conn: Any
     peer: PeerInfo
     stripped: Register
-    """The registration with no block ids and no layers (those are below)."""
-    block_ids: tuple[np.ndarray, ...]
+    """The registration with no layers (those are below)."""
     layers: np.ndarray
     at: float
     """time.monotonic() it arrived (it waits at most the lease)."""
 
     @classmethod
     def of(cls, conn: Any, peer: PeerInfo, reg: Register, at: float) -> "Parked":
-        return cls(conn, peer, msgspec.structs.replace(reg, block_ids=[], layers=[]),
-                   tuple(_compact(ids) for ids in reg.block_ids), _compact(reg.layers), at)
+        return cls(conn, peer, msgspec.structs.replace(reg, layers=[]), _compact(reg.layers), at)
 
     @property
     def register(self) -> Register:
-        return msgspec.structs.replace(self.stripped, block_ids=[ids.tolist() for ids in self.block_ids],
-                                       layers=self.layers.tolist())
+        return msgspec.structs.replace(self.stripped, layers=self.layers.tolist())
 
     @property
     def cost(self) -> int:
         """Bytes it holds (what max_parked_bytes and max_parked_bytes_per_connection count)."""
-        return parked_cost(self.stripped) + self.layers.nbytes + sum(ids.nbytes + 112 for ids in self.block_ids)
+        return parked_cost(self.stripped) + self.layers.nbytes
 
 
 def _compact(ids: list[int]) -> np.ndarray:
@@ -167,7 +165,8 @@ def check_registration(reg: Register, peer: PeerInfo, rank: tuple[int, int], sta
         raise RegistrationError(f"registration of {tid!r} asks prefill rank {rank} (layers {stage[0]}-{stage[1] - 1}) "
                                 f"for layers {foreign[:20]} it does not send to decode rank {key[1:]}: "
                                 f"the two sides disagree on the layer split")
-    longest = max((len(ids) for ids in reg.block_ids), default=0)
+    groups = reg.groups
+    longest = max((len(ids) for ids in groups), default=0)
     if longest > peer.max_blocks:
         raise RegistrationError(f"registration of {tid!r} lists {longest} block ids in one group; decode rank "
                                 f"{key[1:]}'s cache has {peer.max_blocks} blocks")
@@ -176,19 +175,20 @@ def check_registration(reg: Register, peer: PeerInfo, rank: tuple[int, int], sta
     regions = peer.accepted.regions
     blocks_needed = blocks_for(reg.num_tokens, block_size)
     for g in sorted({regions[(r.pool, r.layer)].group for r in routes}):
-        if g >= len(reg.block_ids):
-            raise RegistrationError(f"registration of {tid!r} has {len(reg.block_ids)} block-id group(s) but "
+        if g >= len(groups):
+            raise RegistrationError(f"registration of {tid!r} has {len(groups)} block-id group(s) but "
                                     f"decode regions use group {g}")
-        ids = reg.block_ids[g]
+        ids = groups[g]
         if len(ids) < blocks_needed:
             raise RegistrationError(f"group {g} has {len(ids)} block ids for {reg.num_tokens} tokens, needs "
                                     f"{blocks_needed}")
-        live = [b for b in ids[:blocks_needed] if b != peer.hello.null_block]  # null: outside decode's window
-        if len(set(live)) != len(live):
+        live = ids[:blocks_needed]
+        live = live[live != peer.hello.null_block]  # null: outside decode's window
+        if np.unique(live).size != live.size:
             raise RegistrationError(f"group {g} block ids repeat: each token block needs its own block")
     for r in routes:  # every destination block inside its region (raises DescriptorError naming them)
         region = regions[(r.pool, r.layer)]
-        check_blocks(region, reg.block_ids[region.group][:blocks_needed], f"decode {r.pool} layer {r.layer} ")
+        check_blocks(region, groups[region.group][:blocks_needed], f"decode {r.pool} layer {r.layer} ")
 
 
 def _check_staging(reg: Register, peer: PeerInfo) -> None:
@@ -203,9 +203,9 @@ def _check_staging(reg: Register, peer: PeerInfo) -> None:
 
 
 def parked_cost(reg: Register) -> int:
-    """Bytes a registration would hold as a Parked one: 4 per block id and layer (8 beyond 2**31), plus its
-    objects."""
-    return 4 * (sum(len(ids) for ids in reg.block_ids) + len(reg.layers)) + 112 * len(reg.block_ids) + 400 + \
+    """Bytes a registration would hold as a Parked one: its packed block ids (4 per id), 4 per layer (8 beyond
+    2**31), plus its objects."""
+    return sum(len(g) for g in reg.block_ids) + 4 * len(reg.layers) + 112 * len(reg.block_ids) + 400 + \
         len(reg.transfer_id)
 
 
