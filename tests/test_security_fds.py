@@ -92,7 +92,7 @@ def test_waiting_registrations_are_bounded_in_all(target, open_rank):
     """8 connections of a peer with the token (each its own agent, claiming a huge cache) parked registrations for
     requests prefill never starts, each connection within its own allowance (16 MiB): 8 x 124 MB before, and
     glibc kept most of it after they left. Now all connections together are bounded (max_parked_bytes, here 32
-    MiB; block ids kept as arrays), the rest is refused naming the setting, and RSS is back near the baseline once
+    MiB; block ids packed), the rest is refused naming the setting, and RSS is back near the baseline once
     they closed, and stays there when the attack comes again (block ids travel packed, protocol 6: decoded as lists
     of ints, each attack left more of them behind as allocator fragments)."""
     mallory = open_rank(target.cluster.sc.rank_spec("decode", (0, 0), run_id="parker"))
@@ -101,7 +101,7 @@ def test_waiting_registrations_are_bounded_in_all(target, open_rank):
                                                     for r in honest.regions])
     settle(target, "baseline")
     rss0 = target.rss()
-    ids = [list(range(40_000))] * 2  # 80,000 block ids: 320 kB as arrays, ~3.2 MB as decoded lists
+    ids = [list(range(40_000))] * 2  # 80,000 block ids: 320 kB packed, ~3.2 MB as decoded lists
 
     async def park(attack: int, conns: int, each: int):
         opened, acks, refusals = [], 0, []

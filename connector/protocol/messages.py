@@ -259,9 +259,10 @@ def pack_block_ids(ids) -> bytes:
     arr = np.asarray(ids, dtype=np.int64)
     if arr.ndim != 1:
         raise ValueError(f"block ids must be a flat list per group, got shape {arr.shape}")
-    if arr.size and not (np.iinfo(BLOCK_ID).min <= arr.min() and arr.max() <= np.iinfo(BLOCK_ID).max):
-        raise ValueError(f"block ids {arr[(arr < 0) | (arr > np.iinfo(BLOCK_ID).max)][:8].tolist()} do not fit a "
-                         f"32-bit block id")
+    limits = np.iinfo(BLOCK_ID)
+    outside = arr[(arr < limits.min) | (arr > limits.max)]
+    if outside.size:
+        raise ValueError(f"block ids {outside[:8].tolist()} do not fit a 32-bit block id")
     return arr.astype(BLOCK_ID).tobytes()
 
 
