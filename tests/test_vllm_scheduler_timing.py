@@ -22,7 +22,7 @@ class CountingPacer(HoldPacer):
         super().__init__(None, 5.0)
         self.asked = 0
 
-    def wait(self, until: float | None = None) -> None:
+    def wait(self, until: float | None = None, kv_since: float | None = None, holding: bool = True) -> None:
         self.asked += 1
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import Any
 
 from connector.engine.timeline import DecodeSchedulerPoints, close
@@ -26,6 +27,7 @@ class DecodeScheduler:
         self.kv_cache_manager: Any = None
         self._ready: dict[str, RecvSpec] = {}      # to ship in the next metadata
         self._waiting: dict[str, str] = {}         # request id -> transfer id, until finished_recving
+        self._registered_at: dict[str, float] = {}  # request id -> time.monotonic() its registration was made
         self._matched: dict[str, int] = {}         # request id -> local prefix hit when matched
         self.aborts: dict[str, str] = {}           # request id -> transfer id, for the next metadata
         self._learned: dict[str, tuple[str, DecodeSchedulerPoints]] = {}
@@ -59,6 +61,7 @@ class DecodeScheduler:
             num_tokens=first + num_external_tokens, error=problem,
             prefill_finished=bool(params.get("prefill_finished")), transfer_secret=secret(params))
         self._waiting[req_id] = str(params.get("transfer_id") or "")
+        self._registered_at[req_id] = time.monotonic()
         # One transfer per request: if it fails and kv_load_failure_policy is "recompute", vLLM asks again and the
         # request must then be prefilled locally (as vLLM's NixlConnector does).
         if isinstance(request.kv_transfer_params, dict):
@@ -72,6 +75,7 @@ class DecodeScheduler:
 
     def received(self, req_id: str) -> None:
         tid = self._waiting.pop(req_id, None)
+        self._registered_at.pop(req_id, None)
         if tid is not None:
             points = DecodeSchedulerPoints()
             points.mark("learned")
@@ -96,6 +100,7 @@ class DecodeScheduler:
         self._learned.pop(req_id, None)
         params = request.kv_transfer_params or {}
         tid = self._waiting.pop(req_id, None)
+        self._registered_at.pop(req_id, None)
         self._matched.pop(req_id, None)
         if tid is not None:
             # Decode aborted while waiting (vLLM holds its blocks until the workers report it finished).
@@ -114,6 +119,15 @@ class DecodeScheduler:
     def waiting(self) -> bool:
         """Requests matched, registering or waiting for their KV."""
         return bool(self._waiting or self._matched or self._ready)
+
+    def only_waiting_since(self) -> float | None:
+        """When the youngest request waiting for its KV registered (time.monotonic()), if that is all this half
+        does: some request waits, and none is matched or has a registration still to ship. None otherwise (nothing
+        waits, or vLLM is placing a request: its step must not wait). What the pacer bounds its wait by
+        (connector.vllm.idle_hold.decode_wait_s)."""
+        if not self._waiting or self._matched or self._ready:
+            return None
+        return max(self._registered_at.get(r, 0.0) for r in self._waiting)
 
     def pending(self) -> bool:
         return bool(self.aborts)

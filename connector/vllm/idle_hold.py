@@ -37,6 +37,15 @@ long, up to `holding_step_interval_s`."""
 LEASE_SLACK_S = 0.5
 """A wait that would pass a held request's lease ends this long after it: the workers have given the request up by
 then, and the step returns its blocks."""
+DECODE_FIRST_WAIT_S = 0.005
+"""Decode: the shortest wait of an empty step while a request waits for KV (what a KV that arrives at once, the
+usual case, may wait to be collected)."""
+DECODE_WAIT_SHARE = 0.1
+"""Decode: a wait is at most this share of how long the youngest waiting request has waited for its KV: what the
+pacing may add to its time to first token, relative to what it already waited."""
+DECODE_LONGEST_WAIT_S = 5.0
+"""Decode: the longest wait while a request waits for KV (reached after DECODE_LONGEST_WAIT_S / DECODE_WAIT_SHARE of
+waiting): the worker then spins 1 s of each such stretch, not all of it."""
 
 
 def engine_input_queue(max_frames: int = 40) -> queue.Queue | None:
@@ -77,20 +86,36 @@ class HoldPacer:
     def next_wait_s(self) -> float:
         return min(self.interval_s, FIRST_WAIT_S * 2 ** min(self.streak, 30))
 
-    def wait(self, until: float | None = None) -> None:
-        """On an empty step while holding: return when a request arrives, after `next_wait_s()`, or just after
-        `until` (time.monotonic(): when a held request's lease runs out, so its blocks come back then)."""
+    def wait_s(self, now: float, until: float | None = None, kv_since: float | None = None,
+               holding: bool = True) -> float:
+        """How long an empty step waits (pure: the pacing decision). `holding`: prefill holds KV (the growing
+        waits); `kv_since`: time.monotonic() the youngest decode request waiting for KV registered, None when none
+        waits (the wait is then at most `decode_wait_s` of its age); `until`: a held request's lease ends then."""
+        wait_s = self.next_wait_s() if holding else self.interval_s
+        if kv_since is not None:
+            wait_s = min(wait_s, decode_wait_s(now - kv_since, self.interval_s))
+        if until is not None:
+            wait_s = min(wait_s, until + LEASE_SLACK_S - now)
+        return max(0.0, wait_s)
+
+    def wait(self, until: float | None = None, kv_since: float | None = None, holding: bool = True) -> None:
+        """On an empty step while holding or waiting for KV: return when a request arrives, or after `wait_s`."""
         if not self.enabled:
             return
-        wait_s = self.next_wait_s()
-        if until is not None:
-            wait_s = max(0.0, min(wait_s, until + LEASE_SLACK_S - time.monotonic()))
+        wait_s = self.wait_s(time.monotonic(), until, kv_since, holding)
         q = self.input_queue
         with q.not_empty:  # the queue's own lock and condition: its put() notifies us
             if not q.queue:
                 q.not_empty.wait(wait_s)
         self.streak += 1
         self.waits += 1
+
+
+def decode_wait_s(waited_s: float, interval_s: float) -> float:
+    """The longest wait of an empty step while a decode request waits for KV, the youngest of them for `waited_s`:
+    DECODE_WAIT_SHARE of that, at least DECODE_FIRST_WAIT_S, at most DECODE_LONGEST_WAIT_S (and
+    `holding_step_interval_s`)."""
+    return min(interval_s, DECODE_LONGEST_WAIT_S, max(DECODE_FIRST_WAIT_S, DECODE_WAIT_SHARE * max(0.0, waited_s)))
 
 
 def pacer(settings: Any, vllm_config: Any) -> HoldPacer:
@@ -102,3 +127,4 @@ def pacer(settings: Any, vllm_config: Any) -> HoldPacer:
         log.info("SparseKVConnector: not inside vLLM's engine core process (no input queue found): empty steps "
                  "while holding KV for decode run at vLLM's own pace")
     return HoldPacer(found, settings.holding_step_interval_s)
+

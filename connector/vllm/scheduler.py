@@ -139,22 +139,31 @@ class SchedulerSide:
             self.prefill.aborts = {}
             self.prefill.fill(meta, scheduler_output)
         considered, self._considered = self._considered, False
-        if not considered and self._only_holding(scheduler_output, meta):
-            self.pacer.wait(until=self.prefill.first_expiry())
+        pacing = None if considered else self._pacing(scheduler_output, meta)
+        if pacing is not None:
+            self.pacer.wait(**pacing)
         elif getattr(scheduler_output, "total_num_scheduled_tokens", 1):
             self.pacer.activity()  # traffic: the next quiet spell starts with short waits again
         return meta
 
-    def _only_holding(self, scheduler_output: Any, meta: SparseKVMetadata) -> bool:
-        """This step computes and ships nothing, no decode request of ours waits for KV, and prefill holds KV for
-        decode: vLLM steps only to collect those sends. (A decode waiting for KV is left to vLLM's pace: a wait would
-        delay the registration of a request arriving meanwhile, and with it prefill's streaming. So is a step in
-        which a waiting request could not be scheduled: it may wait for the held blocks.)"""
+    def _pacing(self, scheduler_output: Any, meta: SparseKVMetadata) -> dict[str, Any] | None:
+        """The pacer's arguments for this step, or None: the step must not wait. It may when it computes and ships
+        nothing and vLLM steps only to collect transfers: prefill holds KV for decode (its sends), or every decode
+        request of ours is registered and waits for its KV (its receives; `kv_since` bounds that wait,
+        connector.vllm.idle_hold.decode_wait_s). Never in the step that matches a request or ships its registration
+        (a request arriving during a wait wakes it, and the next step registers it), nor in a step in which a
+        waiting request could not be scheduled: it may wait for blocks a transfer is about to return."""
         if getattr(scheduler_output, "total_num_scheduled_tokens", 1) or meta.sends or meta.recvs or meta.aborts:
-            return False
+            return None
+        kv_since = None
         if self.decode is not None and self.decode.waiting():
-            return False
-        return self.prefill is not None and self.prefill.holding()
+            kv_since = self.decode.only_waiting_since()
+            if kv_since is None:
+                return None  # a request being placed: vLLM's pace
+        holding = self.prefill is not None and self.prefill.holding()
+        if not holding and kv_since is None:
+            return None
+        return {"until": self.prefill.first_expiry() if holding else None, "kv_since": kv_since, "holding": holding}
 
     def update_connector_output(self, output: Any) -> None:
         if self.prefill is not None:
