@@ -19,17 +19,25 @@ Asyncio, on the sender's loop; the NIXL calls run off it."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from connector.core.errors import PeerRefused
+from connector.core.errors import PeerRefused, TransportError
 from connector.transport.base import KVTransport
 
 log = logging.getLogger(__name__)
 UNLOAD_WINDOW_S = 3600.0
 RELEASE_WAIT_S = 2.0
+LOAD_TIMEOUT_S = 120.0
+"""The longest one load (NIXL's add_remote_agent, with the unload before it) is waited for. Not the handshake's
+timeout: a load runs on, off the loop, when the handshake that started it gives up, and decode's retry finds the
+agent loaded (connector.engine.sources retries a handshake that timed out). A load took 25-60 ms between two idle
+processes and 8.7-10 s inside engines on 2 busy cores (issue 32)."""
+SLOW_LOAD_S = 1.0
+"""A load slower than this is logged with where its time went: before its thread ran, and inside NIXL."""
 
 
 @dataclass(eq=False)
@@ -39,19 +47,32 @@ class _Agent:
     """On a live connection (or being loaded for one)."""
     served: bool = False
     """Some transfer was written to it (it belongs to a decode the router sends requests to)."""
+    loading: asyncio.Task | None = field(default=None, repr=False)
+    """The load in progress (unload of a victim, then NIXL's load), until it ended."""
+
+
+def _idle(agent: _Agent) -> bool:
+    """Loaded, on no live connection: may be unloaded for another (one still loading may not)."""
+    return not agent.busy and agent.loading is None
 
 
 class LoadedAgents:
     """Which decode agents the transport has loaded, which are on a live connection, and which may be unloaded."""
 
-    def __init__(self, transport: KVTransport, max_agents: int, unloads_per_hour: int) -> None:
+    def __init__(self, transport: KVTransport, max_agents: int, unloads_per_hour: int,
+                 load_timeout_s: float = LOAD_TIMEOUT_S) -> None:
         self.transport, self.max_agents, self.unloads_per_hour = transport, max_agents, unloads_per_hour
+        self.load_timeout_s = load_timeout_s
         self._agents: OrderedDict[str, _Agent] = OrderedDict()
         """Loaded agents by name, least recently used first."""
         self._unloads: deque[float] = deque()
         """When the unloads of the last hour happened."""
         self.loads = self.reuses = self.unloads = self.refused = 0
         self._released = asyncio.Event()
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        """One thread of its own for NIXL's peer loads: not the loop's default executor, where a load would queue
+        behind plans and checksum digests (connector.engine.plans, receiver), and loads serialise inside NIXL
+        anyway (its exclusive agent lock)."""
 
     @property
     def loaded(self) -> int:
@@ -61,6 +82,10 @@ class LoadedAgents:
     def in_use(self) -> int:
         return sum(a.busy for a in self._agents.values())
 
+    @property
+    def loading(self) -> int:
+        return sum(a.loading is not None for a in self._agents.values())
+
     def served(self, name: str) -> None:
         """A transfer was written to agent `name`."""
         if (agent := self._agents.get(name)) is not None:
@@ -69,15 +94,23 @@ class LoadedAgents:
     async def acquire(self, name: str, metadata: bytes) -> str:
         """The agent `name` (with `metadata`) for a live connection: the loaded one if its metadata is the same,
         else loaded now (unloading another first if all are loaded). Raises PeerRefused (a limit) or whatever the
-        transport raises. The caller holds the name for one live connection (connector.engine.peers)."""
+        transport raises. The caller holds the name for one live connection (connector.engine.peers).
+
+        The load runs in a task of its own, off the loop: a caller that gives up (its handshake timed out,
+        cancelling this) leaves it running, and the agent then stays loaded, idle, for the same decode's next
+        handshake, which waits for a load still in progress rather than starting another."""
         agent = self._agents.get(name)
         if agent is not None and agent.busy:
             raise PeerRefused(f"NIXL agent {name!r} is on another live connection")
         if agent is not None and agent.metadata == metadata:
             agent.busy = True
             self._agents.move_to_end(name)
+            if agent.loading is not None:
+                await self._wait_loaded(name, agent)
             self.reuses += 1
             return name
+        if agent is not None and agent.loading is not None:
+            raise PeerRefused(f"NIXL agent {name!r} is still being loaded with other metadata; retry once it is")
         victim = name if agent is not None else await self._victim()
         if victim is not None:
             self._spend_unload(name)
@@ -85,19 +118,71 @@ class LoadedAgents:
         if victim is not None:
             del self._agents[victim]
         self._agents[name] = entry  # holds the slot while NIXL loads
+        entry.loading = asyncio.get_running_loop().create_task(self._load(name, entry, victim),
+                                                                name=f"load NIXL agent {name}")
+        entry.loading.add_done_callback(lambda t: _log_failed_load(t, name))
+        await self._wait_loaded(name, entry)
+        self.loads += 1
+        return name
+
+    async def _wait_loaded(self, name: str, entry: _Agent) -> None:
+        """Wait (at most load_timeout_s) for `entry`'s load. Cancelled or timed out, the load goes on; once it
+        ends the agent is idle (nobody's connection), or gone if it failed."""
+        task = entry.loading
+        assert task is not None
+        try:
+            async with asyncio.timeout(self.load_timeout_s):
+                await asyncio.shield(task)
+        except TimeoutError:
+            entry.busy = False
+            raise TransportError(f"loading NIXL agent {name!r} did not end within {self.load_timeout_s:g} s; it "
+                                 f"goes on, and the decode's next handshake uses it once it has (is this process "
+                                 f"starved of CPU?)") from None
+        except asyncio.CancelledError:
+            entry.busy = False  # the handshake gave up: the agent, once loaded, waits idle for its retry
+            raise
+
+    async def _load(self, name: str, entry: _Agent, victim: str | None) -> None:
+        """Unload `victim` (if any), then load `entry`; the entry goes if this fails. Runs on as its own task."""
+        loop = asyncio.get_running_loop()
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nixl-peer-load")
         try:
             if victim is not None:
                 log.info("unloading idle NIXL agent %r for %r (%d loaded: setting max_peer_agents)", victim, name,
                          len(self._agents))
-                await asyncio.to_thread(self.transport.remove_peer, victim)
+                await loop.run_in_executor(self._executor, self.transport.remove_peer, victim)
                 self.unloads += 1
-            loaded = await asyncio.to_thread(self.transport.add_peer, metadata, name)
+            queued = time.monotonic()
+            began = await loop.run_in_executor(self._executor, self._add, entry.metadata, name)
+            ended = time.monotonic()
         except BaseException:
             if self._agents.get(name) is entry:
                 del self._agents[name]
+                self._released.set()
             raise
-        self.loads += 1
-        return loaded
+        finally:
+            entry.loading = None
+        if ended - queued > SLOW_LOAD_S:
+            log.warning("loading NIXL agent %r took %.1f s: %.1f s before its thread ran (this process's other "
+                        "threads held the CPU or the GIL), %.1f s in NIXL", name, ended - queued, began - queued,
+                        ended - began)
+
+    def _add(self, metadata: bytes, name: str) -> float:
+        """(load thread) When the thread began, then the load itself."""
+        began = time.monotonic()
+        self.transport.add_peer(metadata, name)
+        return began
+
+    async def aclose(self, timeout_s: float = 10.0) -> None:
+        """Wait (at most `timeout_s`) for loads in progress, so none runs into the transport's close."""
+        pending = [a.loading for a in self._agents.values() if a.loading is not None]
+        if pending:
+            _, late = await asyncio.wait(pending, timeout=timeout_s)
+            if late:
+                log.warning("%d NIXL agent load(s) still running %.0f s after close began", len(late), timeout_s)
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
 
     def release(self, name: str) -> None:
         """The connection of agent `name` ended (no WRITE to it in flight): it stays loaded, idle."""
@@ -116,7 +201,7 @@ class LoadedAgents:
         first. Raises PeerRefused when every loaded agent stays on a live connection for RELEASE_WAIT_S (a
         connection just closed for a newcomer's fair share releases its agent a moment later)."""
         deadline = time.monotonic() + RELEASE_WAIT_S
-        while len(self._agents) >= self.max_agents and not any(not a.busy for a in self._agents.values()) \
+        while len(self._agents) >= self.max_agents and not any(_idle(a) for a in self._agents.values()) \
                 and time.monotonic() < deadline:
             self._released.clear()
             try:
@@ -126,7 +211,7 @@ class LoadedAgents:
                 break
         if len(self._agents) < self.max_agents:
             return None
-        idle = [(n, a) for n, a in self._agents.items() if not a.busy]
+        idle = [(n, a) for n, a in self._agents.items() if _idle(a)]
         if not idle:
             self.refused += 1
             raise PeerRefused(f"{len(self._agents)} NIXL agents of decode ranks are loaded here, each on a live "
@@ -146,3 +231,9 @@ class LoadedAgents:
                 f"hour (setting agent_unloads_per_hour={self.unloads_per_hour}: NIXL 1.5.1 leaks sockets on each "
                 f"unload); the next unload is possible in {self._unloads[0] + UNLOAD_WINDOW_S - now:.0f} s")
         self._unloads.append(now)
+
+
+def _log_failed_load(task: asyncio.Task, name: str) -> None:
+    """A load's failure reaches its handshake; logged here too, as its handshake may have given up already."""
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("loading NIXL agent %r failed: %s", name, task.exception())

@@ -59,6 +59,8 @@ class PeerInfo:
         self._idle.set()
         self.closing = False
         self.released = asyncio.Event()
+        self.admitted = False
+        """Its handshake got past `admit` (its agent is loaded): from then on its connection is live."""
 
     @property
     def evictable(self) -> bool:
@@ -129,20 +131,22 @@ class PeerTable:
             plan = await self.plans.plan_for(hello)
             info.accepted = accept_peer(hello, self.own, self.model, plan)
             info.layer_routes = plan.layer_routes(self.rank, info.key[1:])
-            # NIXL calls can wait behind a DRAM copy in progress: they run off the loop. (Cancelled here, at
-            # shutdown only, the agent may still load; the transport removes every peer when it closes.)
+            # NIXL calls can wait behind a DRAM copy in progress: they run off the loop, and a load goes on when
+            # decode gives this handshake up (connector.engine.agents); PeerTable.aclose waits for it.
             info.agent = await self.agents.acquire(hello.agent_name, hello.agent_metadata)
         except BaseException:
             self._forget(info)
             info.released.set()
             raise
+        info.admitted = True
         return info
 
     async def _wait_for_holders(self, hello: Hello) -> None:
         """Return once neither the identity nor the agent name is held (the caller claims both at once, with no
-        await in between), waiting at most CLAIM_WAIT_S for holders to end; else refuse."""
+        await in between), waiting at most CLAIM_WAIT_S for holders to end (a holder that is this same decode rank
+        still waiting for its agent's load: as long as that load may take); else refuse."""
         key = peer_key(hello)
-        deadline = asyncio.get_running_loop().time() + CLAIM_WAIT_S
+        deadline, extended = asyncio.get_running_loop().time() + CLAIM_WAIT_S, False
         while True:
             held = [(h, what) for h, what in ((self.by_key.get(key), f"decode rank {key}"),
                                               (self._agents.get(hello.agent_name), f"NIXL agent {hello.agent_name!r}"))
@@ -150,6 +154,13 @@ class PeerTable:
             if not held:
                 return
             holder, what = held[0]
+            if _retried(holder, hello) and not extended:
+                # Its decode gave up on that handshake while the agent loaded, and retries: the load goes on, and
+                # once it ended that connection is found closed and released; then this one reuses the agent.
+                log.info("decode rank %s handshook again while its NIXL agent loads (its last handshake timed "
+                         "out): waiting for that load, at most %g s", key, self.agents.load_timeout_s)
+                extended = True
+                deadline = asyncio.get_running_loop().time() + self.agents.load_timeout_s + CLAIM_WAIT_S
             try:
                 async with asyncio.timeout_at(deadline):
                     await holder.released.wait()
@@ -188,3 +199,12 @@ class PeerTable:
     async def aclose(self) -> None:
         for info in list(self.by_key.values()):
             await self.release(info)
+        await self.agents.aclose()
+
+
+def _retried(holder: PeerInfo, hello: Hello) -> bool:
+    """`hello` is the same decode rank as `holder`, whose handshake still waits in `admit`: same identity (with
+    the engine's key, when it has one), same NIXL agent, same metadata (which only that decode and this prefill
+    ever saw). Its decode gave up on that handshake and retries."""
+    return (not holder.admitted and not holder.closing and peer_key(hello) == holder.key
+            and hello.agent_name == holder.hello.agent_name and hello.agent_metadata == holder.hello.agent_metadata)

@@ -92,6 +92,25 @@ class SourceTable:
                              heartbeat_ids=lambda: self.transfers.wanted_from(address, port),
                              for_transfer=for_transfer, check=self._check_layout, engine_key=self.engine_key)
 
+    async def connect_patiently(self, address: PrefillAddress, port: int, for_transfer: str = "") -> ControlConnection:
+        """`connect`, once more if the first handshake timed out. Prefill answers a handshake only once it has
+        loaded this rank's NIXL agent, and that first load took 25-60 ms between idle processes but 8.7-10 s in
+        engines on 2 busy cores (issue 32), past the 10 s handshake timeout. Prefill goes on loading when decode
+        gives up, so the second handshake finds the agent loaded (or waits for that load: connector.engine.peers)
+        rather than failing the request. A refusal or an error other than the timeout is not retried; the second
+        attempt's errors are raised as they come (Unreachable, ControlError)."""
+        budget = self.config.side_channel.handshake_timeout_s
+        try:
+            async with asyncio.timeout(budget):  # fires before connect's own (2 x budget): a timeout, nothing else
+                return await connect(address.host, port, self.hello, self.config.side_channel, timeout=2 * budget,
+                                     heartbeat_ids=lambda: self.transfers.wanted_from(address, port),
+                                     for_transfer=for_transfer, check=self._check_layout, engine_key=self.engine_key)
+        except TimeoutError:
+            log.warning("handshake with prefill rank at %s:%d timed out after %g s (a prefill loading this rank's "
+                        "NIXL agent on a busy machine can take that long; setting handshake_timeout_s): trying once "
+                        "more", address.host, port, budget)
+        return await self.connect(address, port, budget, for_transfer=for_transfer)
+
     def _check_layout(self, peer: Hello) -> None:
         """A prefill's claimed layout is checked in the handshake, before decode sends anything about its memory
         (a fake prefill claiming 4096 ranks is refused knowing nothing of it), and before any plan is built."""
@@ -104,7 +123,7 @@ class SourceTable:
             engine = self.by_address.get(address)
             if engine is not None:
                 return engine
-            first = await self.connect(address, address.port, for_transfer=for_transfer)
+            first = await self.connect_patiently(address, address.port, for_transfer=for_transfer)
             engine = None
             try:
                 # (Its claimed layout was checked in the handshake: `_check_layout`.) The plan is built off the loop.
@@ -114,8 +133,8 @@ class SourceTable:
                 # every transfer to release its blocks at once (see check_registration in sender_state).
                 for src in engine.plan.prefill.ranks():
                     port = engine.port_of(src)
-                    conn = first if port == address.port else await self.connect(address, port,
-                                                                                 for_transfer=for_transfer)
+                    conn = first if port == address.port else await self.connect_patiently(
+                        address, port, for_transfer=for_transfer)
                     self._check_rank(engine, src, conn, first)
                     engine.conns[src] = conn
                     # none left: this rank writes directly, which is always correct

@@ -73,10 +73,8 @@ class LoopThread:
                 return
             if answered.wait(STALL_WARN_S) or self._stopping.is_set():
                 continue
-            frame = sys._current_frames().get(thread.ident or -1)
-            stack = "".join(traceback.format_stack(frame)) if frame is not None else "(no frame)"
-            log.warning("event loop %s has run nothing for %.1f s; its thread is at:\n%s", self._name,
-                        time.monotonic() - sent, stack)
+            log.warning("event loop %s has run nothing for %.1f s; its thread is at:\n%s%s", self._name,
+                        time.monotonic() - sent, _stack_of(thread), _other_threads(thread))
             while not answered.wait(1.0):
                 if self._stopping.is_set():
                     return
@@ -126,6 +124,25 @@ class LoopThread:
         if self._watchdog is not None:
             self._watchdog.join(timeout)
             self._watchdog = None
+
+
+def _stack_of(thread: threading.Thread) -> str:
+    frame = sys._current_frames().get(thread.ident or -1)
+    return "".join(traceback.format_stack(frame)) if frame is not None else "(no frame)"
+
+
+def _other_threads(loop_thread: threading.Thread) -> str:
+    """The innermost frames of every other thread: a loop thread waiting in its selector while nothing runs was
+    held off by another thread holding the GIL (a C call that does not release it), which is then among these."""
+    me, names = threading.get_ident(), {t.ident: t.name for t in threading.enumerate()}
+    lines = []
+    for ident, frame in sys._current_frames().items():
+        if ident in (me, loop_thread.ident):
+            continue
+        frames = reversed(traceback.extract_stack(frame, limit=3))
+        where = " < ".join(f"{f.name} ({f.filename}:{f.lineno})" for f in frames)
+        lines.append(f"  {names.get(ident, ident)}: {where}")
+    return "\nother threads, innermost frames first:\n" + "\n".join(sorted(lines)) if lines else ""
 
 
 async def wait_out(fut: Any) -> None:

@@ -1,0 +1,63 @@
+"""A prefill whose NIXL load of decode's agent outlasts decode's handshake timeout still serves the request (issue
+32): decode's first handshake times out, prefill goes on loading, off its loop, and decode's second handshake is
+admitted once the load ended; the KV then arrives intact (end-to-end checksum) over real NIXL between two OS
+processes, and prefill's loop never stalled meanwhile (its watchdog logs any 2 s stall). The delay is injected in a
+test subclass of the loader, in prefill's worker process only."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from connector.engine.agents import LoadedAgents
+from connector.engine.config import ReceiverConfig, SideChannelConfig
+from connector.sim import rank_process
+from connector.sim.buffers import pick_blocks
+from tests.helpers import log_records, scenario
+
+pytestmark = pytest.mark.slow
+TOKENS, BLOCK = 64, 16
+HANDSHAKE_S = 3.0
+"""Decode's handshake timeout here."""
+LOAD_DELAY_S = 4.5
+"""Added to every NIXL load in prefill: past one handshake timeout, within two."""
+
+
+class SlowLoadedAgents(LoadedAgents):
+    def _add(self, metadata: bytes, name: str) -> float:
+        time.sleep(LOAD_DELAY_S)  # (the load thread) a peer load as slow as one on two busy cores
+        return super()._add(metadata, name)
+
+
+def slow_loading_prefill(conn, spec) -> None:
+    """Worker process entry point: connector.sim.rank_process.run with the slow loader."""
+    import connector.engine.peers as peers  # noqa: PLC0415
+
+    peers.LoadedAgents = SlowLoadedAgents
+    rank_process.run(conn, spec)
+
+
+def test_a_load_slower_than_the_handshake_timeout_still_serves_the_request(m3, cluster, open_rank, capfd,
+                                                                          monkeypatch):
+    monkeypatch.setattr(rank_process, "run", slow_loading_prefill)  # what Cluster spawns
+    sc = scenario(m3, tokens=TOKENS, block_size=BLOCK, timeout_s=60.0)
+    prefills = cluster(sc, spawn=("prefill",))
+    decode = open_rank(sc.rank_spec("decode", (0, 0), run_id="t-slow-load"))
+    receiver = decode.receiver(ReceiverConfig(SideChannelConfig(handshake_timeout_s=HANDSHAKE_S),
+                                              transfer_timeout_s=60.0, kv_checksum=True))
+    _p, conn = prefills.prefill[(0, 0)]
+    tid = "t-slow-load"
+    prefills.ask(conn, ("start", tid, TOKENS, 0), 30, "prefill")
+    prefills.ask(conn, ("chunk", tid, 0, TOKENS, 0.0, "stream", "all"), 30, "prefill")  # computed: KV held
+    blocks = pick_blocks(TOKENS, BLOCK, decode.spec.num_blocks, seed=1)
+    with log_records("connector.engine.sources") as records:
+        result = decode.run(receiver.receive(tid, prefills.prefill_address, blocks, 0, TOKENS), 60)
+    assert result.bytes_written > 0 and result.checksummed_blocks > 0, result
+    retries = [r.getMessage() for r in records if "trying once more" in r.getMessage()]
+    assert len(retries) == 1, [r.getMessage() for r in records]
+    finished = prefills.ask(conn, ("finish", tid), 60, "prefill")
+    assert finished[1] is True, finished
+    logs = capfd.readouterr().err
+    assert "loading NIXL agent" in logs and "in NIXL" in logs, logs[-3000:]  # said where the time went
+    assert "has run nothing" not in logs, logs[-3000:]  # prefill's loop ran all along
