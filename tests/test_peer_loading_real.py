@@ -61,3 +61,27 @@ def test_a_load_slower_than_the_handshake_timeout_still_serves_the_request(m3, c
     logs = capfd.readouterr().err
     assert "loading NIXL agent" in logs and "in NIXL" in logs, logs[-3000:]  # said where the time went
     assert "has run nothing" not in logs, logs[-3000:]  # prefill's loop ran all along
+
+
+def test_connecting_early_takes_the_slow_load_out_of_the_first_request(m3, cluster, open_rank, monkeypatch):
+    """A decode that knows its prefill connects before the first request (StreamReceiver.connect_early): the slow
+    load is paid there, and the request then needs no handshake at all."""
+    monkeypatch.setattr(rank_process, "run", slow_loading_prefill)
+    sc = scenario(m3, tokens=TOKENS, block_size=BLOCK, timeout_s=60.0)
+    prefills = cluster(sc, spawn=("prefill",))
+    decode = open_rank(sc.rank_spec("decode", (0, 0), run_id="t-early"))
+    receiver = decode.receiver(ReceiverConfig(SideChannelConfig(handshake_timeout_s=HANDSHAKE_S),
+                                              transfer_timeout_s=60.0, kv_checksum=True))
+    decode.run(receiver.connect_early(prefills.prefill_address), 60)
+    engine = receiver.sources.by_address[prefills.prefill_address]
+    _p, conn = prefills.prefill[(0, 0)]
+    tid = "t-early"
+    prefills.ask(conn, ("start", tid, TOKENS, 0), 30, "prefill")
+    prefills.ask(conn, ("chunk", tid, 0, TOKENS, 0.0, "stream", "all"), 30, "prefill")
+    blocks = pick_blocks(TOKENS, BLOCK, decode.spec.num_blocks, seed=1)
+    with log_records("connector.transport.client") as client, log_records("connector.engine.sources") as sources:
+        result = decode.run(receiver.receive(tid, prefills.prefill_address, blocks, 0, TOKENS), 60)
+    assert result.checksummed_blocks > 0, result
+    assert not [r for r in client + sources if "handshake" in r.getMessage()]  # no handshake in the request
+    assert receiver.sources.by_address[prefills.prefill_address] is engine  # the early connections served it
+    assert prefills.ask(conn, ("finish", tid), 60, "prefill")[1] is True

@@ -119,6 +119,13 @@ class StreamReceiver:
         """Transfers still waiting, and lost prefill ranks still being asked whether they write (0 and 0: idle)."""
         return {"pending": len(self._pending), "confirming": len(self.sources.confirming)}
 
+    async def connect_early(self, prefill: PrefillAddress) -> None:
+        """Connect to every rank of the prefill engine at `prefill` now, before any request names it (a decode's
+        known prefill, a kv_both pair's other engine): each prefill rank loads this rank's NIXL agent then, which
+        on 2 busy cores took 8.7-10 s (issue 32), not inside the first request's time to first token. Raises
+        ConnectorError as `receive` does; a later `receive` through `prefill` uses these connections."""
+        await self.sources.engine(prefill)
+
     async def aclose(self) -> None:
         """Close every side-channel connection; every reader task is cancelled and awaited."""
         await self.sources.aclose()
