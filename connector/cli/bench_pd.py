@@ -1,4 +1,5 @@
-"""`python -m connector bench-pd`: argument checks and output for connector.pd.bench."""
+"""`python -m connector bench-pd`: argument checks and output for connector.pd.bench (which interleaves the modes
+round by round, so machine drift is not reported as a mode's overhead; connector.pd.interleave says why)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ MAX_MODEL_LEN = 32768
 def add_subcommand(subs: Any) -> None:
     p = subs.add_parser("bench-pd", help="TTFT of one vLLM engine vs PD pairs (SparseKVConnector concurrent and "
                                          "sequential, NixlConnector as shipped and clamped) on real engines")
-    p.add_argument("--requests", type=int_in(1, 10_000), default=30, help="measured requests per mode")
-    p.add_argument("--warmup", type=int_in(0, 100), default=3, help="requests per mode before measuring")
+    p.add_argument("--requests", type=int_in(1, 10_000), default=30,
+                   help="measured rounds; each round asks every mode once, the same prompt, in a rotating order")
+    p.add_argument("--warmup", type=int_in(0, 100), default=3, help="rounds before measuring")
     p.add_argument("--prompt-tokens", default="600,900,1000", help="prompt lengths in tokens, cycled")
     p.add_argument("--max-tokens", type=int_in(1, 1024), default=16, help="tokens generated per request")
     p.add_argument("--model", default="tiny", choices=sorted(MODELS) + list(SPARSE_MODELS),
@@ -36,6 +38,11 @@ def add_subcommand(subs: Any) -> None:
     p.add_argument("--no-pin", action="store_true",
                    help="let every engine use every core (default: prefill and local on core 0, decode on core 1, "
                         "as on separate nodes)")
+    p.add_argument("--max-engines", type=int_in(3, 64), default=None,
+                   help="engines that may run at once (default: what free memory holds at 2 GiB each); when the "
+                        "modes need more, they run in batches, each interleaved with the local engine")
+    p.add_argument("--settle-ms", type=int_in(0, 10_000), default=300,
+                   help="idle pause before each request, so the previous request's engines are idle again")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--report", type=Path, default=None, metavar="FILE",
                    help="run nothing: print the tables of a saved `bench-pd --json` run")
@@ -71,7 +78,8 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(requests=args.requests, warmup=args.warmup, prompt_lengths=lengths,
                        max_tokens=args.max_tokens, modes=modes, engine_python=args.engine_python,
                        work_dir=args.work_dir, pin=not args.no_pin, model=args.model,
-                       max_model_len=args.max_model_len)
+                       max_model_len=args.max_model_len, max_engines=args.max_engines,
+                       settle_ms=float(args.settle_ms))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -82,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise CliError(f"--report {args.report}: not a saved `bench-pd --json` run ({exc})") from None
         about = ", ".join(f"{k} {saved[k]}" for k in ("date", "model", "max_model_len", "load_average") if k in saved)
+        about += "" if saved.get("interleaved") else " (modes run one after another: overheads unpaired)"
         print(f"{about}\n\n{dump(results, False)}")
         return 0
     config = config_from(args)  # a CliError is printed as one line, exit code 2 (cli.main)

