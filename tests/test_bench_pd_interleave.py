@@ -124,3 +124,62 @@ def test_json_round_trips_and_runs_saved_before_interleaving_still_render():
     assert "| +30.0 ms (+30%) |" in text  # p50 against p50, as printed then
     assert "paired" not in text and "verdict" not in text
     assert json.loads(dump(from_json(old), as_json=True))["modes"][1]["overhead_p50_ms"] == 30.0
+
+
+class _FakeServer:
+    """Stands in for a VllmServer: records the signals bench-pd sends its process group."""
+
+    def __init__(self, name: str, log) -> None:
+        self.name, self.log, self.log_path = name, log, None
+
+    def signal(self, sig: int) -> None:
+        self.log.append((self.name, sig))
+
+
+def test_rounds_ask_every_mode_once_in_the_balanced_order_and_pair_each_with_local(monkeypatch):
+    """The runner without engines: fake endpoints answer with a made-up TTFT that drifts with the request count,
+    so the pairing (same round) and the bookkeeping can be checked; nothing is timed."""
+    import signal
+
+    from connector.pd import bench
+    from connector.pd.client import Completion
+
+    config = bench.BenchConfig(requests=4, warmup=1, prompt_lengths=(5, 7), settle_ms=0.0)
+    runner = bench.PdBench.__new__(bench.PdBench)
+    runner.config, runner.log, runner.reference = config, lambda line: None, {}
+    runner.prompts = [[3] * config.prompt_lengths[i % 2] for i in range(config.warmup + config.requests)]
+    asked: list[tuple[str, int]] = []
+    signals: list[tuple[str, int]] = []
+    monkeypatch.setattr(bench, "bytes_sent", lambda server: (100.0 * len(asked), 50.0 * len(asked)))
+
+    def endpoint(mode: str, extra_ms: float, spins: bool = False) -> bench.Endpoint:
+        def ask(prompt: list[int]) -> Completion:
+            asked.append((mode, len(prompt)))
+            drift_ms = 10.0 * len(asked)  # the machine slows down request by request
+            wrong = (mode, 3) == ("sparse-sequential", sum(m == mode for m, _ in asked))  # its 2nd measured answer
+            return Completion([9] if wrong else [len(prompt)], (len(prompt) + drift_ms + extra_ms) / 1e3, 1.0,
+                              kv_transfer_params={"transfer_id": f"t{len(asked)}"})
+        return bench.Endpoint(mode, [_FakeServer(mode, signals)], ask, spins=spins)
+
+    modes = ["local", "sparse-sequential", "nixl"]
+    endpoints = {"local": endpoint("local", 0.0), "sparse-sequential": endpoint("sparse-sequential", 5.0),
+                 "nixl": endpoint("nixl", 50.0, spins=True)}
+    tallies = {m: bench._Tally(ModeResult(m, 0, 0)) for m in modes}
+    runner._run_batch(modes, endpoints, tallies, count_local=True)
+
+    rounds = [asked[i:i + 3] for i in range(0, len(asked), 3)]
+    assert len(rounds) == 5 and [[m for m, _ in r] for r in rounds] == [round_order(modes, i) for i in range(5)]
+    assert all({n for _, n in r} == {len(runner.prompts[i])} for i, r in enumerate(rounds))  # one prompt a round
+    local, seq, nixl = (tallies[m].result for m in modes)
+    assert local.requests == seq.requests == nixl.requests == 4 and local.rounds == [0, 1, 2, 3]
+    assert local.local_ms == [] and seq.local_ms == local.ttft_ms == nixl.local_ms
+    assert seq.prompt_tokens == [7, 5, 7, 5] and seq.token_equal == 3  # one answer had other tokens
+    # each paired difference is the mode's cost plus the drift between its request and local's in that round
+    # (at most 2 requests apart: 20 ms): never the drift accumulated since the first round (up to 150 ms)
+    for r, cost_ms in ((seq, 5.0), (nixl, 50.0)):
+        assert all(abs(d - cost_ms) <= 20.0 for d in interleave.paired_differences(r.ttft_ms, r.local_ms))
+    assert [s for _, s in signals] == [signal.SIGCONT, signal.SIGSTOP] * 5  # nixl runs only for its own turns
+    assert tallies["sparse-sequential"].counted_bytes and tallies["nixl"].bytes_sent == 0.0
+    assert [a.transfer_id for a in tallies["sparse-sequential"].asked] == [
+        f"t{i * 3 + round_order(modes, i).index('sparse-sequential') + 1}" for i in range(1, 5)]
+    assert tallies["nixl"].asked == [None] * 4  # NixlConnector logs no timeline: nothing to join

@@ -259,47 +259,53 @@ class PdBench:
         its own samples are counted in the first only."""
         warmup = self.config.warmup
         for i, prompt in enumerate(self.prompts):
-            answers: dict[str, tuple[Completion, float]] = {}
-            for mode in interleave.round_order(batch, i):
-                ep = endpoints[mode]
-                if ep.spins:
-                    resume(ep.servers)
-                try:
-                    before = bytes_sent(ep.servers[0]) if mode.startswith("sparse") and i >= warmup else None
-                    time.sleep(self.config.settle_ms / 1e3)
-                    sent_at = time.time()
-                    out = ep.ask(prompt)
-                    if before is not None:
-                        after = bytes_sent(ep.servers[0])
-                        t = tallies[mode]
-                        t.bytes_sent += after[0] - before[0]
-                        t.bytes_during_compute += after[1] - before[1]
-                        t.counted_bytes = True
-                finally:
-                    if ep.spins:
-                        pause(ep.servers)
-                answers[mode] = (out, sent_at)
+            order = interleave.round_order(batch, i)
+            answers = {m: self._ask(endpoints[m], prompt, tallies[m] if i >= warmup else None) for m in order}
             local = answers["local"][0]
             self.reference.setdefault(i, local.token_ids)
             if i < warmup:
                 continue
             for mode in batch:
-                if mode == "local" and not count_local:
-                    continue
-                out, sent_at = answers[mode]
-                r = tallies[mode].result
-                r.requests += 1
-                r.token_equal += out.token_ids == self.reference[i]
-                r.ttft_ms.append(out.ttft_s * 1e3)
-                r.prompt_tokens.append(len(prompt))
-                r.rounds.append(i - warmup)
-                if mode != "local":
-                    r.local_ms.append(local.ttft_s * 1e3)
-                tid = (out.kv_transfer_params or {}).get("transfer_id") if mode.startswith("sparse") else None
-                tallies[mode].asked.append(None if not tid else timelines.ClientRequest(
-                    str(tid), len(prompt), sent_at, sent_at + out.ttft_s))
-            self.log(f"round {i - warmup + 1}/{self.config.requests} ({len(prompt)} tokens): " + ", ".join(
-                f"{m} {answers[m][0].ttft_s * 1e3:.0f} ms" for m in interleave.round_order(batch, i)))
+                if mode != "local" or count_local:
+                    self._record(tallies[mode], *answers[mode], prompt, i, local_ms=local.ttft_s * 1e3)
+            self.log(f"round {i - warmup + 1}/{self.config.requests} ({len(prompt)} tokens): "
+                     + ", ".join(f"{m} {answers[m][0].ttft_s * 1e3:.0f} ms" for m in order))
+
+    def _ask(self, ep: Endpoint, prompt: list[int], tally: _Tally | None) -> tuple[Completion, float]:
+        """One request of one mode, after the settle pause: its answer and when (time.time()) it was sent. A
+        measured request of a sparse mode (`tally` given) adds its pair's bytes-sent counters' increase to it."""
+        count_bytes = tally is not None and ep.mode.startswith("sparse")
+        if ep.spins:
+            resume(ep.servers)
+        try:
+            before = bytes_sent(ep.servers[0]) if count_bytes else None
+            time.sleep(self.config.settle_ms / 1e3)
+            sent_at = time.time()
+            out = ep.ask(prompt)
+            if tally is not None and before is not None:
+                after = bytes_sent(ep.servers[0])
+                tally.bytes_sent += after[0] - before[0]
+                tally.bytes_during_compute += after[1] - before[1]
+                tally.counted_bytes = True
+        finally:
+            if ep.spins:
+                pause(ep.servers)
+        return out, sent_at
+
+    def _record(self, tally: _Tally, out: Completion, sent_at: float, prompt: list[int], index: int,
+                local_ms: float) -> None:
+        """One measured answer into its mode's tally (local's TTFT of the same round beside it, for pairing)."""
+        r = tally.result
+        r.requests += 1
+        r.token_equal += out.token_ids == self.reference[index]
+        r.ttft_ms.append(out.ttft_s * 1e3)
+        r.prompt_tokens.append(len(prompt))
+        r.rounds.append(index - self.config.warmup)
+        if r.mode != "local":
+            r.local_ms.append(local_ms)
+        tid = (out.kv_transfer_params or {}).get("transfer_id") if r.mode.startswith("sparse") else None
+        tally.asked.append(None if not tid else timelines.ClientRequest(str(tid), len(prompt), sent_at,
+                                                                        sent_at + out.ttft_s))
 
     def _finish(self, tally: _Tally, ep: Endpoint) -> ModeResult:
         """Bytes per request and the timeline breakdown (the engines' logs are complete once they stopped)."""
