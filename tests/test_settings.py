@@ -35,7 +35,6 @@ INTERNAL = {
     ("ServerLimits", "auth_failure_delay_s"): "the cost of a guess; not a knob for operators",
     ("ServerLimits", "known_identities"): "bounds the guard's memory; far above any cluster's decode ranks",
     ("SenderConfig", "max_writes_per_destination"): "pipelining depth the engine was measured with",
-    ("SenderConfig", "poll_interval_s"): "hook pickup latency, measured",
     ("SenderConfig", "released_memory_s"): "how long finished ids are remembered",
     ("SenderConfig", "staging_ring_slots"): "staged chunks in flight per connection",
     ("SenderConfig", "stage_min_descriptors"): "when staging pays",

@@ -54,9 +54,28 @@ def test_a_stream_run_that_hid_little_and_a_failed_one():
     assert "little was hidden (10.0% streamed)" in demo_lines(result(streamed_pct=10.0), scenario())[-1]
     assert demo_lines(result(verified=False), scenario())[-1] == "  verdict: FAILED: some bytes differ on decode"
     assert bench_verdict({"verified": False}).startswith("FAILED")
-    assert "good" in bench_verdict({"verified": True, "connector_vs_raw": 1.1, "stream_vs_bulk_exposed": 0.05})
-    assert "slower than it should be" in bench_verdict({"verified": True, "connector_vs_raw": 0.3,
-                                                        "stream_vs_bulk_exposed": 0.05})
+    assert bench_verdict({"verified": True, "connector_vs_raw": 1.1, "stream_vs_bulk_exposed": 0.05}).startswith(
+        "good: ")
+    assert bench_verdict({"verified": True, "connector_vs_raw": 0.3, "stream_vs_bulk_exposed": 0.05}).startswith(
+        "NOT GOOD (connector_vs_raw;")
+
+
+@pytest.mark.parametrize("name, value", [("hook_us", 1021.37), ("compute_stretch", 2.4),
+                                         ("loop_cpu_ms_per_s_nothing_due", 14.5), ("streamed_pct", 40.0)])
+def test_every_yardstick_the_bench_prints_is_in_its_verdict(name, value):
+    """A bad hook, a stretched compute or a loop that polls while nothing is due is not 'good' (the verdict used to
+    read two numbers only, and said good beside a 1,021 us hook)."""
+    fine = {"verified": True, "connector_vs_raw": 1.0, "stream_vs_bulk_exposed": 0.05, "streamed_pct": 98.0,
+            "layer_ms": 8.0, "hook_us": 3.0, "compute_stretch": 1.01, "loop_cpu_ms_per_s_nothing_due": 0.9,
+            "loop_cpu_ms_per_s_idle": 0.5}
+    assert bench_verdict(fine).startswith("good: ")
+    verdict = bench_verdict(fine | {name: value})
+    assert verdict.startswith(f"NOT GOOD ({name};") and "(not good)" in verdict
+
+
+def test_the_demo_verdict_reads_the_hook():
+    assert demo_lines(result(hook_us=1021.37), scenario())[-1].startswith("  verdict: NOT GOOD: 98.0% of the bytes")
+    assert "layer_ready took 1021.37 us" in demo_lines(result(hook_us=1021.37), scenario())[-1]
 
 
 @pytest.mark.slow
@@ -74,8 +93,8 @@ def test_the_bench_gets_the_hidden_share_and_a_verdict():
                            "connector_vs_raw": 1.0})
     assert list(out) == ["bytes", "raw_gbps", "stream_exposed_ms", "stream_vs_bulk_exposed", "stream_hidden_pct",
                          "streamed_pct", "verified", "connector_vs_raw", "verdict"]
-    assert out["stream_hidden_pct"] == 90.0 and out["verdict"].startswith("bulk at 1.00x raw NIXL")
+    assert out["stream_hidden_pct"] == 90.0 and out["verdict"].startswith("good: bulk at 1.00x raw NIXL")
     lines = bench_lines(out)
     assert "# the share of the transfer (its bytes at raw_gbps) streaming hid behind compute; good: 50 or more" in \
         next(line for line in lines if "stream_hidden_pct" in line)
-    assert lines[-1].strip().startswith("verdict: bulk at")
+    assert lines[-1].strip().startswith("verdict: good: bulk at")

@@ -12,6 +12,10 @@ GOOD_STREAMED_PCT = 90.0
 GOOD_HIDDEN_PCT = 50.0
 GOOD_VS_RAW = 0.8
 GOOD_HOOK_US = 20.0
+GOOD_STRETCH = 1.05
+"""The simulated compute at most 5% over its nominal length: the forward hardly waited for the connector."""
+GOOD_LOOP_MS_PER_S = 1.0
+"""The loop thread's CPU while a request computes and nothing is due: at most this much over idle (ms per s)."""
 
 BENCH_NOTES = {
     "raw_gbps": "raw NIXL on the connector's own block ranges, one WRITE: the yardstick for connector_gbps",
@@ -29,7 +33,20 @@ BENCH_NOTES = {
                          f"{GOOD_HIDDEN_PCT:g} or more",
     "streamed_pct": f"bytes in decode's blocks before compute ended (stream runs); good: {GOOD_STREAMED_PCT:g} or "
                     f"more; 0 is expected with --layer-ms 0 (no compute to hide behind)",
-    "hook_us": f"the per-layer hook's median (it only queues the layer); good: under {GOOD_HOOK_US:g}",
+    "hook_us": f"the per-layer hook's median wall time (it only queues the layer); good: under {GOOD_HOOK_US:g}",
+    "hook_us_p90": "its 90th percentile: a hook that hands the GIL to the loop shows here (up to 5,000 us)",
+    "hook_cpu_us": "the CPU the hook's own thread used; the rest of hook_us was waiting (for the GIL)",
+    "compute_stretch": f"stream runs' simulated compute over its nominal length (1.0: the forward never waited for "
+                       f"the connector); good: {GOOD_STRETCH:g} or less",
+    "compute_stretch_runs": "p50 [min..max] over the stream runs: the run-to-run noise",
+    "compute_stretch_bulk": "the same in bulk runs (no hooks): what this machine's noise alone stretches",
+    "loop_cpu_ms_per_s_streaming": "the event loop thread's CPU per second of compute while layers stream",
+    "other_cpu_ms_per_s_streaming": "NIXL's threads (post, progress, poll) meanwhile: the copies themselves on DRAM",
+    "loop_cpu_ms_per_s_nothing_due": f"the loop while a registered request computes with no layer due (bulk runs); "
+                                     f"good: within {GOOD_LOOP_MS_PER_S:g} of idle",
+    "other_cpu_ms_per_s_nothing_due": "NIXL's threads meanwhile",
+    "loop_cpu_ms_per_s_idle": "the loop with nothing at all to do (the worse of one second before and after)",
+    "other_cpu_ms_per_s_idle": "NIXL's threads and the watchdog, idle",
     "staging_mb": "0 on CPU memory is the default (staging pays off on GPU memory only)",
     "staged_chunks": "0 whenever staging is off or the blocks come in long runs: expected",
     "layer_ms": "prefill's simulated compute per layer (from compute_tflops unless --layer-ms)",
@@ -59,15 +76,45 @@ def bench_lines(out: dict[str, Any]) -> list[str]:
     return lines
 
 
+def bench_checks(out: dict[str, Any]) -> list[tuple[str, bool, str]]:
+    """(yardstick, good?, what it says) for every yardstick the bench printed (those absent are skipped)."""
+    checks = []
+    if "connector_vs_raw" in out:
+        vs_raw = out["connector_vs_raw"]
+        checks.append(("connector_vs_raw", vs_raw >= GOOD_VS_RAW,
+                       f"bulk at {vs_raw:.2f}x raw NIXL on the same descriptors"))
+    if "stream_vs_bulk_exposed" in out:
+        ratio = out["stream_vs_bulk_exposed"]
+        checks.append(("stream_vs_bulk_exposed", ratio <= 0.2,
+                       f"streaming leaves {ratio:.0%} of bulk's exposed time after compute"))
+    if out.get("streamed_pct") is not None and out.get("layer_ms"):
+        checks.append(("streamed_pct", out["streamed_pct"] >= GOOD_STREAMED_PCT,
+                       f"{out['streamed_pct']}% streamed during compute"))
+    if out.get("stream_hidden_pct") is not None:
+        checks.append(("stream_hidden_pct", out["stream_hidden_pct"] >= GOOD_HIDDEN_PCT,
+                       f"{out['stream_hidden_pct']}% of the transfer hidden"))
+    if out.get("hook_us"):
+        checks.append(("hook_us", out["hook_us"] <= GOOD_HOOK_US, f"hook {out['hook_us']} us"))
+    if out.get("compute_stretch"):
+        checks.append(("compute_stretch", out["compute_stretch"] <= GOOD_STRETCH,
+                       f"compute stretched {out['compute_stretch']}x"))
+    if "loop_cpu_ms_per_s_nothing_due" in out and "loop_cpu_ms_per_s_idle" in out:
+        over = out["loop_cpu_ms_per_s_nothing_due"] - out["loop_cpu_ms_per_s_idle"]
+        checks.append(("loop_cpu_ms_per_s_nothing_due", over <= GOOD_LOOP_MS_PER_S,
+                       f"the loop uses {over:+.2f} ms/s over idle while nothing is due"))
+    return checks
+
+
 def bench_verdict(out: dict[str, Any]) -> str:
+    """`good: ...` when every yardstick is good, else `NOT GOOD (the ones that are not): ...`: each says its number."""
     if not out.get("verified"):
         return "FAILED: some bytes differ on decode (see problems)"
-    vs_raw, ratio = out.get("connector_vs_raw", 0), out.get("stream_vs_bulk_exposed", 1)
-    parts = [f"bulk at {vs_raw:.2f}x raw NIXL on the same descriptors ("
-             f"{'good' if vs_raw >= GOOD_VS_RAW else 'slower than it should be: a busy machine?'})",
-             f"streaming leaves {ratio:.0%} of bulk's exposed time after compute "
-             f"({'good' if ratio <= 0.2 else 'little is hidden: is there compute to hide behind?'})"]
-    return "; ".join(parts)
+    checks = bench_checks(out)
+    bad = [name for name, ok, _ in checks if not ok]
+    said = "; ".join(f"{text} ({'good' if ok else 'not good'})" for _name, ok, text in checks)
+    if not bad:
+        return f"good: {said}"
+    return f"NOT GOOD ({', '.join(bad)}; a busy machine shows here too: run again to tell): {said}"
 
 
 def hidden_pct(exposed_ms: float, nbytes: int, raw_gbps: float) -> float | None:
@@ -115,11 +162,16 @@ def zero_reason(sc: Any) -> str:
 def demo_verdict(r: Any, sc: Any, hidden: float | None) -> str:
     if not r.verified:
         return "FAILED: some bytes differ on decode"
+    hook_bad = sc.mode != "bulk" and r.hook_us > GOOD_HOOK_US
+    hook_note = (f"; but layer_ready took {r.hook_us} us (over {GOOD_HOOK_US:g} us: the forward waited for the "
+                 f"connector)") if hook_bad else ""
     why = zero_reason(sc)
     if why:
         return f"as expected: {why.split(': ', 1)[1]} (the exposed time is the whole transfer); --mode stream " \
-               f"with compute shows what streaming hides"
-    if r.streamed_pct >= GOOD_STREAMED_PCT and (hidden is None or hidden >= GOOD_HIDDEN_PCT):
+               f"with compute shows what streaming hides{hook_note}"
+    if r.streamed_pct >= GOOD_STREAMED_PCT and (hidden is None or hidden >= GOOD_HIDDEN_PCT) and not hook_bad:
         return f"good: {r.streamed_pct}% of the bytes left while prefill computed, {r.exposed_ms} ms showed after it"
+    if r.streamed_pct >= GOOD_STREAMED_PCT and (hidden is None or hidden >= GOOD_HIDDEN_PCT):
+        return f"NOT GOOD: {r.streamed_pct}% of the bytes left while prefill computed{hook_note}"
     return (f"little was hidden ({r.streamed_pct}% streamed): per-layer compute shorter than a layer's transfer, "
-            f"or a machine too busy to overlap them (--layer-ms sets the compute)")
+            f"or a machine too busy to overlap them (--layer-ms sets the compute){hook_note}")

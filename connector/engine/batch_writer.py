@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from connector.core.checksums import source_rows, transfer_spans
-from connector.core.descriptors import Descriptors, batch_descriptors, batch_pool_bytes
+from connector.core.descriptors import (Descriptors, LayerDescriptors, batch_descriptors, batch_pool_bytes,
+                                        span_descriptors)
 from connector.core.layout import blocks_for
 from connector.core.staging_ranges import batch_segments
 from connector.engine.config import SenderConfig
@@ -69,13 +70,38 @@ class BatchWriter:
         return self.config.stage_below_bytes or (4 << 20 if self.me.mem_type == "VRAM" else 64 << 10)
 
     def descriptors(self, req: SendRequest, dest: Destination, batch: list[tuple[int, int]]) -> Descriptors:
-        return batch_descriptors(self.me.by_key, dest.peer.accepted.regions, dest.layer_routes,
-                                 self._spans(dest, batch), req.block_ids, dest.register.groups, self._nulls(dest))
+        spans = self._spans(dest, batch)
+        cached = self._by_layer(req, dest, spans)
+        if cached is not None:
+            return cached.take(layer for layer, _ in batch)
+        return batch_descriptors(self.me.by_key, dest.peer.accepted.regions, dest.layer_routes, spans,
+                                 req.block_ids, dest.register.groups, self._nulls(dest))
 
-    def pool_bytes(self, dest: Destination, batch: list[tuple[int, int]]) -> dict[str, int]:
+    def pool_bytes(self, req: SendRequest, dest: Destination, batch: list[tuple[int, int]]) -> dict[str, int]:
         """What `descriptors` of the same batch move, per pool."""
-        return batch_pool_bytes(self.me.by_key, dest.peer.accepted.regions, dest.layer_routes, self._spans(dest, batch),
+        spans = self._spans(dest, batch)
+        cached = self._by_layer(req, dest, spans)
+        if cached is not None:
+            return cached.pool_bytes(layer for layer, _ in batch)
+        return batch_pool_bytes(self.me.by_key, dest.peer.accepted.regions, dest.layer_routes, spans,
                                 dest.register.groups, dest.peer.hello.null_block)
+
+    def _by_layer(self, req: SendRequest, dest: Destination,
+                  spans: list[tuple[int, int, int]]) -> LayerDescriptors | None:
+        """Every layer's descriptors for the block span the batch's layers share, built once per chunk (the first
+        batch of a span builds them for all of `dest`'s layers, the next ones slice them); None when the layers'
+        spans differ (a registration that came late, a restart), which takes the general path. The cache is keyed
+        by the block-id lists themselves (a new chunk or a restart gives new ones) and the generation."""
+        if not spans or any(span[1:] != spans[0][1:] for span in spans):
+            return None
+        key = (spans[0][1], spans[0][2], req.generation)
+        hit = dest.by_layer
+        if hit is not None and hit[0] == key and hit[1] is req.block_ids:
+            return hit[2]
+        built = span_descriptors(self.me.by_key, dest.peer.accepted.regions, dest.layer_routes, key[0], key[1],
+                                 req.block_ids, dest.register.groups, self._nulls(dest))
+        dest.by_layer = (key, req.block_ids, built)
+        return built
 
     def _nulls(self, dest: Destination) -> tuple[int, int]:
         """(prefill's, decode's) null block: positions decode's holds are not sent."""

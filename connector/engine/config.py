@@ -42,9 +42,6 @@ class SenderConfig:
     write_timeout_s: float = 60.0
     """One WRITE (or staged chunk), from admission to completion."""
     max_writes_per_destination: int = 2
-    poll_interval_s: float = 0.01
-    """While a computing request has a decode rank to write to, the longest a layer hook can wait to be picked up
-    (a backstop for one race; hooks wake the loop themselves: see `StreamSender.layer_ready`)."""
     released_memory_s: float = 600.0
     """How long a finished transfer id is remembered, so a late registration for it is refused clearly."""
     given_up_keep_s: float = 2.0

@@ -55,7 +55,7 @@ class StreamSender:
         """Requests started and not released (the ownership's table, read here on every path)."""
         self._tasks = OwnedTasks(f"prefill rank {me.rank}")
         self._server: ControlServer | None = None
-        self._inbox = Inbox(loop, config.poll_interval_s, f"prefill rank {me.rank}")
+        self._inbox = Inbox(loop, f"prefill rank {me.rank}")
         self.hello = me.hello("prefill", transport)
         self._table = PeerTable(transport, self.hello, me.model, me.rank, config)
         self._last_refusal = ""
@@ -312,9 +312,9 @@ class StreamSender:
     def _note_streaming(self, req: SendRequest) -> None:
         """Whether `req`'s layer hooks must wake the loop: it still computes and some decode rank waits for it."""
         if not req.all_computed and any(not d.done for d in req.dests.values()):
-            self._inbox.streaming.add(req.transfer_id)
+            self._inbox.stream(req.transfer_id)
         else:
-            self._inbox.streaming.discard(req.transfer_id)
+            self._inbox.unstream(req.transfer_id)
 
     async def _write_batch(self, req: SendRequest, dest: Destination, batch: list[tuple[int, int]]) -> None:
         req.first_write_at = req.first_write_at or time.time()
@@ -323,7 +323,7 @@ class StreamSender:
         during_compute = not req.all_computed
         layers = [layer for layer, _ in batch]
         generation = req.generation
-        by_pool = self.writer.pool_bytes(dest, batch)  # before sent_tokens moves on: the spans this WRITE moves
+        by_pool = self.writer.pool_bytes(req, dest, batch)  # before sent_tokens moves on: the spans this WRITE moves
         dest.peer.write_started()  # its agent stays loaded until this is done
         try:
             descs = await self.writer.write(req, dest, batch, lambda ok, why: self._chunk_answered(req, dest, ok, why))
@@ -421,7 +421,7 @@ class StreamSender:
                           why="some decode ranks failed" if req.failed else "all decode ranks completed")
 
     def _release(self, req: SendRequest, ok: bool, why: str) -> None:
-        self._inbox.streaming.discard(req.transfer_id)
+        self._inbox.unstream(req.transfer_id)
         if not self.ownership.release(req, time.monotonic(), FinishedInfo(ok, req.first_write_at)):
             return
         if ok:

@@ -45,6 +45,9 @@ class Destination:
     descriptors: int = 0
     staged_chunks: int = 0
     done: bool = False
+    by_layer: Any = None
+    """(span key, the request's block-id lists, LayerDescriptors): this chunk's descriptors for every layer, built
+    with the first batch (connector.engine.batch_writer)."""
 
 
 @dataclass

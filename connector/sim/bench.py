@@ -40,6 +40,43 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
+def spread(values: list[float], digits: int = 2) -> str:
+    """`p50 [min..max]` of a few runs: how far one run may be from another."""
+    return f"{percentile(values, 50):.{digits}f} [{min(values):.{digits}f}..{max(values):.{digits}f}]"
+
+
+def forward_costs(streams: list, bulks: list, idle: list) -> dict[str, Any]:
+    """What the connector cost prefill's forward thread and its process (connector.sim.costs), from the stream and
+    bulk runs' chunks and the idle windows measured before and after them. `compute_stretch`: the simulated
+    compute's length over its nominal one (1.0: the forward never waited). In bulk runs a decode rank is registered
+    but no hook fires, so nothing is due until compute ends: their loop CPU is "computing, nothing due"."""
+    hooks = [c for r in streams for c, _ in r.costs]
+    wall = [ns / 1e3 for c in hooks for ns in c.wall_ns]
+    cpu = [ns / 1e3 for c in hooks for ns in c.cpu_ns]
+
+    def stretch(runs: list) -> list[float]:
+        return [sum(c.layer_s) / max(sum(c.nominal_s), 1e-9) for r in runs for c, _ in r.costs]
+
+    def per_s(runs: list, what: str) -> list[float]:
+        return [w.per_s(getattr(w, what)) for r in runs for _, w in r.costs]
+
+    out: dict[str, Any] = {
+        "hook_us": round(percentile(wall, 50), 2) if wall else 0.0,
+        "hook_us_p90": round(percentile(wall, 90), 2) if wall else 0.0,
+        "hook_cpu_us": round(percentile(cpu, 50), 2) if cpu else 0.0,
+        "compute_stretch": round(percentile(stretch(streams), 50), 3),
+        "compute_stretch_runs": spread(stretch(streams), 3),
+        "compute_stretch_bulk": round(percentile(stretch(bulks), 50), 3),
+        "loop_cpu_ms_per_s_streaming": round(percentile(per_s(streams, "loop_ns"), 50), 3),
+        "other_cpu_ms_per_s_streaming": round(percentile(per_s(streams, "other_ns"), 50), 3),
+        "loop_cpu_ms_per_s_nothing_due": round(percentile(per_s(bulks, "loop_ns"), 50), 3),
+        "other_cpu_ms_per_s_nothing_due": round(percentile(per_s(bulks, "other_ns"), 50), 3),
+        "loop_cpu_ms_per_s_idle": round(max(w.per_s(w.loop_ns) for w in idle), 3),
+        "other_cpu_ms_per_s_idle": round(max(w.per_s(w.other_ns) for w in idle), 3),
+    }
+    return out
+
+
 def threaded_piece_bytes(nbytes: int) -> int:
     """Piece size of the threaded baseline: the largest (4 KiB multiple) that still makes at least 4096 pieces; never
     under 64 KiB, where the cost per descriptor would start to show. NIXL spreads a WRITE over its threads from 1024
@@ -55,7 +92,8 @@ def bench(sc: Scenario, progress: bool = False, repeats: int = 5, compute: tuple
     model takes for `sc.tokens` at that speed. `plot`: a PNG of one bulk and one stream run's per-layer timeline.
     `checksum`: a sixth kind, bulk runs decode verifies end to end (kv_checksum), and what that costs."""
     one = ParallelLayout.build(sc.model.num_layers, 1, 1)
-    sc = dataclasses.replace(sc, prefill=one, decode=one, chunks=1, prefix_tokens=0, late_register=False)
+    sc = dataclasses.replace(sc, prefill=one, decode=one, chunks=1, prefix_tokens=0, late_register=False,
+                             fill_ahead=True)  # the compute is sleep alone: its stretch is the connector's
     layer_ms = sc.layer_ms
     if compute is not None:
         from connector.core.compute import prefill_ms  # noqa: PLC0415
@@ -77,6 +115,7 @@ def bench(sc: Scenario, progress: bool = False, repeats: int = 5, compute: tuple
                 "prefill (0, 0)")
             return seconds, nbytes, count
 
+        idle = [cluster.ask(prefill_conn, ("idle", 1.0), sc.timeout_s, "prefill (0, 0)")[1]]
         hooks_before = len(cluster.hook_ns)
         for _ in range(repeats):
             raws.append(raw(False))
@@ -91,6 +130,7 @@ def bench(sc: Scenario, progress: bool = False, repeats: int = 5, compute: tuple
                 summed.append(cluster.run_request(next(seq), seed=0, mode="bulk", layer_ms=layer_ms, checksum=True))
                 bar.step("connector bulk, checksums")
         hook_ns = cluster.hook_ns[hooks_before:]
+        idle.append(cluster.ask(prefill_conn, ("idle", 1.0), sc.timeout_s, "prefill (0, 0)")[1])
     raw_bytes, raw_descs = raws[0][1], raws[0][2]
     raw_gbps = raw_bytes / statistics.median(r[0] for r in raws) / 1e9
     coalesced_gbps = coalesced[0][1] / statistics.median(r[0] for r in coalesced) / 1e9
@@ -116,7 +156,7 @@ def bench(sc: Scenario, progress: bool = False, repeats: int = 5, compute: tuple
         "stream_exposed_ms_p99": round(percentile(stream_ms, 99), 2),
         "stream_vs_bulk_exposed": round(percentile(stream_ms, 50) / max(percentile(bulk_ms, 50), 1e-9), 3),
         "streamed_pct": round(100.0 * statistics.median(r.streamed_bytes / max(1, r.bytes) for r in streams), 1),
-        "hook_us": round(statistics.median(hook_ns) / 1e3, 2) if hook_ns else 0.0,
+        **forward_costs(streams, bulks, idle),
         "staging_mb": sc.staging,
         "staged_chunks": bulks[0].staged_chunks,
         "nixl_descriptors_bulk": bulks[0].nixl_descriptors,

@@ -41,6 +41,7 @@ class Scenario:
     prefix_tokens: int = 0             # decode prefix-cache hit (block-aligned): not transferred
     late_register: bool = False        # decode registers only after prefill finished (bulk fallback path)
     hook_layers: str = "all"           # all | even: which layers get layer_ready (the rest are swept)
+    fill_ahead: bool = False           # write the content before compute: a layer is layer_ms of sleep alone
     run_blocks: int = 1                # block allocation: runs of this many consecutive ids (1 = scattered)
     staging_mb: int | None = None      # per rank staging buffer (connector.engine.staging); 0 = direct WRITEs
                                        # only; None = the default for the device (connector.engine.config)
@@ -102,6 +103,8 @@ class RequestResult:
     """Every batch the prefill ranks posted: (layers, bytes, posted, written, landed, staged chunks), time.time()."""
     checksummed_blocks: int = 0
     """`kv_checksum`: (route, block) digests the decode ranks compared with prefill's, all equal."""
+    costs: list[tuple] = field(default_factory=list)
+    """Per prefill chunk: (connector.sim.costs.HookCosts, CpuSplit) of the rank that computed it."""
 
     @property
     def exposed_s(self) -> float:
@@ -233,14 +236,15 @@ class Cluster:
         for rank, (_p, conn) in self.prefill.items():
             self.ask(conn, ("start", tid, sc.tokens, seed), t, ("prefill", rank))
         bounds = [round(sc.tokens * (c + 1) / sc.chunks) for c in range(sc.chunks)]
-        t0, starts, ends, hooks, computed = 0, [], [], [], {}
+        t0, starts, ends, hooks, computed, costs = 0, [], [], [], {}, []
         for t1 in bounds:
             for stage in range(sc.prefill.pp):
                 ranks = [r for r in self.prefill if r[0] == stage]
                 for r in ranks:
-                    self.prefill[r][1].send(("chunk", tid, t0, t1, layer_ms, mode, sc.hook_layers))
+                    self.prefill[r][1].send(("chunk", tid, t0, t1, layer_ms, mode, sc.hook_layers, sc.fill_ahead))
                 for r in ranks:
-                    _, start, end, hook_ns, layer_done = self.reply(self.prefill[r][1], t, ("prefill", r))
+                    _, start, end, hook_ns, layer_done, cost = self.reply(self.prefill[r][1], t, ("prefill", r))
+                    costs.append(cost)
                     starts.append(start)
                     ends.append(end)
                     hooks += hook_ns
@@ -262,7 +266,8 @@ class Cluster:
             staged_chunks=sum(out[5] for out in decode_out), compute_start=min(starts), compute_end=max(ends),
             first_post=min(posts) if posts else max(ends), last_complete=max(out[4] for out in decode_out),
             nixl_posts=sum(n[0] for n in nixl), nixl_descriptors=sum(n[1] for n in nixl), layer_computed=computed,
-            timeline=[t for s in prefill_stats for t in s[3]], checksummed_blocks=sum(out[6] for out in decode_out))
+            timeline=[t for s in prefill_stats for t in s[3]], checksummed_blocks=sum(out[6] for out in decode_out),
+            costs=costs)
 
     def raw_gbps(self, seed: int) -> float:
         """Raw NIXL's rate on request `seed`'s block ranges into the blocks decode registered last (written over

@@ -80,6 +80,12 @@ def _serve(conn: Any, handlers: dict[str, Any]) -> None:
             conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}"))
 
 
+async def _native_id() -> int:
+    import threading  # noqa: PLC0415
+
+    return threading.get_native_id()
+
+
 def pick_request_blocks(spec: RankSpec, tokens: int, seed: int) -> list[list[int]]:
     from connector.sim.buffers import pick_blocks  # noqa: PLC0415 - torch
 
@@ -95,9 +101,20 @@ class PrefillCommands:
         self.blocks: dict[str, list[list[int]]] = {}
         self._nixl = (0, 0)
         """The transport's (posts, descriptors) when the last request finished: a request's share is the change."""
+        self.loop_tid = rank.run(_native_id(), 10)
+        """The event loop thread's native id (connector.sim.costs counts its CPU apart)."""
 
     def handlers(self) -> dict[str, Any]:
-        return {"start": self.start, "chunk": self.chunk, "finish": self.finish, "raw": self.raw, "state": self.state}
+        return {"start": self.start, "chunk": self.chunk, "finish": self.finish, "raw": self.raw, "state": self.state,
+                "idle": self.idle}
+
+    def idle(self, seconds: float) -> tuple:
+        """The CPU this process's threads use over `seconds` with nothing to do (the baseline of `chunk`'s)."""
+        from connector.sim.costs import CpuWindow  # noqa: PLC0415
+
+        with CpuWindow(self.loop_tid) as window:
+            time.sleep(seconds)
+        return ("idle", window.split)
 
     def state(self) -> tuple:
         """What this rank holds: requests, peers and connections (tests check they return to their baseline after
@@ -128,32 +145,46 @@ class PrefillCommands:
         self.sender.start_request(tid, tokens, secret)
         return ("ok",)
 
-    def chunk(self, tid: str, t0: int, t1: int, layer_ms: float, mode: str, hook_layers: str) -> tuple:
+    def chunk(self, tid: str, t0: int, t1: int, layer_ms: float, mode: str, hook_layers: str,
+              fill_ahead: bool = False) -> tuple:
+        """Compute layers (fill them, then sleep out the rest of `layer_ms`) and call the hooks as vLLM does. The
+        reply's last item says what the connector cost this thread and the process (connector.sim.costs).
+        `fill_ahead`: write every layer's content before the compute starts, so a layer's compute is `layer_ms` of
+        sleep alone (a GPU forward: the device computes, the thread waits) and any stretch is the connector's."""
         import torch  # noqa: PLC0415 - loaded already (SimRank)
 
+        from connector.sim.costs import CpuWindow, HookCosts  # noqa: PLC0415
+
         cuda = self.spec.device.startswith("cuda")
-        self.sender.begin_chunk(tid, self.blocks[tid], t1)
-        hooks, start_t, computed = [], time.time(), {}
-        for layer in range(*self.sender.me.stage):
-            began = time.perf_counter()
+        costs, window = HookCosts(), CpuWindow(self.loop_tid)
+        layers = range(*self.sender.me.stage)
+        for layer in layers if fill_ahead else ():
             self.rank.bufs.fill(layer, self.blocks[tid], t0, t1)
-            event = None
+        with window:
+            self.sender.begin_chunk(tid, self.blocks[tid], t1)
+            start_t, computed = time.time(), {}
+            for layer in layers:
+                began = time.perf_counter()
+                if not fill_ahead:
+                    self.rank.bufs.fill(layer, self.blocks[tid], t0, t1)
+                event = None
+                if cuda:
+                    event = torch.cuda.Event()
+                    event.record()
+                filled = time.perf_counter() - began
+                left = layer_ms / 1e3 - filled
+                if left > 0:
+                    time.sleep(left)
+                computed[layer] = time.time()
+                if mode == "stream" and (hook_layers == "all" or layer % 2 == 0):
+                    costs.time_hook(self.sender.layer_ready, tid, layer, event)
+                costs.layer_s.append(time.perf_counter() - began)
+                costs.nominal_s.append(max(layer_ms / 1e3, filled))
             if cuda:
-                event = torch.cuda.Event()
-                event.record()
-            left = layer_ms / 1e3 - (time.perf_counter() - began)
-            if left > 0:
-                time.sleep(left)
-            computed[layer] = time.time()
-            if mode == "stream" and (hook_layers == "all" or layer % 2 == 0):
-                h0 = time.perf_counter_ns()
-                self.sender.layer_ready(tid, layer, event)
-                hooks.append(time.perf_counter_ns() - h0)
-        if cuda:
-            torch.cuda.synchronize()
-        end_t = time.time()
+                torch.cuda.synchronize()
+            end_t = time.time()
         self.sender.end_chunk(tid)  # the sweep: layers without a hook, and the whole request in bulk mode
-        return ("chunk_done", start_t, end_t, hooks, computed)
+        return ("chunk_done", start_t, end_t, costs.wall_ns, computed, (costs, window.split))
 
     def finish(self, tid: str) -> tuple:
         timeout = self.spec.timeout_s
