@@ -45,6 +45,7 @@ from connector.pd import flows  # noqa: E402
 from connector.pd.client import complete, completion_body, prompt_ids  # noqa: E402
 from connector.pd.servers import (DEFAULT_ENGINE_PYTHON, ServerSpec, VllmServer, metric,  # noqa: E402
                                   sparse_kv_config)
+from connector.pd.timelines import read_logs  # noqa: E402
 from connector.transport.ports import free_ports  # noqa: E402
 
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
@@ -113,6 +114,11 @@ def by_process(windows: list[dict[str, float]]) -> dict[str, float]:
     return {k: round(sum(w.get(k, 0.0) for w in windows), 2) for k in sorted({k for w in windows for k in w})}
 
 
+def spread(values: list[float]) -> dict[str, float]:
+    return {"n": len(values), "min": round(min(values), 4), "median": round(statistics.median(values), 4),
+            "mean": round(statistics.fmean(values), 4), "max": round(max(values), 4)}
+
+
 def measure_decode(model: Path, work: Path, args: argparse.Namespace) -> None:
     side = free_ports(1)
     pre = ServerSpec("prefill", model, free_ports(1), kv_transfer_config=sparse_kv_config(
@@ -121,7 +127,8 @@ def measure_decode(model: Path, work: Path, args: argparse.Namespace) -> None:
         prefill.wait_healthy()
         for interval_s in args.interval_s:
             dec = ServerSpec("decode", model, free_ports(1), kv_transfer_config=sparse_kv_config(
-                "kv_consumer", load_by="module_path", holding_step_interval_s=interval_s), env=engine_env(),
+                "kv_consumer", load_by="module_path", holding_step_interval_s=interval_s, log_timeline=True),
+                env=engine_env(),
                 extra_args=("--distributed-executor-backend", args.executor) if args.executor else ())
             with VllmServer(dec, args.python, work) as decode:
                 decode.wait_healthy()
@@ -131,7 +138,9 @@ def measure_decode(model: Path, work: Path, args: argparse.Namespace) -> None:
 
 def decode_case(prefill_url: str, side_channel: str, decode: VllmServer, interval_s: float,
                 args: argparse.Namespace) -> dict:
-    flows.concurrent(prefill_url, side_channel, decode.url, prompt_ids(args.prompt, seed=99), 2)  # warm both up
+    warm = uuid.uuid4().hex
+    flows.concurrent(prefill_url, side_channel, decode.url, prompt_ids(args.prompt, seed=99), 2,
+                     transfer_id=warm)  # warm both up
     time.sleep(3.0)  # start-up work settles
     idle = window(decode.pid, args.window_s)
     tid, secret = uuid.uuid4().hex, secrets.token_urlsafe(16)
@@ -155,12 +164,16 @@ def decode_case(prefill_url: str, side_channel: str, decode: VllmServer, interva
     leg.join(120)
     ttft = [flows.concurrent(prefill_url, side_channel, decode.url, prompt_ids(args.prompt, seed=100 + i), 2).ttft_s
             for i in range(args.requests)]
+    time.sleep(1.0)  # the last timeline line is written
+    tell = {t: max(r["told"] - r["landed"] for r in sides["decode"])  # KV in place -> vLLM heard (get_finished)
+            for t, sides in read_logs([decode.log_path]).items() if sides.get("decode") and t != warm}
+    late = tell.pop(tid, None)
     return {"mode": "decode", "executor": args.executor or "default", "holding_step_interval_s": interval_s,
             "window_s": args.window_s, "idle_cpu_s": idle, "waiting_cpu_s_per_window": [w["total"] for w in waiting],
             "waiting_cpu_s_by_process_per_window": waiting, "waiting_cpu_s_by_process": by_process(waiting),
             "kv_to_first_token_s": round(got["first_token_at"] - prefill_done, 4) if got else None,
-            "ttft_s": {"n": len(ttft), "min": round(min(ttft), 4), "median": round(statistics.median(ttft), 4),
-                       "mean": round(statistics.fmean(ttft), 4), "max": round(max(ttft), 4)},
+            "late_tell_s": round(late, 4) if late is not None else None, "ttft_s": spread(ttft),
+            "tell_s": spread(list(tell.values())) if tell else None,
             "log": str(decode.log_path)}
 
 
