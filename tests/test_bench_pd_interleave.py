@@ -38,6 +38,15 @@ def test_round_order_rotates_every_mode_through_every_position():
     assert round_order([], 3) == []
 
 
+@pytest.mark.parametrize("modes, lengths", [(4, 2), (3, 2), (3, 3), (2, 2), (5, 3), (4, 1)])
+def test_every_prompt_length_meets_every_order(modes, lengths):
+    names = [f"m{i}" for i in range(modes)]
+    rows = {tuple(r) for r in williams_rows(modes)}
+    for length in range(lengths):
+        rounds = range(length, len(rows) * lengths * 2, lengths)  # the rounds that use this prompt length
+        assert {tuple(int(m[1:]) for m in round_order(names, i, cycle=lengths)) for i in rounds} == rows
+
+
 def test_modes_sharing_a_pair_count_its_engines_once_and_land_in_one_batch():
     modes = ordered_modes(("sparse-concurrent", "nixl", "sparse-sequential", "local"))
     assert modes == ["local", "sparse-concurrent", "sparse-sequential", "nixl"]
@@ -168,7 +177,7 @@ def test_rounds_ask_every_mode_once_in_the_balanced_order_and_pair_each_with_loc
     runner._run_batch(modes, endpoints, tallies, count_local=True)
 
     rounds = [asked[i:i + 3] for i in range(0, len(asked), 3)]
-    assert len(rounds) == 5 and [[m for m, _ in r] for r in rounds] == [round_order(modes, i) for i in range(5)]
+    assert [[m for m, _ in r] for r in rounds] == [round_order(modes, i, cycle=2) for i in range(5)]
     assert all({n for _, n in r} == {len(runner.prompts[i])} for i, r in enumerate(rounds))  # one prompt a round
     local, seq, nixl = (tallies[m].result for m in modes)
     assert local.requests == seq.requests == nixl.requests == 4 and local.rounds == [0, 1, 2, 3]
@@ -181,5 +190,5 @@ def test_rounds_ask_every_mode_once_in_the_balanced_order_and_pair_each_with_loc
     assert [s for _, s in signals] == [signal.SIGCONT, signal.SIGSTOP] * 5  # nixl runs only for its own turns
     assert tallies["sparse-sequential"].counted_bytes and tallies["nixl"].bytes_sent == 0.0
     assert [a.transfer_id for a in tallies["sparse-sequential"].asked] == [
-        f"t{i * 3 + round_order(modes, i).index('sparse-sequential') + 1}" for i in range(1, 5)]
+        f"t{i * 3 + round_order(modes, i, cycle=2).index('sparse-sequential') + 1}" for i in range(1, 5)]
     assert tallies["nixl"].asked == [None] * 4  # NixlConnector logs no timeline: nothing to join

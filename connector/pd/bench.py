@@ -259,7 +259,7 @@ class PdBench:
         its own samples are counted in the first only."""
         warmup = self.config.warmup
         for i, prompt in enumerate(self.prompts):
-            order = interleave.round_order(batch, i)
+            order = interleave.round_order(batch, i, cycle=len(self.config.prompt_lengths))
             answers = {m: self._ask(endpoints[m], prompt, tallies[m] if i >= warmup else None) for m in order}
             local = answers["local"][0]
             self.reference.setdefault(i, local.token_ids)

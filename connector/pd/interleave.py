@@ -46,10 +46,16 @@ def williams_rows(n: int) -> list[list[int]]:
     return rows
 
 
-def round_order(modes: Sequence[str], round_index: int) -> list[str]:
-    """The order in which round `round_index` asks `modes`."""
+def round_order(modes: Sequence[str], round_index: int, cycle: int = 1) -> list[str]:
+    """The order in which round `round_index` asks `modes`. `cycle`: how many rounds the prompts take to repeat
+    (bench-pd cycles its prompt lengths): round i uses design row (i // cycle + i % cycle), so every prompt length
+    meets every row, where row i alone would give a length the same rows forever whenever the two periods share a
+    factor (4 modes, 2 lengths: the 3,000-token rounds only ever saw rows 0 and 2)."""
     rows = williams_rows(len(modes))
-    return [modes[i] for i in rows[round_index % len(rows)]] if rows else []
+    if not rows:
+        return []
+    row = round_index // max(1, cycle) + round_index % max(1, cycle)
+    return [modes[i] for i in rows[row % len(rows)]]
 
 
 def plan_batches(modes: Sequence[str], engines_by_mode: dict[str, int], engine_budget: int,
