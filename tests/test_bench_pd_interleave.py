@@ -88,6 +88,9 @@ def test_noise_is_measured_within_a_prompt_length_and_a_clear_overhead_is_above_
     local = [100.0, 101.0, 99.0, 400.0, 402.0, 398.0]  # two lengths, each steady
     lengths = [600, 600, 600, 3000, 3000, 3000]
     assert interleave.round_to_round_noise_ms(local, lengths) == pytest.approx(2.0)
+    lone = interleave.overhead([120.0, 420.0], [100.0, 400.0], [600, 3000])  # one round per length: no noise
+    assert lone.noise_ms != lone.noise_ms and not lone.within_noise
+    assert interleave.round_to_round_noise_ms([1.0, 5.0, 9.0], [600, 600, 3000]) == pytest.approx(2.0)
     over = interleave.overhead([x + 20.0 for x in local], local, lengths)
     assert not over.within_noise and over.verdict() == "above the run's noise"
     faster = interleave.overhead([x - 20.0 for x in local], local, lengths)

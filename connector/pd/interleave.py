@@ -120,12 +120,12 @@ def paired_differences(samples_ms: Sequence[float], baseline_ms: Sequence[float]
 
 def round_to_round_noise_ms(samples_ms: Sequence[float], groups: Sequence[int]) -> float:
     """How much one mode moved from round to round, its prompt length set aside: half the p10..p90 width of its
-    samples' distances from the median of their own group (prompt length). NaN without samples."""
+    samples' distances from the median of their own group (prompt length). Groups of one sample say nothing about
+    movement and are left out; NaN when no group has two."""
     by_group: dict[int, list[float]] = defaultdict(list)
     for ms, g in zip(samples_ms, groups):
         by_group[g].append(ms)
-    medians = {g: percentile(v, 50) for g, v in by_group.items()}
-    residuals = [ms - medians[g] for ms, g in zip(samples_ms, groups)]
+    residuals = [ms - percentile(v, 50) for v in by_group.values() if len(v) >= 2 for ms in v]
     return Spread.of(residuals).width_ms / 2 if residuals else float("nan")
 
 
@@ -135,7 +135,7 @@ class Overhead:
     diff: Spread
     """Per-round TTFT differences, mode minus baseline."""
     noise_ms: float
-    """The baseline's own round-to-round movement (round_to_round_noise_ms)."""
+    """The baseline's own round-to-round movement (round_to_round_noise_ms; NaN: one round per prompt length)."""
 
     @property
     def within_noise(self) -> bool:
@@ -143,7 +143,7 @@ class Overhead:
         bigger than how much the baseline moved by itself."""
         if not self.diff.n:
             return True
-        return self.diff.covers_zero() or abs(self.diff.p50_ms) <= self.noise_ms
+        return self.diff.covers_zero() or abs(self.diff.p50_ms) <= self.noise_ms  # (False for a NaN noise)
 
     def verdict(self) -> str:
         if not self.diff.n:

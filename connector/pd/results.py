@@ -123,7 +123,8 @@ def spread_table(results: list[ModeResult]) -> str:
     for r in results:
         over = r.overhead()
         diff, noise, verdict = ("—", "—", "baseline") if over is None else (
-            over.diff.text(signed=True), f"±{over.noise_ms:.1f}", over.verdict())
+            over.diff.text(signed=True), "—" if over.noise_ms != over.noise_ms else f"±{over.noise_ms:.1f}",
+            over.verdict())
         lines.append(f"| {r.mode} | {r.ttft().text()} | {r.compute().text()} | {r.outside_compute().text()} "
                      f"| {diff} | {noise} | {verdict} |")
     return "\n".join(lines)
