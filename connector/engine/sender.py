@@ -127,7 +127,8 @@ class StreamSender:
         if transfer_id in self.requests:
             log.error("transfer %s started twice; ignoring the second start", transfer_id)
             return
-        req = SendRequest(transfer_id, num_tokens, [], finished=self.loop.create_future(), secret=secret)
+        req = SendRequest(transfer_id, num_tokens, [], finished=self.loop.create_future(), secret=secret,
+                          loop_cpu_ns=time.thread_time_ns())
         req.points.mark("started")
         for p, refused in self.ownership.start(req, time.monotonic()):
             self._tasks.spawn(self._send_quiet(p.conn, self._answer(p.peer, p.register, refused)))
@@ -176,6 +177,8 @@ class StreamSender:
         req.points.mark("first_layer")
         if global_layer is None and tokens >= req.num_tokens:
             self.ownership.all_computed(req, time.monotonic())
+            if not req.points.computed:
+                req.loop_cpu_ns = time.thread_time_ns() - req.loop_cpu_ns
             req.points.mark("computed")
         self._pump(req)
 
@@ -431,7 +434,8 @@ class StreamSender:
         log.debug("transfer %s released: %s", req.transfer_id, why)
         # (a failed transfer's stages say nothing of the path: its failure is logged on its own)
         close(log, "prefill", req.transfer_id, req.points, "released", self.config.log_timeline,
-              self.stats if ok else None, rank=list(self.me.rank), ok=ok, tokens=req.num_tokens)
+              self.stats if ok else None, rank=list(self.me.rank), ok=ok, tokens=req.num_tokens,
+              loop_cpu_ms=round(req.loop_cpu_ns / 1e6, 3) if req.points.computed else None)
         if not req.finished.done():
             req.finished.set_result(ok)
         if self.on_finished is not None:

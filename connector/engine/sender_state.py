@@ -70,6 +70,10 @@ class SendRequest:
     """Wall-clock time (time.time()) the first WRITE of this request was posted; 0 = none yet."""
     points: SendPoints = field(default_factory=SendPoints)
     """Its timeline on this rank (connector.engine.timeline)."""
+    loop_cpu_ns: int = 0
+    """The event loop thread's CPU clock (time.thread_time_ns) when the request started, then what the loop used
+    from then until every token was computed: the connector's Python that competed with the forward for the GIL
+    (its timeline line says it as `loop_cpu_ms`)."""
     finished: asyncio.Future | None = None
     """Resolves to True/False once the request is released (every decode rank completed / some failed, or it was
     aborted or expired): its blocks are free then."""

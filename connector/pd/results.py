@@ -13,15 +13,11 @@ import json
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from connector.pd import interleave, timelines
 from connector.pd.interleave import Spread
 from connector.pd.timelines import percentile
-
-if TYPE_CHECKING:
-    from connector.pd.bench import BenchConfig
-
 
 @dataclass
 class ModeResult:
@@ -141,7 +137,7 @@ def verdict_lines(results: list[ModeResult]) -> list[str]:
     return out
 
 
-def to_json(results: list[ModeResult], config: "BenchConfig | None" = None) -> dict[str, Any]:
+def to_json(results: list[ModeResult], config: Any = None) -> dict[str, Any]:  # config: pd.bench.BenchConfig
     base = results[0]
     about = {} if config is None else {"model": config.model, "max_model_len": config.max_model_len,
                                        "load_average": os.getloadavg(), "interleaved": True}
@@ -187,7 +183,7 @@ def from_json(run: dict[str, Any]) -> list[ModeResult]:
     return out
 
 
-def dump(results: list[ModeResult], as_json: bool, config: "BenchConfig | None" = None) -> str:
+def dump(results: list[ModeResult], as_json: bool, config: Any = None) -> str:
     if as_json:
         return json.dumps(to_json(results, config))
     parts = [table(results)]
