@@ -124,9 +124,10 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     only to collect their sends, in a busy loop: 1.4 cores on 2 here (the engine core, and its worker spinning on
     vLLM's shared-memory queue), for as long as the KV is held, up to `lease_s` for a decode that never comes
     (tools/idle_hold_cpu.py). The connector spaces those empty steps out: 0.1 s, then twice as long each time, up to
-    this. A new request, an abort or any call wakes the engine at once, a request waiting for blocks is never held
-    up, and the sends themselves never wait for a step: only the return of a sent request's blocks to vLLM's pool
-    (and its stats) waits for the next step. 0: vLLM's own pace. Off with data parallelism."""
+    this. Decode: while its only requests wait for their KV, the same busy loop; each wait is at most 10% of how long
+    the youngest has waited (1 ms to 5 s). Either way a worker ends the wait as soon as a send ends or a receive
+    completes (on one node), and a new request, an abort or any call wakes the engine at once; a request waiting for
+    blocks is never held up, and transfers never wait for a step. 0: vLLM's own pace. Off with data parallelism."""
     progress_delay_us: PositiveInt = _TRANSPORT["progress_delay_us"]
     """NIXL progress-thread poll delay (never 0: 0 spins a core)."""
     nixl_threads: Annotated[int, Meta(ge=0, le=64)] = _TRANSPORT["nixl_threads"]

@@ -37,6 +37,14 @@ late request's KV was collected 0.7-1.7 s after it landed (after 32 s of waiting
 concurrent flow, KV in within a prefill's ~0.1 s) waited a median 4 ms, at most 43-95 ms, from its KV landing to
 vLLM hearing of it, against 1 ms (at most 3 ms) at vLLM's pace. A new request, an abort or a utility call wakes the
 wait at once, and the step that places a request and ships its registration never waits (SchedulerSide._pacing).
+
+The workers end a wait themselves where they can (`StepWake`): the scheduler side binds a Unix datagram socket in
+the abstract namespace and names it in every step's metadata; a worker sends it one datagram when a receive
+completes or a send ends, and the wait returns then. A KV that lands is then collected at once, not at the end of
+the wait. Each worker says hello first, from a name of its own; once every worker of the engine (TP x PP) has, a
+wait is `holding_step_interval_s` from the start, for holding and for decode alike (the workers end it), and the
+worker parks after its 1 s of spinning. Until then, and for good where a worker cannot reach the socket (another
+node, another network namespace, not Linux), the growing waits and the share rule above bound the waits.
 """
 
 from __future__ import annotations
@@ -44,6 +52,9 @@ from __future__ import annotations
 import inspect
 import logging
 import queue
+import secrets
+import socket
+import threading
 import time
 from typing import Any
 
@@ -85,11 +96,102 @@ def engine_input_queue(max_frames: int = 40) -> queue.Queue | None:
         del frame  # (a frame reference cycle otherwise keeps every local of the stack alive)
 
 
+class StepWake:
+    """The engine core's end of the workers' wake (module docstring): a datagram socket in the abstract namespace (no
+    file; it goes with the process) and a thread that turns each datagram into a notify of the input queue's
+    condition, the one the pacer waits on. What a datagram says is not read: any one only ends the current wait (at
+    worst one extra empty step, what vLLM runs every millisecond unpaced). Its name is random, so workers learn it
+    from the metadata only."""
+
+    def __init__(self, input_queue: queue.Queue) -> None:
+        self.input_queue = input_queue
+        self.pending = False
+        """A wake came since the last wait began (read and cleared under the queue's lock): the next wait returns at
+        once, so a completion between a step's get_finished and the wait is not slept through."""
+        self.name = f"sparse-kv-wake-{secrets.token_hex(12)}"
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            self._sock.bind("\0" + self.name)
+        except OSError:
+            self._sock.close()
+            raise
+        self.wakes = 0
+        self.reached: set[str] = set()
+        """The workers that said hello (each binds its own random name): how many can end a wait."""
+        threading.Thread(target=self._run, name="sparse-kv-step-wake", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                data, sender = self._sock.recvfrom(64)
+            except OSError:  # closed
+                return
+            with self.input_queue.not_empty:
+                if data == HELLO and isinstance(sender, (str, bytes)) and sender and len(self.reached) < 4096:
+                    self.reached.add(sender if isinstance(sender, str) else sender.hex())
+                self.pending = True
+                self.wakes += 1
+                self.input_queue.not_empty.notify_all()
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+HELLO = b"hello"
+"""A worker's first datagram, from a name of its own: the StepWake counts the workers that reach it."""
+
+
+class WakeSender:
+    """A worker's end: one datagram to the scheduler side's StepWake, never blocking (a full socket buffer means
+    wakes are already waiting to be read: dropping one loses nothing)."""
+
+    def __init__(self) -> None:
+        self._sock: socket.socket | None = None
+        self._to = ""
+
+    @property
+    def to(self) -> str:
+        """The StepWake's name, from the step metadata ('' until a step names one: nothing is sent)."""
+        return self._to
+
+    @to.setter
+    def to(self, name: str) -> None:
+        if name and name != self._to:
+            self._to = name
+            self._send(HELLO)  # once per StepWake: it now knows this worker reaches it
+
+    def wake(self) -> None:
+        if self._to:
+            self._send(b"w")
+
+    def _send(self, data: bytes) -> None:
+        try:
+            if self._sock is None:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+                sock.setblocking(False)
+                sock.bind(f"\0sparse-kv-worker-{secrets.token_hex(12)}")  # a name, so the StepWake can count us
+                self._sock = sock
+            self._sock.sendto(data, "\0" + self._to)
+        except OSError:  # another node or namespace, buffer full, engine core gone: the wait's bound covers it
+            pass
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+
 class HoldPacer:
     """Waits on an engine's input queue between the empty steps of an engine that only holds KV or waits for it."""
 
-    def __init__(self, input_queue: queue.Queue | None, interval_s: float) -> None:
+    def __init__(self, input_queue: queue.Queue | None, interval_s: float, wake: StepWake | None = None,
+                 workers: int = 1) -> None:
         self.input_queue = input_queue
+        self.wake = wake
+        """The workers' wake (None: none could be bound; only the bounds below end a wait early)."""
+        self.workers = workers
+        """This engine's workers (its TP x PP ranks): once every one has said hello to `wake`, a decode wait need not
+        be short, as each completed receive ends it (until then, `decode_wait_s` bounds it)."""
         self.interval_s = interval_s
         self.streak = 0
         """Waits since the last activity (a request finished, a send ended, a step computed something)."""
@@ -103,6 +205,10 @@ class HoldPacer:
     def activity(self) -> None:
         self.streak = 0
 
+    @property
+    def woken_by_every_worker(self) -> bool:
+        return self.wake is not None and len(self.wake.reached) >= self.workers
+
     def next_wait_s(self) -> float:
         return min(self.interval_s, FIRST_WAIT_S * 2 ** min(self.streak, 30))
 
@@ -111,8 +217,9 @@ class HoldPacer:
         """How long an empty step waits (pure: the pacing decision). `holding`: prefill holds KV (the growing
         waits); `kv_since`: time.monotonic() the youngest decode request waiting for KV registered, None when none
         waits (the wait is then at most `decode_wait_s` of its age); `until`: a held request's lease ends then."""
-        wait_s = self.next_wait_s() if holding else self.interval_s
-        if kv_since is not None:
+        every = self.woken_by_every_worker
+        wait_s = (self.interval_s if every else self.next_wait_s()) if holding else self.interval_s
+        if kv_since is not None and not self.woken_by_every_worker:
             wait_s = min(wait_s, decode_wait_s(now - kv_since, self.interval_s))
         if until is not None:
             wait_s = min(wait_s, until + LEASE_SLACK_S - now)
@@ -123,10 +230,12 @@ class HoldPacer:
         if not self.enabled:
             return
         wait_s = self.wait_s(time.monotonic(), until, kv_since, holding)
-        q = self.input_queue
-        with q.not_empty:  # the queue's own lock and condition: its put() notifies us
-            if not q.queue:
+        q, wake = self.input_queue, self.wake
+        with q.not_empty:  # the queue's own lock and condition: its put() and the workers' wake notify us
+            if not q.queue and not (wake is not None and wake.pending):
                 q.not_empty.wait(wait_s)
+            if wake is not None:
+                wake.pending = False
         self.streak += 1
         self.waits += 1
 
@@ -146,5 +255,13 @@ def pacer(settings: Any, vllm_config: Any) -> HoldPacer:
     if settings.holding_step_interval_s > 0 and dp == 1 and found is None:
         log.info("SparseKVConnector: not inside vLLM's engine core process (no input queue found): empty steps "
                  "while holding or waiting for KV run at vLLM's own pace")
-    return HoldPacer(found, settings.holding_step_interval_s)
+    wake = None
+    if found is not None:
+        try:
+            wake = StepWake(found)
+        except OSError as exc:  # not Linux (no abstract namespace): the bounds alone
+            log.info("SparseKVConnector: no wake socket for paced steps (%s): a KV that lands is collected at the "
+                     "end of the current wait", exc)
+    workers = int(getattr(vllm_config.parallel_config, "world_size", 1) or 1)
+    return HoldPacer(found, settings.holding_step_interval_s, wake, workers)
 

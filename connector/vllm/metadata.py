@@ -58,6 +58,9 @@ class SparseKVMetadata(KVConnectorMetadata):
     engine_key: bytes = b""
     """Decode: the key all ranks of this engine prove in their handshakes (connector.protocol.auth.new_engine_key,
     minted once by the scheduler side); every worker gets it with each step."""
+    wake_addr: str = ""
+    """The scheduler side's StepWake (connector.vllm.idle_hold): workers send it a datagram when a receive completes
+    or a send ends, so a paced empty step returns at once. '' = none."""
 
 
 @dataclass

@@ -128,7 +128,8 @@ class SchedulerSide:
 
     # ---- per step ---------------------------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> SparseKVMetadata:
-        meta = SparseKVMetadata(engine_key=self.engine_key)
+        meta = SparseKVMetadata(engine_key=self.engine_key,
+                                wake_addr=self.pacer.wake.name if self.pacer.wake is not None else "")
         if self.decode is not None:
             self.decode.scheduled(scheduler_output)
             self.decode.fill(meta)

@@ -27,6 +27,7 @@ from connector.transport.nixl import Transport
 from connector.vllm import layer_signals
 from connector.vllm.config import ConnectorSettings, default_host, role_halves
 from connector.vllm.early import bind_problem
+from connector.vllm.idle_hold import WakeSender
 from connector.vllm.metadata import SparseKVHandshake, SparseKVMetadata
 from connector.vllm.regions import build_regions, classify_layers, model_layout_from_hf
 from connector.vllm.specs import CacheFacts, draft_layer_names, gather_stages, model_from_caches, model_names
@@ -95,6 +96,8 @@ class WorkerSide:
         self.rank_layout: RankLayout | None = None
         """The whole model and this rank's share of it: known once every stage's specs are in (register_kv_caches)."""
         self.loop = LoopThread(f"sparse-kv-{kv_role}-{pp}-{tp}")
+        self._wake = WakeSender()
+        """Ends the scheduler side's paced wait when a receive completes or a send ends (connector.vllm.idle_hold)."""
         self.transport: Transport | None = None
         self.sender: StreamSender | None = None
         self.receiver: StreamReceiver | None = None
@@ -202,6 +205,7 @@ class WorkerSide:
     def bind(self, meta: SparseKVMetadata) -> None:
         """Called before the forward: announce this step's tokens to the sender, start receives and aborts.
         (start_load_kv may run after the forward launch, too late for the sender's bookkeeping.)"""
+        self._wake.to = getattr(meta, "wake_addr", "")
         for req_id, tid in meta.aborts.items():
             self._abort(req_id, tid)
         if self.sender is not None:
@@ -234,12 +238,14 @@ class WorkerSide:
             return
         addr = PrefillAddress.parse(spec.prefill_addr)
         if spec.aborted:
-            self._receiving[req_id] = self.loop.submit(self.receiver.abort_unregistered(
+            fut = self.loop.submit(self.receiver.abort_unregistered(
                 spec.transfer_id, addr, "request aborted on decode before it registered", spec.transfer_secret))
-            return
-        self._receiving[req_id] = self.loop.submit(self.receiver.receive(
-            spec.transfer_id, addr, [list(g) for g in spec.block_ids], spec.first_token, spec.num_tokens,
-            after_prefill=spec.prefill_finished, secret=spec.transfer_secret))
+        else:
+            fut = self.loop.submit(self.receiver.receive(
+                spec.transfer_id, addr, [list(g) for g in spec.block_ids], spec.first_token, spec.num_tokens,
+                after_prefill=spec.prefill_finished, secret=spec.transfer_secret))
+        self._receiving[req_id] = fut
+        fut.add_done_callback(lambda _fut: self._wake.wake())  # the next step collects it: no need to wait for it
 
     def _abort(self, req_id: str, tid: str) -> None:
         if self.sender is not None and self._req_of_tid.get(tid) == req_id:
@@ -285,6 +291,7 @@ class WorkerSide:
         if req_id is not None:
             with self._lock:
                 self._finished_sending.add(req_id)
+            self._wake.wake()
             if not ok:
                 log.warning("request %s (transfer %s) finished sending without every decode rank completing",
                             req_id, tid)
@@ -335,6 +342,7 @@ class WorkerSide:
 
     def shutdown(self) -> None:
         layer_signals.uninstall(self._installed)  # the model may outlive the connector: no calls into a closed one
+        self._wake.close()
         if not self.loop._thread:
             return
         try:
