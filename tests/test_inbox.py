@@ -83,6 +83,12 @@ def test_every_call_runs_once_in_order_on_the_loop_with_wakes_and_without():
     assert on_loop == {threading.get_ident()}  # the loop ran here, in this thread
 
 
+async def stop(task: asyncio.Task) -> None:
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
 HOOK_LINES = [(code, line) for code in (Inbox.put_layer.__code__, Inbox._kick.__code__)
               for line in sorted({ln for _s, _e, ln in code.co_lines() if ln is not None and ln > code.co_firstlineno})]
 """Every line a layer hook runs (put_layer and the wake it may send): the points where the registration can cut in."""
@@ -133,9 +139,7 @@ def test_a_hook_racing_the_registration_runs_without_any_timer(pause: int) -> No
         async with asyncio.timeout(5):  # (this wait polls `ran`, not the inbox: only a wake or a drain runs it)
             while not ran:
                 await asyncio.sleep(0.001)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        await stop(task)
         assert len(box) == 0
 
     loop.run_until_complete(main())
@@ -162,9 +166,7 @@ def test_a_burst_of_hooks_sends_one_wake_per_drain() -> None:
         async with asyncio.timeout(5):
             while len(ran) < 100:
                 await asyncio.sleep(0.001)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        await stop(task)
         assert 1 <= box.wakes < 100
 
     loop.run_until_complete(main())

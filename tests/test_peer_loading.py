@@ -67,13 +67,19 @@ async def test_a_load_runs_in_its_own_thread_while_the_loop_runs_on():
     await agents.aclose()
 
 
-async def test_a_load_goes_on_when_its_handshake_gives_up_and_the_retry_reuses_it():
+async def abandoned_load() -> tuple[GatedTransport, LoadedAgents, asyncio.Future]:
+    """A load of "d0" held in NIXL (the gate closed) whose handshake gave up: the server's wait is cancelled."""
     t = GatedTransport()
     t.gate.clear()
     agents = LoadedAgents(t, max_agents=4, unloads_per_hour=10)
     first = asyncio.ensure_future(agents.acquire("d0", b"m0"))
     await entered(t)
-    first.cancel()  # decode's handshake timed out: the server's wait is cancelled
+    first.cancel()
+    return t, agents, first
+
+
+async def test_a_load_goes_on_when_its_handshake_gives_up_and_the_retry_reuses_it():
+    t, agents, first = await abandoned_load()
     with pytest.raises(asyncio.CancelledError):
         await first
     assert agents.loading == 1 and agents.in_use == 0
@@ -88,12 +94,7 @@ async def test_a_load_goes_on_when_its_handshake_gives_up_and_the_retry_reuses_i
 
 
 async def test_an_abandoned_load_leaves_the_agent_idle_and_loaded():
-    t = GatedTransport()
-    t.gate.clear()
-    agents = LoadedAgents(t, max_agents=4, unloads_per_hour=10)
-    first = asyncio.ensure_future(agents.acquire("d0", b"m0"))
-    await entered(t)
-    first.cancel()
+    t, agents, _first = await abandoned_load()
     t.gate.set()
     await agents.aclose()  # waits for the load
     assert (agents.loaded, agents.in_use, agents.loading) == (1, 0, 0)
