@@ -143,7 +143,8 @@ def demo_lines(r: Any, sc: Any) -> list[str]:
         f"(good: {GOOD_STREAMED_PCT:g}% or more in stream mode; {zero_reason(sc) or '0% means nothing overlapped'})",
         f"  rate while transferring: {r.transfer_gbps} GB/s   (raw NIXL on the same block ranges: {r.raw_gbps} GB/s; "
         f"while streaming, layers leave as they are computed, so the exposed time is the measure, not this rate)",
-        f"  layer_ready median {r.hook_us} us   (good: under {GOOD_HOOK_US:g} us: it only queues the layer)"
+        f"  layer_ready median {r.hook_us} us   (good: under {GOOD_HOOK_US:g} us: it queues the layer and, while a "
+        f"decode waits for it, wakes the loop)"
         if sc.mode != "bulk" else "  layer_ready: not called in bulk mode (the whole request goes after compute)",
         f"  verdict: {demo_verdict(r, sc, hidden)}",
     ]
@@ -165,8 +166,8 @@ def demo_verdict(r: Any, sc: Any, hidden: float | None) -> str:
     if not r.verified:
         return "FAILED: some bytes differ on decode"
     hook_bad = sc.mode != "bulk" and r.hook_us > GOOD_HOOK_US
-    hook_note = (f"; but layer_ready took {r.hook_us} us (over {GOOD_HOOK_US:g} us: the forward waited for the "
-                 f"connector)") if hook_bad else ""
+    hook_note = (f"; but layer_ready took {r.hook_us} us of the forward's time per layer (over {GOOD_HOOK_US:g} us; "
+                 f"bench's hook_cpu_us and compute_stretch say how much was the hook itself)") if hook_bad else ""
     why = zero_reason(sc)
     if why:
         return f"as expected: {why.split(': ', 1)[1]} (the exposed time is the whole transfer); --mode stream " \
