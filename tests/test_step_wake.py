@@ -34,9 +34,10 @@ def test_a_worker_datagram_ends_the_wait() -> None:
     assert started.wait(10)
     sender = WakeSender()
     sender.to = wake.name
-    while not done.is_set():  # (a datagram sent before the wait began is kept as `pending`, so one is enough;
-        sender.wake()          # repeating covers nothing but the test's own start-up)
-        done.wait(0.05)
+    for _ in range(200):  # (a datagram sent before the wait began is kept as `pending`, so one is enough;
+        sender.wake()       # repeating covers nothing but the test's own start-up)
+        if done.wait(0.05):
+            break
     thread.join(10)
     assert not thread.is_alive() and q.empty() and wake.wakes >= 1
     sender.close()
@@ -99,3 +100,12 @@ def test_once_every_worker_reaches_the_wake_a_wait_is_the_whole_interval() -> No
     for s in senders:
         s.close()
     wake.close()
+
+
+def test_close_ends_the_wake_thread() -> None:
+    before = set(threading.enumerate())
+    wake = StepWake(queue.Queue())
+    (thread,) = [t for t in threading.enumerate() if t not in before and t.name == "sparse-kv-step-wake"]
+    wake.close()
+    thread.join(10)
+    assert not thread.is_alive()

@@ -102,9 +102,7 @@ class SourceTable:
         budget = self.config.side_channel.handshake_timeout_s
         try:
             async with asyncio.timeout(budget):  # fires before connect's own (2 x budget): a timeout, nothing else
-                return await connect(address.host, port, self.hello, self.config.side_channel, timeout=2 * budget,
-                                     heartbeat_ids=lambda: self.transfers.wanted_from(address, port),
-                                     for_transfer=for_transfer, check=self._check_layout, engine_key=self.engine_key)
+                return await self.connect(address, port, 2 * budget, for_transfer=for_transfer)
         except TimeoutError:
             log.warning("handshake with prefill rank at %s:%d timed out after %g s (a prefill loading this rank's "
                         "NIXL agent on a busy machine can take that long; setting handshake_timeout_s): trying once "

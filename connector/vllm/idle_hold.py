@@ -116,6 +116,7 @@ class StepWake:
             self._sock.close()
             raise
         self.wakes = 0
+        self._closed = False
         self.reached: set[str] = set()
         """The workers that said hello (each binds its own random name): how many can end a wait."""
         threading.Thread(target=self._run, name="sparse-kv-step-wake", daemon=True).start()
@@ -124,7 +125,9 @@ class StepWake:
         while True:
             try:
                 data, sender = self._sock.recvfrom(64)
-            except OSError:  # closed
+            except OSError:  # closed before it got here
+                return
+            if self._closed:  # close() shut the socket down, which ends a blocked recvfrom
                 return
             with self.input_queue.not_empty:
                 if data == HELLO and isinstance(sender, (str, bytes)) and sender and len(self.reached) < 4096:
@@ -134,6 +137,11 @@ class StepWake:
                 self.input_queue.not_empty.notify_all()
 
     def close(self) -> None:
+        self._closed = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # (close alone would leave the thread blocked in recvfrom)
+        except OSError:
+            pass
         self._sock.close()
 
 
