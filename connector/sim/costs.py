@@ -53,11 +53,6 @@ class CpuSplit:
         """`ns` as milliseconds of CPU per second of this window."""
         return ns / 1e6 / max(self.wall_ns / 1e9, 1e-9)
 
-    def summary(self) -> dict[str, float]:
-        return {"loop_ms_per_s": round(self.per_s(self.loop_ns), 3),
-                "other_ms_per_s": round(self.per_s(self.other_ns), 3),
-                "forward_ms_per_s": round(self.per_s(self.forward_ns), 3)}
-
 
 class CpuWindow:
     """`with CpuWindow(loop_tid) as w: ...` then `w.split`: the CPU each group of threads used inside the block.
