@@ -106,9 +106,12 @@ def test_each_prefill_rank_digests_exactly_its_share_of_decode_blocks(model_name
 
 def test_the_last_partly_filled_block_is_not_covered():
     routes = {0: ["r"], 3: ["r"]}
-    assert transfer_spans(routes, 0, 40, 16) == [(0, 0, 2), (3, 0, 2)]  # blocks 0-1 full, block 2 partly
-    assert transfer_spans(routes, 16, 48, 16) == [(0, 1, 3), (3, 1, 3)]  # a prefix hit of one block, then full
-    assert transfer_spans(routes, 0, 10, 16) == []  # nothing full: nothing to cover
+    # (layer, first block, end block, final: per-request states are covered whole)
+    assert transfer_spans(routes, 0, 40, 16) == [(0, 0, 2, True), (3, 0, 2, True)]  # blocks 0-1 full, 2 partly
+    assert transfer_spans(routes, 16, 48, 16) == [(0, 1, 3, True), (3, 1, 3, True)]  # a prefix hit of one block
+    assert transfer_spans(routes, 0, 10, 16) == [(0, 0, 0, True), (3, 0, 0, True)]  # no paged block full
+    # caches with blocks of 16 and 64 tokens (unit 16): only what ends a 64-token block is full in both
+    assert transfer_spans(routes, 0, 100, 16, 64) == [(0, 0, 4, True), (3, 0, 4, True)]
 
 
 def test_a_missing_checksum_is_a_mismatch_not_a_pass():

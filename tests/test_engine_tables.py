@@ -86,21 +86,28 @@ def test_counters_and_series_are_told_apart_by_type():
     [dict(bytes_sent=10, writes=1), dict(), dict(bytes_sent=5, sends_ok=2)],
     [dict(), dict(descriptors=7)],
     [dict(kv=100, index_k=7), dict(index_v=3), dict(kv=1)],
+    [{"kv": 10, "self_attn.swa_cache": 4}, {"self_attn.swa_cache": 2}],
 ])
 def test_each_take_reports_what_each_counter_gained_since_the_last(steps):
     stats = SenderStats(bytes_sent=1000, writes=3)  # what came before the reader started does not count
     delta = StatsDelta(stats)
     for step in steps:
         for name, n in step.items():
-            if name in ("kv", "index_k", "index_v"):
+            if name in ("kv", "index_k", "index_v") or "." in name:
                 stats.add_pool_bytes(name, n)
             else:
                 setattr(stats, name, getattr(stats, name) + n)
         counts, _ = delta.take()
         want = {name: 0 for name in counter_names(SenderStats)}
+        by_cache = {}
         for name, n in step.items():
-            want[f"bytes_sent_{name}" if name in ("kv", "index_k", "index_v") else name] = n
-        assert counts == want
+            if name in ("kv", "index_k", "index_v") or "." in name:
+                by_cache[name] = n  # every pool, per cache
+                if "." not in name:
+                    want[f"bytes_sent_{name}"] = n  # the three first also under their own counter
+            else:
+                want[name] = n
+        assert counts == {**want, "bytes_sent_by_cache": by_cache}
 
 
 def test_samples_are_taken_out_once():

@@ -17,7 +17,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from connector.core.descriptors import NO_NULL_BLOCK, head_span, live_pairs
+from connector.core.descriptors import NO_NULL_BLOCK, group_range, head_span, live_pairs, span_parts
 from connector.core.layout import Region
 from connector.core.plan import Rank, Route
 from connector.core.staging_ranges import Rows
@@ -41,13 +41,16 @@ class RouteRows:
 
 
 def transfer_spans(layer_routes: Mapping[int, Sequence[Route]], first_token: int, num_tokens: int,
-                   block_size: int) -> list[tuple[int, int, int]]:
-    """(global layer, first block, end block) of what the checksums cover: every block a transfer of tokens
-    [first_token, num_tokens) fills completely, every layer routed. Not the last, partly filled block: prefill may
-    still write there (the KV of tokens after the prompt, when it generates more than one) while or after it is
-    sent, and decode never reads those slots as they came (it computes the prompt's last token itself)."""
-    first, end = first_token // block_size, num_tokens // block_size
-    return [(layer, first, end) for layer in sorted(layer_routes) if end > first]
+                   block_size: int, full_block_size: int = 0) -> list[tuple[int, int, int, bool]]:
+    """(global layer, first block, end block, final) of what the checksums cover: every block a transfer of tokens
+    [first_token, num_tokens) fills completely in every pool (`full_block_size`: the lcm of the paged caches' block
+    sizes, a multiple of `block_size`, the unit), every layer routed, and every per-request state. Not the last,
+    partly filled block: prefill may still write there (the KV of tokens after the prompt, when it generates more
+    than one) while or after it is sent, and decode never reads those slots as they came (it computes the prompt's
+    last token itself)."""
+    whole = max(full_block_size, block_size)
+    first, end = first_token // block_size, num_tokens // whole * (whole // block_size)
+    return [(layer, first, max(first, end), True) for layer in sorted(layer_routes)]
 
 
 def region_rows(region: Region, block_ids: np.ndarray, heads: tuple[int, int]) -> tuple[Rows, ...]:
@@ -60,14 +63,16 @@ def region_rows(region: Region, block_ids: np.ndarray, heads: tuple[int, int]) -
 def source_rows(src_regions: Mapping[tuple[str, int], Region], dst_regions: Mapping[tuple[str, int], Region],
                 layer_routes: Mapping[int, Sequence[Route]], spans: Sequence[tuple[int, int, int]],
                 src_blocks: Sequence[Sequence[int]], dst_blocks: Sequence[Sequence[int]],
-                nulls: tuple[int, int] = (NO_NULL_BLOCK, NO_NULL_BLOCK)) -> list[RouteRows]:
+                nulls: tuple[int, int] = (NO_NULL_BLOCK, NO_NULL_BLOCK), unit: int = 0) -> list[RouteRows]:
     """Prefill's side: the source rows of every route to one decode rank, paired with decode's blocks exactly as
     the WRITEs pair them (`live_pairs`: decode's null block receives nothing)."""
     out = []
-    for layer, b0, b1 in spans:
+    for span in spans:
+        layer, b0, b1, final = span_parts(span)
         for r in layer_routes[layer]:
             src, dst = src_regions[(r.pool, layer)], dst_regions[(r.pool, layer)]
-            s_ids, d_ids = live_pairs(src_blocks[src.group][b0:b1], dst_blocks[dst.group][b0:b1], nulls,
+            s_ids, d_ids = live_pairs(src_blocks[src.group][group_range(src, b0, b1, final, unit)],
+                                      dst_blocks[dst.group][group_range(dst, b0, b1, final, unit)], nulls,
                                       f"{r.pool} layer {layer}: ")
             out.append(RouteRows(r.pool, layer, r.heads, region_rows(src, s_ids, r.heads), d_ids))
     return out
@@ -75,14 +80,15 @@ def source_rows(src_regions: Mapping[tuple[str, int], Region], dst_regions: Mapp
 
 def destination_rows(dst_regions: Mapping[tuple[str, int], Region], layer_routes: Mapping[int, Sequence[Route]],
                      spans: Sequence[tuple[int, int, int]], dst_blocks: Sequence[Sequence[int]],
-                     dst_null: int = NO_NULL_BLOCK) -> list[RouteRows]:
+                     dst_null: int = NO_NULL_BLOCK, unit: int = 0) -> list[RouteRows]:
     """Decode's side: the destination rows of every route from one prefill rank (its null block excluded, which
     prefill does not write)."""
     out = []
-    for layer, b0, b1 in spans:
+    for span in spans:
+        layer, b0, b1, final = span_parts(span)
         for r in layer_routes[layer]:
             dst = dst_regions[(r.pool, layer)]
-            d_ids = np.asarray(dst_blocks[dst.group][b0:b1], dtype=np.int64)
+            d_ids = np.asarray(dst_blocks[dst.group][group_range(dst, b0, b1, final, unit)], dtype=np.int64)
             if dst_null != NO_NULL_BLOCK:
                 d_ids = d_ids[d_ids != dst_null]
             out.append(RouteRows(r.pool, layer, r.heads, region_rows(dst, d_ids, r.heads), d_ids))

@@ -10,7 +10,13 @@ from connector.core.plan import fold_ranges
 def describe_pool(pool: PoolSpec) -> str:
     if not pool.layers:
         return f"no {pool.name}"
-    sharding = "sharded over TP" if pool.sharded else "on every TP rank"
+    sharding = "sharded over TP" if pool.sharded else "each TP rank its own, same TP on both sides" \
+        if pool.same_tp else "on every TP rank"
+    if pool.bytes_per_block_per_head:
+        unit = (f"{pool.bytes_per_block_per_head} B per request" if pool.per_request else
+                f"{pool.bytes_per_block_per_head} B per block of {pool.block_size} tokens")
+        return (f"{pool.name} on layers {fold_ranges(pool.layers)} ({pool.spec or 'cache'}, {pool.num_heads} "
+                f"head(s) x {unit}, {sharding})")
     return (f"{pool.name} on layers {fold_ranges(pool.layers)} ({pool.num_heads} head(s) x "
             f"{pool.bytes_per_token_per_head} B per token, {sharding})")
 
@@ -18,7 +24,11 @@ def describe_pool(pool: PoolSpec) -> str:
 def describe_model(model: ModelLayout) -> str:
     """`kv on layers 0-59 (4 head(s) x 512 B per token, sharded over TP), index_k on layers 3-59 (...), no
     index_v`."""
-    return ", ".join(describe_pool(model.pools[p]) for p in POOLS)
+    return ", ".join(describe_pool(model.pools[p]) for p in model.pool_names)
+
+
+def _pool_order(name: str) -> tuple[int, str]:
+    return (POOLS.index(name), "") if name in POOLS else (len(POOLS), name)
 
 
 def layout_difference(mine: ModelLayout, theirs: ModelLayout, me: str = "this side", them: str = "the peer") -> str:
@@ -26,14 +36,15 @@ def layout_difference(mine: ModelLayout, theirs: ModelLayout, me: str = "this si
     if mine.num_layers != theirs.num_layers:
         return (f"{me} has {mine.num_layers} layers, {them} {theirs.num_layers} (a different model, or draft "
                 f"layers of speculative decoding on one side only?)")
-    for name in POOLS:
-        a, b = mine.pools[name], theirs.pools[name]
+    for name in sorted(set(mine.pool_names) | set(theirs.pool_names), key=_pool_order):
+        empty = PoolSpec(name, (), 1, 0, 1, False)
+        a, b = mine.pools.get(name, empty), theirs.pools.get(name, empty)
         if a.layers != b.layers:
             only_a, only_b = sorted(set(a.layers) - set(b.layers)), sorted(set(b.layers) - set(a.layers))
             parts = [f"{me} has {name} on layers {fold_ranges(only_a)} that {them} lacks"] if only_a else []
             parts += [f"{them} has {name} on layers {fold_ranges(only_b)} that {me} lacks"] if only_b else []
             return "; ".join(parts)
-        if a.layers and (a.num_heads, a.bytes_per_token_per_head, a.num_parts, a.sharded) != \
-                (b.num_heads, b.bytes_per_token_per_head, b.num_parts, b.sharded):
+        if a.layers and (a.num_heads, a.bytes_per_token_per_head, a.num_parts, a.sharded, *a.extras()) != \
+                (b.num_heads, b.bytes_per_token_per_head, b.num_parts, b.sharded, *b.extras()):
             return f"{me} keeps {describe_pool(a)}, {them} {describe_pool(b)}"
     return ""

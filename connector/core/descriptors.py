@@ -88,6 +88,36 @@ def live_pairs(src_blocks: Sequence[int] | np.ndarray, dst_blocks: Sequence[int]
     return (s_ids, d_ids) if live.all() else (s_ids[live], d_ids[live])
 
 
+Span = tuple
+"""(global layer, first block, end block[, final]): blocks [first, end) in units of the rank's block size (the gcd
+of its paged caches' block sizes, `LocalRank.block_size`), `final` when the request's last token to send is in
+them (what a per-request state waits for; False when left out)."""
+
+
+def span_parts(span: Span) -> tuple[int, int, int, bool]:
+    return (span[0], span[1], span[2], bool(span[3])) if len(span) > 3 else (span[0], span[1], span[2], False)
+
+
+def group_range(region: Region, b0: int, b1: int, final: bool = False, unit: int = 0) -> slice:
+    """Which of the request's block ids in `region`'s KV-cache group blocks [b0, b1) of `unit` tokens cover: the
+    same blocks when the region's block size is the unit (or either is unknown, 0); whole blocks of a larger size
+    (a partly covered one included, sent again when it fills); for a per-request state, once `final`, the block that
+    holds it: the last before the speculative scratch blocks (a ring's one block; a Mamba state's running block, after
+    the placeholders and superseded states vLLM leaves before it: kv_connector/utils.py clip_ssm_state_blocks)."""
+    if region.per_request:
+        if not final:
+            return slice(0, 0)
+        scratch = region.scratch_blocks
+        return slice(-(scratch + 1), -scratch if scratch else None)
+    if not unit or not region.block_size or region.block_size == unit:
+        return slice(b0, b1)
+    if region.block_size % unit:
+        raise DescriptorError(f"{region.pool} layer {region.layer} has blocks of {region.block_size} tokens, not a "
+                              f"multiple of the rank's unit of {unit}")
+    per = region.block_size // unit
+    return slice(b0 // per, -(-b1 // per))
+
+
 def check_blocks(region: Region, block_ids: Sequence[int] | np.ndarray, who: str = "") -> np.ndarray:
     ids = np.asarray(block_ids, dtype=np.int64)
     if ids.ndim != 1:
@@ -184,7 +214,7 @@ def layers_descriptors(srcs: Sequence[Region], dsts: Sequence[Region], src_block
 def batch_descriptors(src_regions: Mapping[tuple[str, int], Region], dst_regions: Mapping[tuple[str, int], Region],
                       layer_routes: Mapping[int, Sequence[Route]], spans: Iterable[tuple[int, int, int]],
                       src_blocks: Sequence[Sequence[int]], dst_blocks: Sequence[Sequence[int]],
-                      nulls: tuple[int, int] = (NO_NULL_BLOCK, NO_NULL_BLOCK)) -> Descriptors:
+                      nulls: tuple[int, int] = (NO_NULL_BLOCK, NO_NULL_BLOCK), unit: int = 0) -> Descriptors:
     """Descriptors of one WRITE from one prefill rank to one decode rank: for each `(global layer, first block,
     end block)` in `spans`, every route of that layer, blocks [first, end) of each side's block-id group, but
     where decode has its null block (`nulls`: prefill's and decode's, see `live_pairs`).
@@ -192,18 +222,21 @@ def batch_descriptors(src_regions: Mapping[tuple[str, int], Region], dst_regions
     The one function that turns a batch into descriptors (the sender's WRITEs and the bench's raw-NIXL baseline
     both use it, so they move the same descriptors). Layers that move the same block range with the same geometry
     are computed in one vectorised pass (`layers_descriptors`)."""
-    groups: dict[tuple, tuple[list[Region], list[Region], tuple[int, int], int, int]] = {}
-    for layer, b0, b1 in spans:
+    groups: dict[tuple, tuple[list[Region], list[Region], tuple[int, int], slice, slice]] = {}
+    for span in spans:
+        layer, b0, b1, final = span_parts(span)
         for r in layer_routes[layer]:
             src, dst = src_regions[(r.pool, layer)], dst_regions[(r.pool, layer)]
-            key = (geometry(src), geometry(dst), r.heads, b0, b1)
-            groups.setdefault(key, ([], [], r.heads, b0, b1))
+            s_range, d_range = group_range(src, b0, b1, final, unit), group_range(dst, b0, b1, final, unit)
+            key = (geometry(src), geometry(dst), r.heads, s_range.start, s_range.stop, d_range.start, d_range.stop)
+            groups.setdefault(key, ([], [], r.heads, s_range, d_range))
             groups[key][0].append(src)
             groups[key][1].append(dst)
     return Descriptors.concat([
-        layers_descriptors(srcs, dsts, *live_pairs(src_blocks[srcs[0].group][b0:b1], dst_blocks[dsts[0].group][b0:b1],
+        layers_descriptors(srcs, dsts, *live_pairs(src_blocks[srcs[0].group][s_range],
+                                                   dst_blocks[dsts[0].group][d_range],
                                                    nulls, f"{srcs[0].pool} layer {srcs[0].layer}: "), heads)
-        for srcs, dsts, heads, b0, b1 in groups.values()])
+        for srcs, dsts, heads, s_range, d_range in groups.values()])
 
 
 @dataclass(frozen=True)
@@ -245,7 +278,8 @@ class LayerDescriptors:
 def span_descriptors(src_regions: Mapping[tuple[str, int], Region], dst_regions: Mapping[tuple[str, int], Region],
                      layer_routes: Mapping[int, Sequence[Route]], b0: int, b1: int,
                      src_blocks: Sequence[Sequence[int]], dst_blocks: Sequence[Sequence[int]],
-                     nulls: tuple[int, int] = (NO_NULL_BLOCK, NO_NULL_BLOCK)) -> LayerDescriptors:
+                     nulls: tuple[int, int] = (NO_NULL_BLOCK, NO_NULL_BLOCK), final: bool = False,
+                     unit: int = 0) -> LayerDescriptors:
     """`batch_descriptors` of blocks [b0, b1) for every layer of `layer_routes`, layer by layer (LayerDescriptors):
     the same byte ranges, except that a run never continues from one layer's region into the next's. Layers with
     equal geometry are computed in one vectorised pass, as there."""
@@ -258,7 +292,8 @@ def span_descriptors(src_regions: Mapping[tuple[str, int], Region], dst_regions:
             dsts.append(dst)
     parts, layer_of, pool_bytes = [], [], {layer: {} for layer in layer_routes}
     for srcs, dsts, heads in groups.values():
-        s_ids, d_ids = live_pairs(src_blocks[srcs[0].group][b0:b1], dst_blocks[dsts[0].group][b0:b1], nulls,
+        s_range, d_range = group_range(srcs[0], b0, b1, final, unit), group_range(dsts[0], b0, b1, final, unit)
+        s_ids, d_ids = live_pairs(src_blocks[srcs[0].group][s_range], dst_blocks[dsts[0].group][d_range], nulls,
                                   f"{srcs[0].pool} layer {srcs[0].layer}: ")
         check_route(srcs[0], dsts[0], s_ids, d_ids, heads)  # every check a route needs, once per group
         for r in srcs:  # (a pool with no live block moves 0 bytes, and says so, as batch_pool_bytes does)
@@ -304,24 +339,26 @@ def _coalesce_rows(src_addrs: np.ndarray, dst_addrs: np.ndarray, length: int,
 
 def batch_pool_bytes(src_regions: Mapping[tuple[str, int], Region], dst_regions: Mapping[tuple[str, int], Region],
                      layer_routes: Mapping[int, Sequence[Route]], spans: Iterable[tuple[int, int, int]],
-                     dst_blocks: Sequence[Sequence[int]], dst_null: int = NO_NULL_BLOCK) -> dict[str, int]:
+                     dst_blocks: Sequence[Sequence[int]], dst_null: int = NO_NULL_BLOCK,
+                     unit: int = 0) -> dict[str, int]:
     """Bytes per pool that `batch_descriptors` moves for the same spans (what each pool costs on the wire; the
     sum over pools equals the descriptors' nbytes): decode's null blocks move nothing."""
     out: dict[str, int] = {}
-    live: dict[tuple[int, int, int], int] = {}
+    live: dict[tuple[int, int | None, int | None], int] = {}
     """(group, first, end) -> blocks decode holds data in: counted once per span, not per route and layer."""
 
-    def live_blocks(group: int, b0: int, b1: int) -> int:
-        if dst_null == NO_NULL_BLOCK:
-            return max(0, b1 - b0)
-        if (group, b0, b1) not in live:
-            live[(group, b0, b1)] = int(np.count_nonzero(np.asarray(dst_blocks[group][b0:b1]) != dst_null))
-        return live[(group, b0, b1)]
+    def live_blocks(group: int, blocks: slice) -> int:
+        if (group, blocks.start, blocks.stop) not in live:
+            ids = np.asarray(dst_blocks[group][blocks])
+            live[(group, blocks.start, blocks.stop)] = int(ids.size if dst_null == NO_NULL_BLOCK
+                                                           else np.count_nonzero(ids != dst_null))
+        return live[(group, blocks.start, blocks.stop)]
 
-    for layer, b0, b1 in spans:
+    for span in spans:
+        layer, b0, b1, final = span_parts(span)
         for r in layer_routes[layer]:
             src, dst = src_regions[(r.pool, layer)], dst_regions[(r.pool, layer)]
-            blocks = live_blocks(dst.group, b0, b1)
+            blocks = live_blocks(dst.group, group_range(dst, b0, b1, final, unit))
             out[r.pool] = out.get(r.pool, 0) + blocks * head_span(src, r.heads)[1] * src.num_parts
     return out
 

@@ -1,9 +1,14 @@
 """What a model keeps per token and what one rank holds of it. Pure data, no I/O.
 
-Three pools (README, first table):
+A pool is one kind of cache across the layers that keep it, all of one size. Three are always there (README,
+first table), possibly empty:
   kv       the main paged K/V cache (or the MLA latent) of every layer;
   index_k  the sparse-attention index keys / indexer keys, sparse layers only;
   index_v  the index values of the sparse layers that keep one.
+A model vLLM describes may have more (connector.vllm.specs names them after the cache, e.g.
+`self_attn.swa_cache`): a layer can own several caches, each in its own pool. A pool says how it moves:
+per token by block table (`block_size` tokens a block), or whole per request (`per_request`: a compressor ring, a
+Mamba state), its heads split over TP, replicated, or tied to one TP size (`same_tp`).
 
 The sub-pools hold only some layers, so a pipeline stage's list of them is *compacted*: its slot `s` is the
 `s`-th layer of that pool inside the stage's range. A slot is a local address only; everything that crosses
@@ -14,6 +19,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import re
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Iterable
@@ -23,6 +30,9 @@ import msgspec
 from connector.core.errors import LayoutError
 
 POOLS: tuple[str, ...] = ("kv", "index_k", "index_v")
+"""The pools every layout has (possibly empty); others come after them, by name (`ModelLayout.pool_names`)."""
+POOL_NAME = re.compile(r"[A-Za-z0-9_.:~-]{1,120}")
+"""What a pool name may be: it crosses the wire and reaches logs and metric labels."""
 
 
 @dataclass(frozen=True)
@@ -41,11 +51,37 @@ class PoolSpec:
     """2 when K and V are separate halves of the layer tensor, else 1."""
     sharded: bool
     """True: heads are split across TP ranks (GQA). False: every TP rank holds the whole pool (replicated)."""
+    block_size: int = 0
+    """Tokens per block of this pool; 0: the engine's block size (the three first pools)."""
+    bytes_per_block_per_head: int = 0
+    """Bytes one head of one block holds, all parts: set where a block is not `block_size` tokens of
+    `bytes_per_token_per_head` (several tokens per state, packed scales, a per-request state); 0: derived."""
+    per_request: bool = False
+    """The request's blocks of this pool are one state (a ring written at pos % capacity, a Mamba state): they move
+    whole, once the request's last chunk has computed the layer, never token by token."""
+    same_tp: bool = False
+    """vLLM does not say how this cache splits over TP: each TP rank holds its own (`num_heads` heads), and prefill
+    and decode must run the same TP size (rank t sends rank t)."""
+    spec: str = ""
+    """The vLLM spec class it came from, for messages (not part of the fingerprint)."""
 
     @property
     def bytes_per_token(self) -> int:
-        """Bytes per token per layer over all heads."""
+        """Bytes per token per layer over all heads (0 for a per-request state)."""
         return self.num_heads * self.bytes_per_token_per_head
+
+    def bytes_per_block(self, engine_block_size: int) -> int:
+        """Bytes of one block of one layer over all heads."""
+        if self.bytes_per_block_per_head:
+            return self.num_heads * self.bytes_per_block_per_head
+        return self.num_heads * self.bytes_per_token_per_head * (self.block_size or engine_block_size)
+
+    def extras(self) -> list:
+        """What a pool beyond the first three's kind adds to the fingerprint (empty for a plain per-token pool, so
+        those keep the fingerprints they always had)."""
+        if (self.block_size, self.bytes_per_block_per_head, self.per_request, self.same_tp) == (0, 0, False, False):
+            return []
+        return [self.block_size, self.bytes_per_block_per_head, self.per_request, self.same_tp]
 
 
 @dataclass(frozen=True)
@@ -63,17 +99,26 @@ class ModelLayout:
         for pool in POOLS:
             if pool not in self.pools:
                 raise LayoutError(f"model {self.name!r} has no entry for pool {pool!r}")
-            bad = [lid for lid in self.pools[pool].layers if not 0 <= lid < self.num_layers]
+        for pool, spec in self.pools.items():
+            if pool != spec.name or not POOL_NAME.fullmatch(pool):
+                raise LayoutError(f"model {self.name!r} has a pool named {pool[:120]!r} ({spec.name[:120]!r}): pool "
+                                  f"names are 1-120 of A-Z a-z 0-9 _ . : ~ -")
+            bad = [lid for lid in spec.layers if not 0 <= lid < self.num_layers]
             if bad:
                 raise LayoutError(f"model {self.name!r} pool {pool} names layers {bad} outside 0..{self.num_layers - 1}")
+
+    @property
+    def pool_names(self) -> tuple[str, ...]:
+        """Every pool: the three first ones, then the others by name (the order of plans, tables and regions)."""
+        return POOLS + tuple(sorted(set(self.pools) - set(POOLS)))
 
     def canon(self) -> dict:
         """Everything both sides must agree on byte for byte (not the name): what the fingerprint hashes."""
         return {
             "num_layers": self.num_layers,
             "pools": {
-                p.name: [list(p.layers), p.num_heads, p.bytes_per_token_per_head, p.num_parts, p.sharded]
-                for p in (self.pools[n] for n in POOLS)
+                p.name: [list(p.layers), p.num_heads, p.bytes_per_token_per_head, p.num_parts, p.sharded] + p.extras()
+                for p in (self.pools[n] for n in self.pool_names)
             },
         }
 
@@ -146,6 +191,13 @@ class ParallelLayout:
 def blocks_for(num_tokens: int, block_size: int) -> int:
     """KV-cache blocks that hold tokens [0, num_tokens): ceil(num_tokens / block_size)."""
     return -(-num_tokens // block_size)
+
+
+def engine_block_size(block_sizes: Iterable[int]) -> int:
+    """The block size a rank aligns token ranges to: the lcm of its paged caches' block sizes (a range that starts
+    on it starts on a block of every pool)."""
+    sizes = [b for b in block_sizes if b > 0]
+    return math.lcm(*sizes) if sizes else 0
 
 
 def check_tp(pool: PoolSpec, tp: int) -> None:
@@ -241,6 +293,13 @@ class Region(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     head_major: bool = True
     """True when a head's bytes inside one block (one part) are contiguous (HND); False (NHD) means only whole
     blocks can move, so both sides must hold the same heads."""
+    block_size: int = 0
+    """Tokens per block of this region's KV-cache group; 0: the rank's block size."""
+    per_request: bool = False
+    """The request's blocks of this region are one state that moves whole (PoolSpec.per_request)."""
+    scratch_blocks: int = 0
+    """Per-request state: speculative scratch blocks vLLM keeps after the running state (a Mamba spec's
+    num_speculative_blocks); the state is the last block before them (vLLM's clip_ssm_state_blocks)."""
 
     @property
     def key(self) -> tuple[str, int]:

@@ -93,7 +93,7 @@ class TransferPlan:
                 "name": self.model.name,
                 "num_layers": self.model.num_layers,
                 "fingerprint": self.model.fingerprint(),
-                "pools": {p: list(self.model.pools[p].layers) for p in POOLS},
+                "pools": {p: list(self.model.pools[p].layers) for p in self.model.pool_names},
             },
             "prefill": _parallel_json(self.prefill),
             "decode": _parallel_json(self.decode),
@@ -120,24 +120,37 @@ def _pick(candidates: list[int], dst_tp: int) -> int:
     return candidates[dst_tp % len(candidates)]
 
 
+def check_same_tp(model: ModelLayout, prefill_tp: int, decode_tp: int) -> None:
+    """A cache whose TP split vLLM does not declare moves rank t to rank t only: refuse other pairs, naming it."""
+    tied = [p for p in model.pools.values() if p.layers and p.same_tp]
+    if tied and prefill_tp != decode_tp:
+        names = ", ".join(f"{p.name} ({p.spec or 'cache'}, layers {fold_ranges(p.layers)})" for p in tied[:4])
+        raise LayoutError(f"prefill runs tp={prefill_tp} and decode tp={decode_tp}, but vLLM's specs do not say how "
+                          f"{names} split over TP (no max_tp_shards, not replicated): each TP rank's copy can only go "
+                          f"to the same TP rank. Run prefill and decode with the same tensor-parallel size")
+
+
 def build_plan(model: ModelLayout, prefill: ParallelLayout, decode: ParallelLayout) -> TransferPlan:
     for pool in model.pools.values():
         if pool.layers:
             check_tp(pool, prefill.tp)
             check_tp(pool, decode.tp)
+    check_same_tp(model, prefill.tp, decode.tp)
     if prefill.stages[-1][1] != model.num_layers or decode.stages[-1][1] != model.num_layers:
         raise LayoutError(f"layouts cover {prefill.stages[-1][1]} / {decode.stages[-1][1]} layers but model "
                           f"{model.name} has {model.num_layers}: rebuild them from this model")
     routes: list[Route] = []
     for dst_pp, dst_tp in decode.ranks():
         dst_layout = RankLayout(model, decode, dst_pp, dst_tp)
-        for pool_name in POOLS:
+        for pool_name in model.pool_names:
             pool = model.pools[pool_name]
             dst_heads = dst_layout.heads(pool_name)
+            # same_tp: each rank's copy is its own, so it comes from the prefill rank of the same TP index
+            sources = [(dst_tp, dst_heads)] if pool.same_tp else _sources_for_heads(pool, prefill.tp, dst_heads, dst_tp)
             for dst_slot, layer in enumerate(dst_layout.layers(pool_name)):
                 src_pp = prefill.stage_of(layer)
                 src_slot = RankLayout(model, prefill, src_pp, 0).slot(pool_name, layer)
-                for src_tp, heads in _sources_for_heads(pool, prefill.tp, dst_heads, dst_tp):
+                for src_tp, heads in sources:
                     routes.append(Route(
                         pool=pool_name, layer=layer,
                         src=Endpoint(src_pp, src_tp, src_slot), dst=Endpoint(dst_pp, dst_tp, dst_slot),
@@ -187,7 +200,7 @@ def check_plan(plan: TransferPlan) -> None:
             covered[(r.dst.rank, r.pool, r.layer, head)] += 1
     for rank in plan.decode.ranks():
         lay = plan.rank_layout("decode", rank)
-        for pool in POOLS:
+        for pool in model.pool_names:
             for layer in lay.layers(pool):
                 for head in range(*lay.heads(pool)):
                     n = covered.pop((rank, pool, layer, head), 0)
@@ -219,7 +232,7 @@ def format_table(plan: TransferPlan) -> str:
         f"model {m.name}: {m.num_layers} layers, fingerprint {m.fingerprint()}",
         *(f"  {p:<8} {len(m.pools[p].layers):>3} layers {fold_ranges(m.pools[p].layers) or '-':<12} "
           f"{m.pools[p].bytes_per_token} B/token/layer, {m.pools[p].num_heads} head(s), "
-          f"{'head-sharded' if m.pools[p].sharded else 'replicated'}" for p in POOLS),
+          f"{_how(m.pools[p])}" for p in m.pool_names),
         f"prefill tp={plan.prefill.tp} pp={plan.prefill.pp} stages {_stages(plan.prefill)}",
         f"decode  tp={plan.decode.tp} pp={plan.decode.pp} stages {_stages(plan.decode)}",
     ]
@@ -238,6 +251,11 @@ def format_table(plan: TransferPlan) -> str:
     return "\n".join(lines)
 
 
+def _how(pool) -> str:
+    how = "head-sharded" if pool.sharded else "same TP rank" if pool.same_tp else "replicated"
+    return f"{how}, whole per request" if pool.per_request else how
+
+
 def _stages(p: ParallelLayout) -> str:
     return " ".join(f"{s}-{e - 1}" for s, e in p.stages)
 
@@ -245,7 +263,8 @@ def _stages(p: ParallelLayout) -> str:
 def _fold(routes: Iterable[Route]) -> list[list[Route]]:
     """Group routes (already in pool, slot order per rank) that continue each other."""
     groups: list[list[Route]] = []
-    for r in sorted(routes, key=lambda r: (POOLS.index(r.pool), r.src.rank, r.heads, r.dst.slot)):
+    order = {pool: (POOLS.index(pool) if pool in POOLS else len(POOLS), pool) for pool in {r.pool for r in routes}}
+    for r in sorted(routes, key=lambda r: (order[r.pool], r.src.rank, r.heads, r.dst.slot)):
         if groups:
             last = groups[-1][-1]
             if (last.pool, last.src.rank, last.heads) == (r.pool, r.src.rank, r.heads) \

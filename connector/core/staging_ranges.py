@@ -19,7 +19,7 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from connector.core.descriptors import NO_NULL_BLOCK, check_route, live_pairs
+from connector.core.descriptors import NO_NULL_BLOCK, check_route, group_range, live_pairs, span_parts
 from connector.core.errors import StagingError
 from connector.core.layout import Region
 from connector.core.plan import Route
@@ -79,14 +79,16 @@ def route_segments(src: Region, dst: Region, src_blocks: Sequence[int] | np.ndar
 def batch_segments(src_regions: Mapping[tuple[str, int], Region], dst_regions: Mapping[tuple[str, int], Region],
                    layer_routes: Mapping[int, Sequence[Route]], spans: Iterable[tuple[int, int, int]],
                    src_blocks: Sequence[Sequence[int]], dst_blocks: Sequence[Sequence[int]],
-                   nulls: tuple[int, int] = (NO_NULL_BLOCK, NO_NULL_BLOCK)) -> list[Segment]:
+                   nulls: tuple[int, int] = (NO_NULL_BLOCK, NO_NULL_BLOCK), unit: int = 0) -> list[Segment]:
     """The segments of one staged batch, the same bytes as `connector.core.descriptors.batch_descriptors` for the
     same arguments: for each `(global layer, first block, end block)`, every route of that layer."""
     out: list[Segment] = []
-    for layer, b0, b1 in spans:
+    for span in spans:
+        layer, b0, b1, final = span_parts(span)
         for r in layer_routes[layer]:
             src, dst = src_regions[(r.pool, layer)], dst_regions[(r.pool, layer)]
-            out += route_segments(src, dst, *live_pairs(src_blocks[src.group][b0:b1], dst_blocks[dst.group][b0:b1],
+            out += route_segments(src, dst, *live_pairs(src_blocks[src.group][group_range(src, b0, b1, final, unit)],
+                                                        dst_blocks[dst.group][group_range(dst, b0, b1, final, unit)],
                                                         nulls, f"{r.pool} layer {layer}: "), r.heads)
     return out
 

@@ -75,7 +75,7 @@ class BatchWriter:
         if cached is not None:
             return cached.take(layer for layer, _ in batch)
         return batch_descriptors(self.me.by_key, dest.peer.accepted.regions, dest.layer_routes, spans,
-                                 req.block_ids, dest.register.groups, self._nulls(dest))
+                                 req.block_ids, dest.register.groups, self._nulls(dest), self.me.block_size)
 
     def pool_bytes(self, req: SendRequest, dest: Destination, batch: list[tuple[int, int]]) -> dict[str, int]:
         """What `descriptors` of the same batch move, per pool."""
@@ -84,22 +84,23 @@ class BatchWriter:
         if cached is not None:
             return cached.pool_bytes(layer for layer, _ in batch)
         return batch_pool_bytes(self.me.by_key, dest.peer.accepted.regions, dest.layer_routes, spans,
-                                dest.register.groups, dest.peer.hello.null_block)
+                                dest.register.groups, dest.peer.hello.null_block, self.me.block_size)
 
     def _by_layer(self, req: SendRequest, dest: Destination,
-                  spans: list[tuple[int, int, int]]) -> LayerDescriptors | None:
+                  spans: list[tuple[int, int, int, bool]]) -> LayerDescriptors | None:
         """Every layer's descriptors for the block span the batch's layers share, built once per chunk (the first
         batch of a span builds them for all of `dest`'s layers, the next ones slice them); None when the layers'
         spans differ (a registration that came late, a restart), which takes the general path. The cache is keyed
         by the block-id lists themselves (a new chunk or a restart gives new ones) and the generation."""
         if not spans or any(span[1:] != spans[0][1:] for span in spans):
             return None
-        key = (spans[0][1], spans[0][2], req.generation)
+        key = (spans[0][1], spans[0][2], spans[0][3], req.generation)
         hit = dest.by_layer
         if hit is not None and hit[0] == key and hit[1] is req.block_ids:
             return hit[2]
         built = span_descriptors(self.me.by_key, dest.peer.accepted.regions, dest.layer_routes, key[0], key[1],
-                                 req.block_ids, dest.register.groups, self._nulls(dest))
+                                 req.block_ids, dest.register.groups, self._nulls(dest), final=key[2],
+                                 unit=self.me.block_size)
         dest.by_layer = (key, req.block_ids, built)
         return built
 
@@ -107,11 +108,12 @@ class BatchWriter:
         """(prefill's, decode's) null block: positions decode's holds are not sent."""
         return self.me.null_block, dest.peer.hello.null_block
 
-    def _spans(self, dest: Destination, batch: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    def _spans(self, dest: Destination, batch: list[tuple[int, int]]) -> list[tuple[int, int, int, bool]]:
         """Each layer from its first unsent token's block (a block sent partly filled is sent again from its start
-        once more tokens are in it) to the block of its last ready token."""
-        bs, first = self.me.block_size, dest.register.first_token
-        return [(layer, max(dest.sent_tokens.get(layer, 0), first) // bs, blocks_for(ready, bs))
+        once more tokens are in it) to the block of its last ready token; final once that is the last token decode
+        wants (a per-request state, a ring or a Mamba state, moves then, whole)."""
+        bs, first, end = self.me.block_size, dest.register.first_token, dest.register.num_tokens
+        return [(layer, max(dest.sent_tokens.get(layer, 0), first) // bs, blocks_for(ready, bs), ready >= end)
                 for layer, ready in batch]
 
     def checksums(self, req: SendRequest, dest: Destination) -> list[Checksums]:
@@ -121,9 +123,10 @@ class BatchWriter:
         if self.copier is None:
             self.copier = BlockCopier(f"cuda:{self.me.device_id}" if self.me.mem_type == "VRAM" else "cpu")
         reg = dest.register
-        spans = transfer_spans(dest.layer_routes, reg.first_token, reg.num_tokens, self.me.block_size)
+        spans = transfer_spans(dest.layer_routes, reg.first_token, reg.num_tokens, self.me.block_size,
+                               self.me.full_block_size)
         rows = source_rows(self.me.by_key, dest.peer.accepted.regions, dest.layer_routes, spans, req.block_ids,
-                           reg.groups, self._nulls(dest))
+                           reg.groups, self._nulls(dest), self.me.block_size)
         pieces: list[list[RouteDigests]] = [[]]
         size = 0
         for r in rows:
@@ -154,7 +157,8 @@ class BatchWriter:
                 and len(descs) >= self.config.stage_min_descriptors \
                 and descs.nbytes < len(descs) * self.stage_below_bytes():
             segments = batch_segments(self.me.by_key, dest.peer.accepted.regions, dest.layer_routes,
-                                      self._spans(dest, batch), req.block_ids, reg.groups, self._nulls(dest))
+                                      self._spans(dest, batch), req.block_ids, reg.groups, self._nulls(dest),
+                                      self.me.block_size)
 
             def answered(ok: bool, why: str) -> None:
                 times.answers += 1

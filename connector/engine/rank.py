@@ -9,7 +9,7 @@ from typing import Any
 
 from connector.core.descriptors import NO_NULL_BLOCK
 from connector.core.errors import ConfigError
-from connector.core.layout import ModelLayout, ParallelLayout, Region
+from connector.core.layout import ModelLayout, ParallelLayout, Region, engine_block_size
 from connector.core.plan import Rank
 from connector.protocol.handshake import layout_wire
 from connector.protocol.messages import Hello, Role
@@ -28,7 +28,8 @@ class LocalRank:
     regions: tuple[Region, ...]
     """Every (pool, global layer) this rank holds, with addresses (what peers WRITE into or read from)."""
     block_size: int
-    """Tokens per KV-cache block."""
+    """Tokens per KV-cache block; where caches have several block sizes, the gcd of the paged ones: the unit
+    block spans count in (connector.core.descriptors.group_range)."""
     mem_type: str = "DRAM"
     """NIXL memory type of the KV caches and the staging buffer: "DRAM" (CPU) or "VRAM" (GPU)."""
     staging: Any = None
@@ -46,6 +47,13 @@ class LocalRank:
     def by_key(self) -> dict[tuple[str, int], Region]:
         """Regions by (pool, global layer)."""
         return {r.key: r for r in self.regions}
+
+    @cached_property
+    def full_block_size(self) -> int:
+        """Tokens after which every paged cache of this rank ends a block: the lcm of its regions' block sizes
+        (`block_size`, the unit spans count in, divides it). What checksums cover whole."""
+        return max(self.block_size, engine_block_size(
+            r.block_size for r in self.regions if not r.per_request and r.block_size))
 
     @property
     def stage(self) -> tuple[int, int]:

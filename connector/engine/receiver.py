@@ -341,8 +341,9 @@ class StreamReceiver:
         checked = 0
         for src in sorted(pend.completes):
             routes = pend.engine.plan.layer_routes(src, self.me.rank)
-            spans = transfer_spans(routes, first_token, num_tokens, self.me.block_size)
-            rows = destination_rows(self.me.by_key, routes, spans, pend.block_ids, self.me.null_block)
+            spans = transfer_spans(routes, first_token, num_tokens, self.me.block_size, self.me.full_block_size)
+            rows = destination_rows(self.me.by_key, routes, spans, pend.block_ids, self.me.null_block,
+                                    self.me.block_size)
             problem = mismatch(src, rows, [self._copier.digests(r.parts) for r in rows], pend.digests.get(src, {}))
             if problem:
                 return problem, checked

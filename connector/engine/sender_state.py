@@ -11,9 +11,9 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from connector.core.descriptors import check_blocks
+from connector.core.descriptors import check_blocks, group_range
 from connector.core.errors import RegistrationError
-from connector.core.layout import blocks_for
+from connector.core.layout import Region, blocks_for
 from connector.core.plan import Route
 from connector.engine.peers import PeerInfo
 from connector.engine.timeline import SendPoints
@@ -180,22 +180,32 @@ def check_registration(reg: Register, peer: PeerInfo, rank: tuple[int, int], sta
     _check_staging(reg, peer)
     routes = [r for rs in layer_routes.values() for r in rs]
     regions = peer.accepted.regions
-    blocks_needed = blocks_for(reg.num_tokens, block_size)
-    for g in sorted({regions[(r.pool, r.layer)].group for r in routes}):
+    need: dict[int, tuple[int, bool]] = {}
+    """Group -> (block ids it needs for the prompt, whether it holds a per-request state)."""
+    regions_of_group: dict[int, Region] = {}
+    for r in routes:
+        region = regions[(r.pool, r.layer)]
+        regions_of_group[region.group] = region
+        need[region.group] = (1 + region.scratch_blocks, True) if region.per_request else \
+            (blocks_for(reg.num_tokens, region.block_size or block_size), False)
+    for g, (blocks_needed, per_request) in sorted(need.items()):
         if g >= len(groups):
             raise RegistrationError(f"registration of {tid!r} has {len(groups)} block-id group(s) but "
                                     f"decode regions use group {g}")
         ids = groups[g]
         if len(ids) < blocks_needed:
             raise RegistrationError(f"group {g} has {len(ids)} block ids for {reg.num_tokens} tokens, needs "
-                                    f"{blocks_needed}")
-        live = ids[:blocks_needed]
+                                    f"{blocks_needed}{' (a per-request state)' if per_request else ''}")
+        live = ids[group_range(regions_of_group[g], 0, 0, True)] if per_request else ids[:blocks_needed]
         live = live[live != peer.hello.null_block]  # null: outside decode's window
         if np.unique(live).size != live.size:
             raise RegistrationError(f"group {g} block ids repeat: each token block needs its own block")
     for r in routes:  # every destination block inside its region (raises DescriptorError naming them)
         region = regions[(r.pool, r.layer)]
-        check_blocks(region, groups[region.group][:blocks_needed], f"decode {r.pool} layer {r.layer} ")
+        blocks_needed, per_request = need[region.group]
+        ids = groups[region.group]
+        check_blocks(region, ids[group_range(region, 0, 0, True)] if per_request else ids[:blocks_needed],
+                     f"decode {r.pool} layer {r.layer} ")
 
 
 def _check_staging(reg: Register, peer: PeerInfo) -> None:

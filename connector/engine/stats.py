@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field, fields
+from typing import Any
 
+from connector.core.layout import POOLS
 from connector.transport.nixl import WriteTiming
 
 SAMPLES_KEPT = 4096
@@ -54,6 +56,8 @@ class SenderStats:
     capability_refusals: int = 0
     """Registrations and Aborts refused because they did not prove the transfer's secret (a token holder that is
     not the request's decode, or a router that did not pass `transfer_secret` on): connector.engine.ownership."""
+    bytes_by_cache: dict[str, int] = field(default_factory=dict)
+    """Bytes of completed WRITEs per pool, every pool (a cache of its own included: `self_attn.swa_cache`)."""
     post_seconds: collections.deque[float] = field(default_factory=_samples)
     """Per NIXL WRITE: creating and posting it (on DRAM the copy itself runs in the post)."""
     transfer_seconds: collections.deque[float] = field(default_factory=_samples)
@@ -67,7 +71,9 @@ class SenderStats:
 
     def add_pool_bytes(self, pool: str, nbytes: int) -> None:
         name = f"bytes_sent_{pool}"
-        setattr(self, name, getattr(self, name) + nbytes)
+        if pool in POOLS:
+            setattr(self, name, getattr(self, name) + nbytes)
+        self.bytes_by_cache[pool] = self.bytes_by_cache.get(pool, 0) + nbytes
 
     def record_write(self, timing: WriteTiming) -> None:
         self.post_seconds.append(timing.post_s)
@@ -79,7 +85,7 @@ def counter_names(stats_type: type) -> tuple[str, ...]:
 
 
 def series_names(stats_type: type) -> tuple[str, ...]:
-    return tuple(f.name for f in fields(stats_type) if f.name not in counter_names(stats_type))
+    return tuple(f.name for f in fields(stats_type) if str(f.type).startswith(("collections.deque", "deque")))
 
 
 class StatsDelta:
@@ -92,12 +98,17 @@ class StatsDelta:
         self._series = series_names(type(stats))
         self._seen = self._read()
 
-    def _read(self) -> dict[str, int]:
-        return {name: getattr(self.stats, name) for name in self._counters}
+    def _read(self) -> dict[str, Any]:
+        return {**{name: getattr(self.stats, name) for name in self._counters},
+                "bytes_sent_by_cache": dict(self.stats.bytes_by_cache)}
 
-    def take(self) -> tuple[dict[str, int], dict[str, list[float]]]:
+    def take(self) -> tuple[dict[str, Any], dict[str, list[float]]]:
+        """(counter gains, with `bytes_sent_by_cache`: pool -> bytes gained; samples since the last take)."""
         now = self._read()
-        counts = {name: now[name] - self._seen[name] for name in self._counters}
+        counts: dict[str, Any] = {name: now[name] - self._seen[name] for name in self._counters}
+        seen = self._seen["bytes_sent_by_cache"]
+        counts["bytes_sent_by_cache"] = {pool: n - seen.get(pool, 0) for pool, n in now["bytes_sent_by_cache"].items()
+                                         if n != seen.get(pool, 0)}
         self._seen = now
         samples = {}
         for name in self._series:

@@ -113,7 +113,7 @@ def check_peer_regions(hello: Hello, plan: TransferPlan, side: str) -> dict[tupl
     lay: RankLayout = plan.rank_layout(side, (hello.pp_rank, hello.tp_rank))
     who = f"{side} rank ({hello.pp_rank},{hello.tp_rank})"
     regions = {r.key: r for r in hello.regions}
-    for pool in POOLS:
+    for pool in plan.model.pool_names:
         want = set(lay.layers(pool))
         have = {layer for p, layer in regions if p == pool}
         if have - want:
@@ -149,8 +149,9 @@ def check_hello(peer: Hello, own: Hello) -> None:
 
 
 def layout_wire(model: ModelLayout) -> list[PoolLayout]:
-    return [PoolLayout(p.name, list(p.layers), p.num_heads, p.bytes_per_token_per_head, p.num_parts, p.sharded)
-            for p in (model.pools[name] for name in POOLS)]
+    return [PoolLayout(p.name, list(p.layers), p.num_heads, p.bytes_per_token_per_head, p.num_parts, p.sharded,
+                       p.block_size, p.bytes_per_block_per_head, p.per_request, p.same_tp, p.spec[:64])
+            for p in (model.pools[name] for name in model.pool_names)]
 
 
 def layout_of_hello(hello: Hello) -> ModelLayout | None:
@@ -159,7 +160,8 @@ def layout_of_hello(hello: Hello) -> ModelLayout | None:
         return None
     try:
         pools = {p.name: PoolSpec(p.name, tuple(p.layers), p.num_heads, p.bytes_per_token_per_head, p.num_parts,
-                                  p.sharded) for p in hello.layout}
+                                  p.sharded, p.block_size, p.bytes_per_block_per_head, p.per_request, p.same_tp,
+                                  p.spec) for p in hello.layout}
         return ModelLayout(name=hello.engine_id, num_layers=hello.num_layers, pools=pools)
     except LayoutError:
         return None

@@ -114,8 +114,8 @@ HTTP_REQUESTS = (b"GET ", b"POST", b"HEAD", b"PUT ", b"OPTI", b"DELE", b"PATC")
 """How HTTP requests start (each a length far over any limit when read as a header)."""
 
 Role = Literal["prefill", "decode"]
-PoolName = Literal["kv", "index_k", "index_v"]
-"""connector.core.layout.POOLS, as a wire type."""
+PoolName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.:~-]{1,120}$")]
+"""connector.core.layout.POOL_NAME, as a wire type: the three first pools or a cache's own (`self_attn.swa_cache`)."""
 
 
 class PoolLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -127,6 +127,11 @@ class PoolLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     bytes_per_token_per_head: Count
     num_parts: Count
     sharded: bool
+    block_size: Count = 0
+    bytes_per_block_per_head: Count = 0
+    per_request: bool = False
+    same_tp: bool = False
+    spec: Annotated[str, Meta(max_length=64)] = ""
 
 
 class Hello(msgspec.Struct, frozen=True, tag="hello", tag_field="type"):
@@ -146,7 +151,7 @@ class Hello(msgspec.Struct, frozen=True, tag="hello", tag_field="type"):
     """Tokens per KV-cache block."""
     agent_name: EngineName
     """NIXL agent name."""
-    layout: Annotated[list[PoolLayout], Meta(max_length=3)] = []
+    layout: Annotated[list[PoolLayout], Meta(max_length=64)] = []
     """The layout the fingerprint is of: what a mismatch is explained from."""
     num_layers: Count = 0
     agent_metadata: bytes = b""

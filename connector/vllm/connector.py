@@ -16,7 +16,7 @@ from connector.vllm.config import ConnectorSettings
 from connector.vllm.early import check_role, check_transfer_config, configs_in_callers
 from connector.vllm.idle_hold import pacer
 from connector.vllm.metadata import SparseKVMetadata
-from connector.vllm.scheduler import SchedulerSide
+from connector.vllm.scheduler import SchedulerSide, state_backoff
 from connector.vllm.stats import SparseKVConnectorStats, SparseKVPromMetrics
 from connector.vllm.worker import WorkerSide
 
@@ -46,7 +46,7 @@ class SparseKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.engine_id = str(ktc.engine_id)
         dp_index = int(getattr(vllm_config.parallel_config, "data_parallel_index", 0) or 0)
         self._scheduler = (SchedulerSide(ktc.kv_role, self.engine_id, self.settings, dp_index,
-                                         pacer(self.settings, vllm_config))
+                                         pacer(self.settings, vllm_config), state_backoff(kv_cache_config))
                            if role == KVConnectorRole.SCHEDULER else None)
         self._worker = (WorkerSide(vllm_config, kv_cache_config, self.settings, ktc.kv_role, self.engine_id)
                         if role == KVConnectorRole.WORKER else None)
@@ -96,6 +96,9 @@ class SparseKVConnector(KVConnectorBase_V1, SupportsHMA):
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
         self._scheduler.bind_kv_cache_manager(kv_cache_manager)
+
+    def on_new_request(self, request: Any) -> None:
+        self._scheduler.on_new_request(request)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)

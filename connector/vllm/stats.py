@@ -33,6 +33,9 @@ SCHEDULER_COUNTERS = (
 )
 COUNTERS = counter_names(SenderStats) + RECEIVER_COUNTERS + WORKER_COUNTERS + SCHEDULER_COUNTERS
 """Prefill's are the engine's own counters, under the engine's own names (connector.engine.stats.SenderStats)."""
+BY_CACHE = ("bytes_sent_by_cache", "bytes_received_by_cache")
+"""Dicts pool -> bytes, every pool (the three first and each cache of its own pool, e.g. `self_attn.swa_cache`):
+exported as `vllm:sparse_kv_<name>_total{cache=...}`."""
 SERIES = series_names(SenderStats) + tuple(name for name in STAGES if name not in series_names(SenderStats))
 """Samples in seconds: per NIXL WRITE (post_seconds, transfer_seconds), and per transfer the stages of its timeline
 (connector.engine.timeline.STAGES; recv_seconds: decode registration to the last source's completion)."""
@@ -65,13 +68,20 @@ class SparseKVConnectorStats(KVConnectorStats):
                 self.data.setdefault(key, 0)
             for key in (*SERIES, *PER_LAYER):
                 self.data.setdefault(key, [])
+            for key in BY_CACHE:
+                self.data.setdefault(key, {})
 
     def reset(self) -> None:
-        self.data = {**{key: 0 for key in COUNTERS}, **{key: [] for key in (*SERIES, *PER_LAYER)}}
+        self.data = {**{key: 0 for key in COUNTERS}, **{key: [] for key in (*SERIES, *PER_LAYER)},
+                     **{key: {} for key in BY_CACHE}}
 
-    def add(self, **counts: int) -> None:
+    def add(self, **counts: Any) -> None:
+        """Counters by name; `bytes_sent_by_cache` / `bytes_received_by_cache` as dicts pool -> bytes."""
         for key, n in counts.items():
-            self.data[key] += int(n)
+            if key in BY_CACHE:
+                _add_by_cache(self.data[key], n)
+            else:
+                self.data[key] += int(n)
 
     def extend(self, **samples: list[float]) -> None:
         for key, values in samples.items():
@@ -91,11 +101,13 @@ class SparseKVConnectorStats(KVConnectorStats):
             self.data[key].extend(other.data.get(key, ()))
         for key in PER_LAYER:
             _add_per_layer(self.data[key], dict(enumerate(other.data.get(key, ()))))
+        for key in BY_CACHE:
+            _add_by_cache(self.data[key], other.data.get(key, {}))
         return self
 
     def is_empty(self) -> bool:
         return not any(self.data[key] for key in COUNTERS) and not any(self.data[key] for key in SERIES) \
-            and not any(any(self.data[key]) for key in PER_LAYER)
+            and not any(any(self.data[key]) for key in PER_LAYER) and not any(self.data[key] for key in BY_CACHE)
 
     def reduce(self) -> dict[str, int | float]:
         d = self.data
@@ -148,6 +160,11 @@ def _index_mb(d: dict[str, Any], verb: str) -> dict[str, float]:
             for pool in ("index_k", "index_v") if d[f"bytes_{verb}_{pool}"]}
 
 
+def _add_by_cache(totals: dict[str, int], gains: Any) -> None:
+    for pool, n in dict(gains).items():
+        totals[str(pool)] = totals.get(str(pool), 0) + int(n)
+
+
 def _add_per_layer(counts: list[int], increments: dict[int, int]) -> None:
     """counts[layer] += n for each (layer, n), growing the list as needed."""
     for layer, n in increments.items():
@@ -178,6 +195,10 @@ class SparseKVPromMetrics(KVConnectorPromMetrics):
                                                  documentation=f"SparseKVConnector: {key.replace('_', ' ')}, steps "
                                                                f"per global layer")
                           for key in PER_LAYER}
+        self.by_cache = {key: self._counter_cls(name=f"vllm:sparse_kv_{key}", labelnames=[*labelnames, "cache"],
+                                                documentation=f"SparseKVConnector: {key.replace('_', ' ')} (a pool: "
+                                                              f"kv, index_k, index_v or a cache's own name)")
+                         for key in BY_CACHE}
         self._engine_labels = per_engine_labelvalues
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
@@ -192,3 +213,7 @@ class SparseKVPromMetrics(KVConnectorPromMetrics):
             for layer, n in enumerate(transfer_stats_data.get(key, ())):
                 if n:
                     metric.labels(*self._engine_labels[engine_idx], str(layer)).inc(int(n))
+        for key, metric in self.by_cache.items():
+            for pool, n in dict(transfer_stats_data.get(key, {})).items():
+                if n:
+                    metric.labels(*self._engine_labels[engine_idx], str(pool)).inc(int(n))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import math
 import threading
 import uuid
 from typing import Any
@@ -15,7 +16,7 @@ import torch
 from connector.core.descriptors import NULL_BLOCK
 from connector.core.errors import ConfigError, LayoutError
 from connector.core.describe import describe_model
-from connector.core.layout import ModelLayout, ParallelLayout, RankLayout
+from connector.core.layout import POOLS, ModelLayout, ParallelLayout, RankLayout
 from connector.engine.rank import LocalRank
 from connector.engine.receiver import ReceiveResult, StreamReceiver
 from connector.engine.sender import StreamSender
@@ -126,7 +127,8 @@ class WorkerSide:
     def _classify(self) -> dict[str, CacheFacts]:
         model = self.vllm_config.model_config
         return classify_layers(self.kv_cache_config, model.get_total_num_kv_heads(),
-                               draft_layer_names(self.vllm_config), model.hf_text_config.num_hidden_layers)
+                               draft_layer_names(self.vllm_config), model.hf_text_config.num_hidden_layers,
+                               bool(getattr(model, "use_mla", False)))
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         # Again, now that every layer module (a draft model's too) is in the forward context.
@@ -158,12 +160,12 @@ class WorkerSide:
             staging = torch.empty(staging_bytes, dtype=torch.uint8, device=device)
             self.transport.register(staging)
             self._staging = staging  # kept alive as long as the transport uses it
-        block_size = {r.group: self.kv_cache_config.kv_cache_groups[r.group].kv_cache_spec.block_size for r in regions}
-        if len(set(block_size.values())) != 1:
-            raise LayoutError(f"SparseKVConnector needs one block size across KV-cache groups, got {block_size}")
-        me = LocalRank(self.engine_id, self.model, self.parallel, self.rank, tuple(regions),
-                       next(iter(block_size.values())), mem_type="VRAM" if self._cuda else "DRAM", staging=staging,
-                       null_block=NULL_BLOCK)
+        # Groups may have different block sizes (DeepSeek-V4's compressor states, a Mamba state): token ranges count
+        # in their gcd, and each region converts them to its own blocks (connector.core.descriptors.group_range).
+        paged = [r.block_size for r in regions if not r.per_request]
+        unit = math.gcd(*paged) if paged else max((r.block_size for r in regions), default=1)
+        me = LocalRank(self.engine_id, self.model, self.parallel, self.rank, tuple(regions), unit,
+                       mem_type="VRAM" if self._cuda else "DRAM", staging=staging, null_block=NULL_BLOCK)
         s = self.settings
         if self.sends:
             host = s.side_channel_host or default_host()
@@ -311,7 +313,9 @@ class WorkerSide:
                     result = fut.result()
                     if isinstance(result, ReceiveResult):  # (an abort_unregistered has no result)
                         self._stats.add(bytes_received=result.bytes_written, recvs_ok=1,
-                                        **{f"bytes_received_{pool}": n for pool, n in result.bytes_by_pool.items()})
+                                        bytes_received_by_cache=result.bytes_by_pool,
+                                        **{f"bytes_received_{pool}": n for pool, n in result.bytes_by_pool.items()
+                                           if pool in POOLS})
                         self._told(req_id, result)  # (recv_seconds and tell_seconds among its stages)
                 else:
                     done[req_id] = str(exc)
