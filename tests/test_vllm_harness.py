@@ -378,7 +378,7 @@ def _regions_of(model_dir, *, drop_index_values: bool):
     caches = H.allocate_kv_caches(kvc, cfg)
     facts = classify_layers(kvc, cfg.model_config.get_total_num_kv_heads())
     with H.fake_parallel_groups():
-        model = model_from_vllm(facts, cfg)
+        model, facts = model_from_vllm(facts, cfg)
     rank = RankLayout(model, ParallelLayout.build(model.num_layers, 1, 1), 0, 0)
     return build_regions(caches, facts, kvc.num_blocks, rank), model
 

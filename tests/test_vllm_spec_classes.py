@@ -6,6 +6,8 @@ several caches each in a pool of its own."""
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import pytest
 
 pytest.importorskip("vllm", reason="needs vllm==0.33.0")
@@ -91,8 +93,8 @@ def test_hidden_states_and_mamba_states():
 @pytest.mark.parametrize("spec, words", [
     (EncoderOnlyAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=BF16), "an encoder's cache"),
     (HiSparseHotSpec(block_size=16, page_size=4096, blocks_per_request=4), "a HiSparseHotSpec, a state"),
-    (MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float32,), mamba_cache_mode="align"),
-     "mamba_cache_mode 'align'"),
+    (FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=BF16, tokens_per_state=Fraction(1, 2)),
+     "several states per token"),
 ])
 def test_what_cannot_move_is_refused_naming_layer_and_spec(spec, words):
     with pytest.raises(LayoutError, match=f"KV-cache layer {NAME}") as err:

@@ -50,8 +50,6 @@ def test_each_spec_class_goes_to_its_pool_with_its_sizes():
 
 
 @pytest.mark.parametrize("spec, words", [
-    (MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float32,), mamba_cache_mode="align"),
-     "is a MambaSpec in mamba_cache_mode 'align', which keeps a state per block position"),
     (CrossAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16), "an encoder's cache"),
 ])
 def test_a_cache_it_cannot_move_is_refused_naming_the_layer(spec, words):

@@ -44,7 +44,8 @@ def layout_difference(mine: ModelLayout, theirs: ModelLayout, me: str = "this si
             parts = [f"{me} has {name} on layers {fold_ranges(only_a)} that {them} lacks"] if only_a else []
             parts += [f"{them} has {name} on layers {fold_ranges(only_b)} that {me} lacks"] if only_b else []
             return "; ".join(parts)
-        if a.layers and (a.num_heads, a.bytes_per_token_per_head, a.num_parts, a.sharded, *a.extras()) != \
+        if a.layers and not (a.same_tp and b.same_tp) and \
+                (a.num_heads, a.bytes_per_token_per_head, a.num_parts, a.sharded, *a.extras()) != \
                 (b.num_heads, b.bytes_per_token_per_head, b.num_parts, b.sharded, *b.extras()):
             return f"{me} keeps {describe_pool(a)}, {them} {describe_pool(b)}"
     return ""

@@ -31,7 +31,7 @@ from connector.core.errors import LayoutError
 
 POOLS: tuple[str, ...] = ("kv", "index_k", "index_v")
 """The pools every layout has (possibly empty); others come after them, by name (`ModelLayout.pool_names`)."""
-POOL_NAME = re.compile(r"[A-Za-z0-9_.:~-]{1,120}")
+POOL_NAME = re.compile(r"[A-Za-z0-9_.:~@#-]{1,120}")
 """What a pool name may be: it crosses the wire and reaches logs and metric labels."""
 
 
@@ -81,7 +81,10 @@ class PoolSpec:
         those keep the fingerprints they always had)."""
         if (self.block_size, self.bytes_per_block_per_head, self.per_request, self.same_tp) == (0, 0, False, False):
             return []
-        return [self.block_size, self.bytes_per_block_per_head, self.per_request, self.same_tp]
+        # A per-request state's block size is vLLM's bookkeeping (a Mamba block is sized to line up with the
+        # attention pages, so it follows the TP size); its bytes are what count.
+        return [0 if self.per_request else self.block_size, self.bytes_per_block_per_head, self.per_request,
+                self.same_tp]
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,10 @@ class ModelLayout:
             "num_layers": self.num_layers,
             "pools": {
                 p.name: [list(p.layers), p.num_heads, p.bytes_per_token_per_head, p.num_parts, p.sharded] + p.extras()
+                if not p.same_tp else
+                # Each TP rank's own copy, whose size follows the TP size: only the same TP size pairs (the plan
+                # refuses others by name), and the regions' block bytes are compared per route.
+                [list(p.layers), p.num_parts, 0 if p.per_request else p.block_size, p.per_request, p.same_tp]
                 for p in (self.pools[n] for n in self.pool_names)
             },
         }

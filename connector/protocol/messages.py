@@ -114,7 +114,7 @@ HTTP_REQUESTS = (b"GET ", b"POST", b"HEAD", b"PUT ", b"OPTI", b"DELE", b"PATC")
 """How HTTP requests start (each a length far over any limit when read as a header)."""
 
 Role = Literal["prefill", "decode"]
-PoolName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.:~-]{1,120}$")]
+PoolName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.:~@#-]{1,120}$")]
 """connector.core.layout.POOL_NAME, as a wire type: the three first pools or a cache's own (`self_attn.swa_cache`)."""
 
 

@@ -28,11 +28,12 @@ per request is a ring.
           (`max_tp_shards == 1`), else tied to one TP size (rank t to rank t);
       per request, whole, once the request's last chunk computed the layer:
           CircularBufferSpec (a compressor ring: one block for the request's life, written at pos % capacity),
-          MambaSpec in mamba_cache_mode "none" (the running conv/SSM state): replicated when the spec says so
-          (`max_tp_shards == 1`, `tp_replicated`), else tied to one TP size.
+          MambaSpec (the running conv/SSM state: the last block before the speculative scratch ones, in "none" and
+          "align" mode alike, as vLLM's NixlConnector picks it): replicated when the spec says so (`tp_replicated`),
+          else tied to one TP size.
 Refused at start-up, naming the layer, the spec and why: cross and encoder-only attention (no prefill/decode
-state), HiSparse pools (no per-layer view), Mamba states kept per block position (mode "align"), fewer than one
-token per state, and anything else that is not an attention or Mamba spec."""
+state), HiSparse pools (no per-layer view), fewer than one token per state, and anything else that is not an
+attention or Mamba spec."""
 
 from __future__ import annotations
 
@@ -124,12 +125,7 @@ def _refusal(name: str, spec: KVCacheSpec) -> str | None:
         return (f"KV-cache layer {name} is {what}: an encoder's cache is not prefill/decode state; serve the model "
                 f"without SparseKVConnector")
     if isinstance(spec, MambaSpec):
-        mode = str(getattr(spec, "mamba_cache_mode", "none") or "none")
-        if mode != "none":
-            return (f"KV-cache layer {name} is a MambaSpec in mamba_cache_mode {mode!r}, which keeps a state per block "
-                    f"position; SparseKVConnector moves the running state (mode 'none'): serve it without prefix "
-                    f"caching of Mamba states (--no-enable-prefix-caching)")
-        return None
+        return None  # the running state moves, in every mamba_cache_mode (descriptors.group_range)
     if not isinstance(spec, AttentionSpec):
         return (f"KV-cache layer {name} is a {what}, a state SparseKVConnector cannot move (it moves attention "
                 f"caches, rings and Mamba states): serve this model with a connector that supports its state, or "
@@ -267,9 +263,33 @@ class ModelNames:
     kv_cache_dtype: str
 
 
+def assign_pools(caches: list[CacheFacts]) -> list[CacheFacts]:
+    """The pools of the whole model's caches: a cache of its own pool whose layers differ in size (DeepSeek-V4's
+    compressor state: blocks of 4 tokens on ratio-4 layers, 8 on ratio-128 ones) gets a pool per size, named
+    `<cache>@<block size>` (or `<cache>#<k>` when the block sizes alone do not tell them apart). Every rank of both
+    engines holds every stage's caches (gather_stages), so all name them alike."""
+    signatures: dict[str, list[tuple]] = {}
+    for c in caches:
+        if c.pool not in POOLS and c.sizes() not in signatures.setdefault(c.pool, []):
+            signatures[c.pool].append(c.sizes())
+    renamed = {}
+    for pool, sigs in signatures.items():
+        if len(sigs) < 2:
+            continue
+        by_block = {sig[4] for sig in sigs}
+        ordered = sorted(sigs)
+        for k, sig in enumerate(ordered):
+            renamed[(pool, sig)] = f"{pool}@{sig[4]}" if len(by_block) == len(sigs) else f"{pool}#{k + 1}"
+    if not renamed:
+        return list(caches)
+    return [msgspec.structs.replace(c, pool=renamed[(c.pool, c.sizes())]) if (c.pool, c.sizes()) in renamed else c
+            for c in caches]
+
+
 def model_from_caches(caches: list[CacheFacts], num_layers: int, names: ModelNames) -> ModelLayout:
     """The whole model's layout from every stage's caches (`num_layers`: at least the model's hidden layers; draft
     layers of a speculative model come after them). Every layer of one pool must have the same sizes."""
+    caches = assign_pools(caches)
     by_pool: dict[str, list[CacheFacts]] = {pool: [] for pool in POOLS}
     seen: dict[tuple[str, int], str] = {}
     for c in caches:

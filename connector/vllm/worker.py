@@ -31,7 +31,8 @@ from connector.vllm.early import bind_problem
 from connector.vllm.idle_hold import WakeSender
 from connector.vllm.metadata import SparseKVHandshake, SparseKVMetadata
 from connector.vllm.regions import build_regions, classify_layers, model_layout_from_hf
-from connector.vllm.specs import CacheFacts, draft_layer_names, gather_stages, model_from_caches, model_names
+from connector.vllm.specs import (CacheFacts, assign_pools, draft_layer_names, gather_stages, model_from_caches,
+                                  model_names)
 from connector.vllm.stats import SparseKVConnectorStats
 
 log = logging.getLogger(__name__)
@@ -58,15 +59,19 @@ def parallel_layout(vllm_config: Any, num_layers: int) -> ParallelLayout:
     return ParallelLayout.build(num_layers, pc.tensor_parallel_size, pc.pipeline_parallel_size, counts)
 
 
-def model_from_vllm(caches: dict[str, Any], vllm_config: Any) -> ModelLayout:
+def model_from_vllm(caches: dict[str, Any], vllm_config: Any) -> tuple[ModelLayout, dict[str, Any]]:
     """The whole model's layout from every stage's KV-cache specs (connector.vllm.specs), cross-checked with the
-    Hugging Face config where the parser knows the model: a difference is logged (the specs are what vLLM runs)."""
+    Hugging Face config where the parser knows the model: a difference is logged (the specs are what vLLM runs);
+    and this stage's caches with the pools the whole model gives them (connector.vllm.specs.assign_pools)."""
     hidden = vllm_config.model_config.hf_text_config.num_hidden_layers
-    model = model_from_caches(gather_stages(list(caches.values())), hidden, model_names(vllm_config))
+    every = gather_stages(list(caches.values()))
+    pools = {c.name: c for c in assign_pools(every)}
+    caches = {name: pools[name] for name in caches}
+    model = model_from_caches(every, hidden, model_names(vllm_config))
     try:
         hf = model_layout_from_hf(vllm_config)
     except LayoutError:
-        return model  # an architecture the parser does not know: the specs alone
+        return model, caches  # an architecture the parser does not know: the specs alone
     # the config.json describes the hidden layers only: compare those (a draft model's layers come after them)
     hidden_only = dataclasses.replace(model, num_layers=hidden, pools={
         name: dataclasses.replace(p, layers=tuple(i for i in p.layers if i < hidden))
@@ -74,7 +79,7 @@ def model_from_vllm(caches: dict[str, Any], vllm_config: Any) -> ModelLayout:
     if hf.fingerprint() != hidden_only.fingerprint():
         log.warning("SparseKVConnector: vLLM's KV-cache specs give %s; the model's config.json reads as %s (connector."
                     "core.hf_config). The connector moves what vLLM built", describe_model(model), describe_model(hf))
-    return model
+    return model, caches
 
 
 class WorkerSide:
@@ -134,7 +139,7 @@ class WorkerSide:
         # Again, now that every layer module (a draft model's too) is in the forward context.
         self._caches = self._classify()
         self._layer_of = {name: info.layer for name, info in self._caches.items()}
-        self.model = model_from_vllm(self._caches, self.vllm_config)
+        self.model, self._caches = model_from_vllm(self._caches, self.vllm_config)
         self.parallel = parallel_layout(self.vllm_config, self.model.num_layers)
         self.rank_layout = RankLayout(self.model, self.parallel, *self.rank)
         if self.rank == (0, 0):
