@@ -8,9 +8,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from tests.sparse_model.checkpoint import DSA_ARCH, M3_ARCH
+from tests.sparse_model.zoo.checkpoint import ZOO_ARCH
 
 MODELS = {M3_ARCH: "tests.sparse_model.m3:TinySparseM3ForCausalLM",
-          DSA_ARCH: "tests.sparse_model.dsa:TinySparseDsaForCausalLM"}
+          DSA_ARCH: "tests.sparse_model.dsa:TinySparseDsaForCausalLM",
+          ZOO_ARCH: "tests.sparse_model.zoo.model:TinyZooForCausalLM"}
 DIST_NAME = "sparse_kv_test_models"
 
 
