@@ -141,36 +141,46 @@ class Instance:
 def make_instance(pool: Pool, first_worker: int, model_dir, *, role: str, tp: int, pp: int, by_name: bool,
                   base_port: int, max_num_batched_tokens: int = 256, policy: str = "fail",
                   prefix_caching: bool = True, extra_config: dict | None = None,
-                  worker_opts: dict | None = None, dp_index: int = 0, name: str = "") -> Instance:
+                  worker_opts: dict | None = None, dp_index: int = 0, name: str = "",
+                  family: str = "", num_blocks: int = NUM_BLOCKS) -> Instance:
     """worker_opts: the rank spec's model options (vllm_e2e_worker: model_layers, layer_ms, hook_all_layers).
     dp_index: the instance is that data-parallel rank of its deployment (vLLM's data_parallel_index, and the
     `_dp<rank>` engine-id suffix vLLM's engine core adds)."""
     name = name or ("prefill" if role == "kv_producer" else "decode")
     engine_id = f"{name}-{uuid.uuid4().hex[:8]}_dp{dp_index}"
     extra = dict(EXTRA, side_channel_port=base_port, **(extra_config or {}))
-    if by_name:
-        connector.register()
-        cfg = H.make_vllm_config(model_dir, kv_role=role, engine_id=engine_id, extra_config=extra, block_size=BS,
-                                 max_num_batched_tokens=max_num_batched_tokens, tp=tp, pp=pp,
-                                 kv_load_failure_policy=policy, enable_prefix_caching=prefix_caching)
-        cfg.kv_transfer_config.kv_connector_module_path = None  # the registered name alone
+    spec = {"model_dir": str(model_dir), "kv_role": role, "engine_id": engine_id, "extra_config": extra,
+            "block_size": BS, "max_num_batched_tokens": max_num_batched_tokens, "tp": tp, "pp": pp,
+            "kv_load_failure_policy": policy, "num_blocks": num_blocks, "by_name": by_name,
+            "enable_prefix_caching": prefix_caching, "dp_index": dp_index, "family": family, **(worker_opts or {})}
+    if family:  # a family of vLLM 0.33's tree (tests.vllm_e2e_family): its own config, specs and groups
+        from tests import vllm_families as F
+        from tests.vllm_e2e_family import family_config
+
+        cfg = family_config(family, spec)
+        cfg.parallel_config.data_parallel_index = dp_index
+        kvc0 = F.family_kv_cache_config(family, tp=tp, pp=pp, num_blocks=num_blocks, vllm_config=cfg)[1]
     else:
-        cfg = H.make_vllm_config(model_dir, kv_role=role, engine_id=engine_id, extra_config=extra, block_size=BS,
-                                 kv_connector_module_path="connector.vllm",
-                                 max_num_batched_tokens=max_num_batched_tokens, tp=tp, pp=pp,
-                                 kv_load_failure_policy=policy, enable_prefix_caching=prefix_caching)
-    cfg.parallel_config.data_parallel_index = dp_index
-    if not cfg.model_config.use_mla:  # (MLA: one head, any layout works, so the connector asks for none)
-        assert H.resolve_layout(cfg).name == "LBHNC"  # the connector's requirement wins over the sm90 default
+        if by_name:
+            connector.register()
+            cfg = H.make_vllm_config(model_dir, kv_role=role, engine_id=engine_id, extra_config=extra,
+                                     block_size=BS, max_num_batched_tokens=max_num_batched_tokens, tp=tp, pp=pp,
+                                     kv_load_failure_policy=policy, enable_prefix_caching=prefix_caching)
+            cfg.kv_transfer_config.kv_connector_module_path = None  # the registered name alone
+        else:
+            cfg = H.make_vllm_config(model_dir, kv_role=role, engine_id=engine_id, extra_config=extra,
+                                     block_size=BS, kv_connector_module_path="connector.vllm",
+                                     max_num_batched_tokens=max_num_batched_tokens, tp=tp, pp=pp,
+                                     kv_load_failure_policy=policy, enable_prefix_caching=prefix_caching)
+        cfg.parallel_config.data_parallel_index = dp_index
+        if not cfg.model_config.use_mla:  # (MLA: one head, any layout works, so the connector asks for none)
+            assert H.resolve_layout(cfg).name == "LBHNC"  # the connector's requirement wins over the sm90 default
+        kvc0 = H.make_kv_cache_config(cfg, num_blocks=num_blocks, pp_rank=0)
     # The engine core hands the scheduler worker 0's (PP stage 0's) KV-cache config.
-    sched = H.make_scheduler(cfg, H.make_kv_cache_config(cfg, num_blocks=NUM_BLOCKS, pp_rank=0))
+    sched = H.make_scheduler(cfg, kvc0)
     assert isinstance(sched.connector, SparseKVConnector)
     ranks = [(p, t) for p in range(pp) for t in range(tp)]
     workers = {rank: first_worker + i for i, rank in enumerate(ranks)}
-    spec = {"model_dir": str(model_dir), "kv_role": role, "engine_id": engine_id, "extra_config": extra,
-            "block_size": BS, "max_num_batched_tokens": max_num_batched_tokens, "tp": tp, "pp": pp,
-            "kv_load_failure_policy": policy, "num_blocks": NUM_BLOCKS, "by_name": by_name,
-            "enable_prefix_caching": prefix_caching, "dp_index": dp_index, **(worker_opts or {})}
     for rank, w in workers.items():
         pool.send(w, ("setup", dict(spec, rank=rank)))
     infos = {rank: pool.reply(w)[1] for rank, w in workers.items()}
@@ -180,8 +190,8 @@ def make_instance(pool: Pool, first_worker: int, model_dir, *, role: str, tp: in
         handshakes.update(info["handshake"] or {})
     sched.connector.set_xfer_handshake_metadata_pp_aware(handshakes)
     for rank, info in infos.items():
-        assert info["num_blocks"] == NUM_BLOCKS, info
-        assert info["layout"] == "LBHNC" or cfg.model_config.use_mla, info
+        assert info["num_blocks"] == num_blocks, info
+        assert info["layout"] == "LBHNC" or cfg.model_config.use_mla or family, info
         assert info["connector"] == "connector.vllm.connector.SparseKVConnector"
         if role != "kv_consumer":  # (a kv_both decode listens too, on its own ports)
             port = base_port + dp_index * tp * pp + rank[0] * tp + rank[1]  # DP ranks take consecutive ranges
@@ -196,7 +206,8 @@ class Pair:
 
     def __init__(self, pool: Pool, model_dir, *, prefill=(1, 1), decode=(1, 1), by_name=False,
                  prefill_max_batched=256, decode_prefix_caching=True, extra_config: dict | None = None,
-                 prefill_opts: dict | None = None, prefill_dp_index: int = 0, kv_both: bool = False) -> None:
+                 prefill_opts: dict | None = None, prefill_dp_index: int = 0, kv_both: bool = False,
+                 family: str = "", num_blocks: int = NUM_BLOCKS) -> None:
         """kv_both: both instances run kv_role kv_both (each its own side-channel ports); the requests' own
         kv_transfer_params make one the prefill and the other the decode."""
         self.pool = pool
@@ -209,12 +220,13 @@ class Pair:
             self.P = make_instance(pool, 0, model_dir, role="kv_both" if kv_both else "kv_producer", tp=ptp, pp=ppp, by_name=by_name,
                                    base_port=self.base_port, max_num_batched_tokens=prefill_max_batched,
                                    extra_config=extra_config, worker_opts=prefill_opts,
-                                   dp_index=prefill_dp_index, name="prefill")
+                                   dp_index=prefill_dp_index, name="prefill", family=family, num_blocks=num_blocks)
             self.instances.append(self.P)
             self.D = make_instance(pool, ptp * ppp, model_dir, role="kv_both" if kv_both else "kv_consumer", tp=dtp,
                                    pp=dpp, by_name=by_name,
                                    base_port=free_ports(dtp * dpp) if kv_both else self.base_port,
-                                   prefix_caching=decode_prefix_caching, extra_config=extra_config, name="decode")
+                                   prefix_caching=decode_prefix_caching, extra_config=extra_config, name="decode",
+                                   family=family, num_blocks=num_blocks)
             self.instances.append(self.D)
         except BaseException:
             self.close()
@@ -314,11 +326,12 @@ def drive(pair: Pair, jobs: list[Job], *, max_steps: int = 400, wall_s: float = 
     rank, so its layers can stream from the first (the proxy sends both legs at once; a real prefill computes long
     enough for the registration to arrive, this fake one does not)."""
     P, D = pair.P, pair.D
+    bs = P.cfg.cache_config.block_size  # BS, or a family's own (tests.vllm_e2e_family)
     trace = Trace()
     to_prefill = []
     for job in jobs:
         D.sched.add_request(H.make_request(job.rid, len(job.prompt), kv_transfer_params=dict(job.decode_params),
-                                           max_tokens=job.max_tokens, prompt_token_ids=job.prompt, block_size=BS))
+                                           max_tokens=job.max_tokens, prompt_token_ids=job.prompt, block_size=bs))
         if job.to_prefill:
             to_prefill.append(job)
         trace.statuses[job.rid] = []
@@ -329,7 +342,7 @@ def drive(pair: Pair, jobs: list[Job], *, max_steps: int = 400, wall_s: float = 
             # The proxy's prefill leg: one output token, KV pushed to decode.
             P.sched.add_request(H.make_request(job.rid, len(job.prompt), max_tokens=1, prompt_token_ids=job.prompt,
                                                kv_transfer_params={"do_remote_decode": True,
-                                                                   "transfer_id": job.tid}, block_size=BS))
+                                                                   "transfer_id": job.tid}, block_size=bs))
             to_prefill.remove(job)
         trace.steps += 1
         step = trace.steps

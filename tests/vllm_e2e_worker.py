@@ -344,7 +344,12 @@ def main(conn: Any, log_level: int = logging.WARNING) -> None:
                 if rank is not None:
                     raise RuntimeError("setup while a rank is still set up (teardown first)")
                 keep.lines.clear()
-                rank = Rank(msg[1])
+                if msg[1].get("family"):
+                    from tests.vllm_e2e_family import FamilyRank
+
+                    rank = FamilyRank(msg[1])
+                else:
+                    rank = Rank(msg[1])
                 reply = ("ok", rank.info())
             elif kind == "step":
                 reply = ("ok", rank.step(msg[1]))

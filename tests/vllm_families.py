@@ -282,15 +282,16 @@ def family_backends(family: str, *, tp: int = 1) -> list[type[AttentionBackend]]
 
 
 def family_kv_cache_config(family: str, *, tp: int = 1, pp: int = 1, pp_rank: int = 0, num_blocks: int = 16,
-                           tp_rank: int = 0) -> tuple[Any, KVCacheConfig]:
+                           tp_rank: int = 0, vllm_config: Any = None) -> tuple[Any, KVCacheConfig]:
     """(vllm_config, the worker KVCacheConfig of stage `pp_rank`) as vLLM's real planner builds them.
 
     pp == 1: tests.vllm_harness.make_kv_cache_config(vllm_config, specs) after resolving the layout from the
     family's backends (what the engine core does before planning). pp > 1: the engine groups all stages' specs
     together (kv_cache_planning.get_global_kv_cache_groups) and projects the groups onto the stage; the rest is
-    what make_kv_cache_config does (bytes per block, get_kv_cache_config_from_groups, layout, tp replicas)."""
+    what make_kv_cache_config does (bytes per block, get_kv_cache_config_from_groups, layout, tp replicas).
+    `vllm_config`: one make_family_vllm_config built with another connector (whose layout wish then counts)."""
     fam = _REGISTRY[_check(family)]
-    cfg = make_family_vllm_config(family, tp=tp, pp=pp)
+    cfg = vllm_config if vllm_config is not None else make_family_vllm_config(family, tp=tp, pp=pp)
     stages = [_specs(family, cfg, tp=tp, tp_rank=tp_rank, pp=pp, pp_rank=r) for r in range(pp)]
     ctx = _Ctx(cfg, cfg.model_config.hf_text_config, tp, tp_rank, 0, fam.layers(fam.config))
     supported = [layout.name for layout in get_supported_kv_cache_layouts(fam.backends(ctx))]

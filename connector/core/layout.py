@@ -62,6 +62,10 @@ class PoolSpec:
     same_tp: bool = False
     """vLLM does not say how this cache splits over TP: each TP rank holds its own (`num_heads` heads), and prefill
     and decode must run the same TP size (rank t sends rank t)."""
+    overshoot_tokens: int = 0
+    """A per-request state taken after up to this many prompt tokens past where decode resumes is still what decode
+    needs: 1 for a ring (decode rewrites the last position's row alike), 0 for a Mamba state (it would take the
+    token twice)."""
     spec: str = ""
     """The vLLM spec class it came from, for messages (not part of the fingerprint)."""
 
@@ -304,6 +308,8 @@ class Region(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Tokens per block of this region's KV-cache group; 0: the rank's block size."""
     per_request: bool = False
     """The request's blocks of this region are one state that moves whole (PoolSpec.per_request)."""
+    overshoot_tokens: int = 0
+    """Per-request state: PoolSpec.overshoot_tokens."""
     scratch_blocks: int = 0
     """Per-request state: speculative scratch blocks vLLM keeps after the running state (a Mamba spec's
     num_speculative_blocks); the state is the last block before them (vLLM's clip_ssm_state_blocks)."""

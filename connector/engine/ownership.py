@@ -211,7 +211,7 @@ class Ownership:
         req = self.requests.get(reg.transfer_id)
         if conn.is_closed:  # its sweep may have run already: nothing added now would ever be swept
             raise RegistrationError(f"decode rank {peer.key} closed its connection")
-        check_against_request(req, reg, peer.key, self.rank)
+        check_against_request(req, reg, peer.key, self.rank, peer.states)
         if req.secret:  # before ownership: the capability decides, not who came first
             problem = check_transfer_proof(req.secret, getattr(conn, "nonces", b""), reg.transfer_id, reg.proof)
             if problem:

@@ -63,6 +63,15 @@ class PeerInfo:
         """Its handshake got past `admit` (its agent is loaded): from then on its connection is live."""
 
     @property
+    def states(self) -> tuple[int, str] | None:
+        """The per-request states this prefill rank sends that decode rank: (the fewest tokens any may be taken
+        past decode's resume point, its pool), or None when it sends none (PoolSpec.overshoot_tokens)."""
+        regions = self.accepted.regions if self.accepted is not None else {}
+        tight = [(regions[(r.pool, layer)].overshoot_tokens, r.pool) for layer, routes in self.layer_routes.items()
+                 for r in routes if (r.pool, layer) in regions and regions[(r.pool, layer)].per_request]
+        return min(tight) if tight else None
+
+    @property
     def evictable(self) -> bool:
         """Its connection may be closed for a newcomer's fair share (connector.transport.admission): nothing was
         ever written to it (a decode that received KV here is not closed for another)."""

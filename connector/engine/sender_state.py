@@ -136,8 +136,11 @@ class FinishedInfo:
     """Wall-clock time (time.time()) of the first WRITE; 0 = none was posted."""
 
 
-def check_against_request(req: SendRequest | None, reg: Register, key: PeerKey, rank: tuple[int, int]) -> None:
-    """The checks that need prefill's request: it exists, this rank has not registered yet, the prompt fits."""
+def check_against_request(req: SendRequest | None, reg: Register, key: PeerKey, rank: tuple[int, int],
+                          states: tuple[int, str] | None = None) -> None:
+    """The checks that need prefill's request: it exists, this rank has not registered yet, the prompt fits, and
+    the per-request states this decode rank gets (`states`: the fewest tokens any may overshoot decode's resume
+    point by, and its pool; None: it gets none) are taken where decode resumes."""
     tid = reg.transfer_id
     if req is None:
         raise RegistrationError(f"transfer id {tid!r} is unknown on prefill rank {rank}: it already "
@@ -147,6 +150,12 @@ def check_against_request(req: SendRequest | None, reg: Register, key: PeerKey, 
     if not 0 < reg.num_tokens <= req.num_tokens:
         raise RegistrationError(f"{tid!r} has {req.num_tokens} prompt tokens on prefill but decode asks for "
                                 f"{reg.num_tokens}: the proxy sent different prompts")
+    if states is not None and req.num_tokens - reg.num_tokens > states[0]:
+        raise RegistrationError(
+            f"{tid!r}: decode resumes at token {reg.num_tokens} but prefill's {states[1]} will hold the state after "
+            f"{req.num_tokens} tokens, more than {states[0]} past it (a state cannot be rewound): decode loaded fewer "
+            f"tokens than prefill computes (a prefix hit rounded to a block?), so this request cannot move; it needs "
+            f"prefill to stop where decode resumes")
 
 
 def check_registration(reg: Register, peer: PeerInfo, rank: tuple[int, int], stage: tuple[int, int],
@@ -173,9 +182,11 @@ def check_registration(reg: Register, peer: PeerInfo, rank: tuple[int, int], sta
                                 f"for layers {foreign[:20]} it does not send to decode rank {key[1:]}: "
                                 f"the two sides disagree on the layer split")
     groups = reg.groups
-    longest = max((len(ids) for ids in groups), default=0)
+    # Live ids only: a sliding window's group lists a position for every block of the prompt, most of them vLLM's
+    # null block once the window moved on (the wire type bounds the list itself).
+    longest = max((int(np.count_nonzero(ids != peer.hello.null_block)) for ids in groups), default=0)
     if longest > peer.max_blocks:
-        raise RegistrationError(f"registration of {tid!r} lists {longest} block ids in one group; decode rank "
+        raise RegistrationError(f"registration of {tid!r} lists {longest} live block ids in one group; decode rank "
                                 f"{key[1:]}'s cache has {peer.max_blocks} blocks")
     _check_staging(reg, peer)
     routes = [r for rs in layer_routes.values() for r in rs]

@@ -115,6 +115,8 @@ HTTP_REQUESTS = (b"GET ", b"POST", b"HEAD", b"PUT ", b"OPTI", b"DELE", b"PATC")
 
 Role = Literal["prefill", "decode"]
 PoolName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.:~@#-]{1,120}$")]
+MAX_POOLS = 64
+"""Pools a layout may have: the three first ones and each cache of its own (DeepSeek-V4: 7 more)."""
 """connector.core.layout.POOL_NAME, as a wire type: the three first pools or a cache's own (`self_attn.swa_cache`)."""
 
 
@@ -151,7 +153,7 @@ class Hello(msgspec.Struct, frozen=True, tag="hello", tag_field="type"):
     """Tokens per KV-cache block."""
     agent_name: EngineName
     """NIXL agent name."""
-    layout: Annotated[list[PoolLayout], Meta(max_length=64)] = []
+    layout: Annotated[list[PoolLayout], Meta(max_length=MAX_POOLS)] = []
     """The layout the fingerprint is of: what a mismatch is explained from."""
     num_layers: Count = 0
     agent_metadata: bytes = b""
@@ -291,7 +293,7 @@ class Complete(msgspec.Struct, frozen=True, tag="complete", tag_field="type"):
     """Number of descriptors (byte ranges) this rank moved for this transfer."""
     staged_chunks: int = 0
     """How many of those went through staging, as this many gathered chunks (one NIXL descriptor each)."""
-    bytes_by_pool: Annotated[dict[PoolName, Annotated[int, Meta(ge=0)]], Meta(max_length=3)] = {}
+    bytes_by_pool: Annotated[dict[PoolName, Annotated[int, Meta(ge=0)]], Meta(max_length=MAX_POOLS)] = {}
     """`bytes_written` split by pool (added within version 3: an older peer sends none, decode then counts none)."""
 
 

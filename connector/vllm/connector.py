@@ -97,6 +97,12 @@ class SparseKVConnector(KVConnectorBase_V1, SupportsHMA):
         super().bind_kv_cache_manager(kv_cache_manager)
         self._scheduler.bind_kv_cache_manager(kv_cache_manager)
 
+    def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
+        # Decode loads the request's own blocks of every transferred group (vLLM 0.33 asks, to know whether a
+        # DeepSeek-V4.1 sliding window came with the load or must be replayed); the base answers prefix-cacheable
+        # groups only, as a hash-addressed store would.
+        return tuple(self._kv_cache_config.transfer_group_ids)
+
     def on_new_request(self, request: Any) -> None:
         self._scheduler.on_new_request(request)
 

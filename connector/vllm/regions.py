@@ -63,7 +63,8 @@ def region_of(info: CacheFacts, tensor: torch.Tensor, rank: RankLayout, num_bloc
                   block_stride=block_stride * elt, heads=heads, num_parts=parts, part_stride=part_stride * elt,
                   device_id=tensor.device.index or 0, group=info.group,
                   head_major=n_heads == 1 or _head_major(block, n_heads, info.block_size),
-                  block_size=info.block_size, per_request=spec.per_request, scratch_blocks=info.scratch_blocks)
+                  block_size=info.block_size, per_request=spec.per_request, scratch_blocks=info.scratch_blocks,
+                  overshoot_tokens=info.overshoot_tokens)
 
 
 def _head_major(block: torch.Tensor, n_heads: int, block_size: int) -> bool:

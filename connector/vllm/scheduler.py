@@ -38,11 +38,17 @@ A kv_both engine does both, so it has no mismatch."""
 
 
 def state_backoff(kv_cache_config: Any) -> int:
-    """Prompt tokens prefill must not compute: 1 when the model keeps a Mamba/GDN state. Decode loads all but the
-    prompt's last token and computes that one itself (connector.vllm.decode_side); attention KV of the last token is
-    rewritten the same, a ring slot too, but a recurrent state would take the token twice. So prefill stops one
-    token short and sends h(N-1), as vLLM's NixlConnector does (nixl/base_scheduler.py `_prefill_backoff`)."""
-    return 1 if kv_cache_config is not None and getattr(kv_cache_config, "has_mamba_layers", False) else 0
+    """Prompt tokens prefill must not compute: 1 when the model keeps a Mamba/GDN state or a DeepSeek-V4.1 sliding
+    window with bounded replay. Decode loads all but the prompt's last token and computes that one itself
+    (connector.vllm.decode_side); attention KV of the last token is rewritten the same, a ring slot too, but a
+    recurrent state would take the token twice, and a bounded-replay window must be laid out for the token decode
+    recomputes. So prefill stops one token short and sends h(N-1), as vLLM's NixlConnector does
+    (nixl/base_scheduler.py `_prefill_backoff`)."""
+    if kv_cache_config is None:
+        return 0
+    replay = any(getattr(g.kv_cache_spec, "prefix_replay_tokens", 0) > 0
+                 for g in getattr(kv_cache_config, "kv_cache_groups", ()))
+    return 1 if getattr(kv_cache_config, "has_mamba_layers", False) or replay else 0
 
 
 def truncate_prompt(request: Any, backoff: int) -> None:

@@ -104,6 +104,8 @@ class CacheFacts(msgspec.Struct, frozen=True):
     """vLLM's page_size_bytes for this rank's heads: a block's bytes including alignment padding."""
     scratch_blocks: int = 0
     """A Mamba state's speculative scratch blocks (num_speculative_blocks), after its running block."""
+    overshoot_tokens: int = 0
+    """PoolSpec.overshoot_tokens: 1 for a ring, 0 otherwise."""
 
     def pool_spec(self, layers: tuple[int, ...]) -> PoolSpec:
         own = self.pool not in POOLS
@@ -111,7 +113,7 @@ class CacheFacts(msgspec.Struct, frozen=True):
                         bytes_per_token_per_head=self.bytes_per_token_per_head, num_parts=self.num_parts,
                         sharded=self.sharded, block_size=self.block_size if own else 0,
                         bytes_per_block_per_head=self.bytes_per_block_per_head, per_request=self.per_request,
-                        same_tp=self.same_tp, spec=self.spec)
+                        same_tp=self.same_tp, overshoot_tokens=self.overshoot_tokens, spec=self.spec)
 
     def sizes(self) -> tuple:
         return (self.num_heads, self.bytes_per_token_per_head, self.num_parts, self.sharded,
@@ -218,7 +220,8 @@ def cache_facts(name: str, spec: KVCacheSpec, group: int, total_kv_heads: int, l
                       0 if per_request else per_head // max(1, spec.block_size), 1, False, what,
                       bytes_per_block_per_head=per_head, per_request=per_request,
                       same_tp=not _replicated(spec, mla_model), page_bytes=int(spec.page_size_bytes),
-                      scratch_blocks=int(getattr(spec, "num_speculative_blocks", 0) or 0))
+                      scratch_blocks=int(getattr(spec, "num_speculative_blocks", 0) or 0),
+                      overshoot_tokens=int(isinstance(spec, CircularBufferSpec)))
 
 
 def stage_caches(kv_cache_config: KVCacheConfig, total_kv_heads: int, draft: frozenset[str] = frozenset(),
