@@ -24,9 +24,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(400)]
 
 FAMILY_BLOCKS = 384
 CASES = [
-    ("deepseek_v4", (1, 1), (1, 1)), ("deepseek_v4", (1, 2), (1, 1)),
+    ("deepseek_v4", (1, 1), (1, 1)), ("deepseek_v4", (1, 2), (1, 1)), ("deepseek_v4+checksum", (1, 1), (1, 1)),
     ("deepseek_v41", (2, 1), (1, 1)),
-    ("glm5next", (1, 1), (1, 1)), ("glm5next", (1, 2), (1, 1)),
+    ("glm5next", (1, 1), (1, 1)), ("glm5next", (1, 2), (1, 1)), ("glm5next+checksum", (1, 2), (1, 1)),
     ("qwen4_exp", (1, 1), (1, 1)), ("qwen4_exp", (2, 1), (2, 1)),
     ("kimi_k3", (1, 2), (1, 1)),
     ("step5", (1, 1), (1, 1)),
@@ -34,7 +34,8 @@ CASES = [
     ("dots3_note", (2, 1), (1, 1)),
 ]
 """(family, prefill (tp, pp), decode (tp, pp)): every kind of cache the tree declares, PP and TP where the family's
-caches allow a different TP size (the others need the same TP on both sides, and get it)."""
+caches allow a different TP size (the others need the same TP on both sides, and get it). `+checksum`: with
+kv_checksum on, decode digests every block of every cache (rings and states too) against prefill's digests."""
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +56,11 @@ def pool(pool_holder) -> Pool:
 @pytest.mark.parametrize("family, prefill, decode", CASES,
                          ids=[f"{f}-P{p[0]}x{p[1]}-D{d[0]}x{d[1]}" for f, p, d in CASES])
 def test_every_cache_of_the_family_lands_byte_for_byte(pool, family, prefill, decode):
+    family, _, option = family.partition("+")
+    extra = {"kv_checksum": True} if option == "checksum" else None
     # Blocks for every group at once: a compressor state of 4-token blocks takes 64 of them for a 256-token chunk
     with Pair(pool, F.family_config_dir(family), prefill=prefill, decode=decode, family=family,
-              num_blocks=FAMILY_BLOCKS) as pair:
+              num_blocks=FAMILY_BLOCKS, extra_config=extra) as pair:
         bs = pair.P.cfg.cache_config.block_size
         n = 2 * bs + bs // 2 + 3  # two full blocks and part of a third, past every ring's capacity
         job = decode_job(pair, "f1", prompt_of("f1", n))

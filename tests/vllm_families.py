@@ -210,19 +210,21 @@ def make_family_vllm_config(family: str, *, tp: int = 1, pp: int = 1, kv_role: s
 
 @contextlib.contextmanager
 def _inspection(fam: _Family):
-    """ModelConfig inspects the architecture's class in a subprocess (model_executor/models/registry.py:1088-1134).
-    For a family whose model module needs CUDA to import, answer with `fam.model_info()` instead."""
-    if fam.model_info is None:
-        yield
-        return
+    """ModelConfig inspects the architecture's class in a subprocess (model_executor/models/registry.py:1088-1134),
+    only so that a GPU host's parent process does not initialize CUDA: on this CPU-only harness it runs in-process,
+    which spares a fresh machine (CI) a 30-45 s interpreter start per family. For a family whose model module needs
+    CUDA to import, answer with `fam.model_info()` instead."""
+    from vllm.model_executor.models import registry
     from vllm.model_executor.models.registry import _LazyRegisteredModel
+
     arch = fam.config["architectures"][0]
     original = _LazyRegisteredModel.inspect_model_cls
 
     def inspect(self):
-        return fam.model_info() if self.class_name == arch else original(self)
+        return fam.model_info() if fam.model_info is not None and self.class_name == arch else original(self)
 
-    with mock.patch.object(_LazyRegisteredModel, "inspect_model_cls", inspect):
+    with mock.patch.object(_LazyRegisteredModel, "inspect_model_cls", inspect), \
+            mock.patch.object(registry, "_run_in_subprocess", lambda fn: fn()):
         yield
 
 
