@@ -66,7 +66,7 @@ def started(own: Ownership, tid: str = "t1", computed: bool = False) -> SendRequ
     (dict(first_token=5), RegistrationError, "multiple of the block size 16"),
     (dict(first_token=TOKENS + BLOCK), RegistrationError, "within 0..64"),
     (dict(layers=[0, 6, 9]), RegistrationError, r"for layers \[6, 9\] it does not send"),
-    (dict(block_ids=[list(range(NUM_BLOCKS + 1)), list(range(4))]), RegistrationError, "lists 65 block ids"),
+    (dict(block_ids=[list(range(NUM_BLOCKS + 1)), list(range(4))]), RegistrationError, "lists 65 live block ids"),
     (dict(block_ids=[list(range(4))]), RegistrationError, "has 1 block-id group"),
     (dict(block_ids=[list(range(3)), list(range(4))]), RegistrationError, "group 0 has 3 block ids for 64 tokens"),
     (dict(block_ids=[[1, 2, 2, 3], list(range(4))]), RegistrationError, "group 0 block ids repeat"),

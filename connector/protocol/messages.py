@@ -35,7 +35,7 @@ from msgspec import Meta
 from connector.core.errors import FrameError
 from connector.core.layout import Region
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 """Wire protocol version; a frame or Hello with any other version is rejected.
 
 History (one line per version; bump it for any change an older peer would misread):
@@ -73,6 +73,10 @@ History (one line per version; bump it for any change an older peer would misrea
      not as msgpack arrays: prefill decodes a registration into a few bytes objects instead of one Python int per
      id, which a peer parking registrations by the thousand left behind as pymalloc and glibc fragments (issue 20:
      +53 MB of RSS kept after one parking attack, growing with each). A version-5 peer would misread them.
+  7  Every cache vLLM declares: pools beyond kv / index_k / index_v, named after the cache (`PoolName` is a pattern,
+     up to MAX_POOLS in Hello.layout and Complete.bytes_by_pool); PoolLayout and Region say how a pool moves (its
+     own block size, bytes per block, whole per request, tied to one TP size, scratch blocks, how far a state may
+     run past decode's resume point). A version-6 peer would refuse the new pool names mid-transfer.
 """
 DEFAULT_MAX_FRAME_BYTES = 4 * 1024 * 1024
 """Largest body a receiver accepts after the handshake unless configured otherwise. The largest real messages are
