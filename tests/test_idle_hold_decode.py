@@ -124,6 +124,23 @@ def test_the_pacer_is_off_without_an_engine_input_queue_or_with_interval_zero():
     HoldPacer(None, 30.0).wait(kv_since=0.0, holding=False)  # returns at once: vLLM's own pace
 
 
+@pytest.mark.parametrize("parallel, on", [(dict(pipeline_parallel_size=2), False),
+                                          (dict(data_parallel_size=2), False), ({}, True)])
+def test_the_pacer_is_off_with_pipeline_or_data_parallelism(monkeypatch, parallel, on):
+    """PP: vLLM keeps steps in flight, whose results (finished_sending) a wait would hold up (a PP2 prefill kept a
+    sent request's blocks ~30 s, tests/real_engine/test_real_zoo_pd.py); DP: idle ranks step in lockstep."""
+    import queue
+    import types
+
+    from connector.vllm import idle_hold
+    from connector.vllm.config import ConnectorSettings
+
+    monkeypatch.setattr(idle_hold, "engine_input_queue", lambda: queue.Queue())
+    monkeypatch.setattr(idle_hold, "StepWake", lambda found: None)
+    config = types.SimpleNamespace(parallel_config=types.SimpleNamespace(world_size=2, **parallel))
+    assert idle_hold.pacer(ConnectorSettings(holding_step_interval_s=30.0), config).enabled is on
+
+
 # ---- in vLLM 0.33's real Scheduler -----------------------------------------------------------------------------
 @pytest.mark.vllm
 @pytest.mark.timeout(120)

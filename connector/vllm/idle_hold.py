@@ -257,10 +257,15 @@ def decode_wait_s(waited_s: float, interval_s: float) -> float:
 
 def pacer(settings: Any, vllm_config: Any) -> HoldPacer:
     """The scheduler side's pacer: off with data parallelism (an idle DP rank still steps in lockstep with busy
-    ones, which a wait here would hold up) and where no engine core input queue is found."""
+    ones, which a wait here would hold up), with pipeline parallelism (vLLM keeps a queue of steps in flight there:
+    a step's results, finished_sending among them, can sit in it while a wait here holds up the engine core thread
+    that would process them; measured on a PP2 prefill: a sent request's blocks held ~30 s, the wait's bound) and
+    where no engine core input queue is found."""
     dp = int(getattr(vllm_config.parallel_config, "data_parallel_size", 1) or 1)
-    found = engine_input_queue() if settings.holding_step_interval_s > 0 and dp == 1 else None
-    if settings.holding_step_interval_s > 0 and dp == 1 and found is None:
+    pp = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
+    on = settings.holding_step_interval_s > 0 and dp == 1 and pp == 1
+    found = engine_input_queue() if on else None
+    if on and found is None:
         log.info("SparseKVConnector: not inside vLLM's engine core process (no input queue found): empty steps "
                  "while holding or waiting for KV run at vLLM's own pace")
     wake = None

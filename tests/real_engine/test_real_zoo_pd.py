@@ -100,24 +100,22 @@ def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, int]:
     return {k: int(v - before.get(k, 0.0)) for k, v in after.items() if v - before.get(k, 0.0)}
 
 
-PP_HOLD_BUG = (
-    "connector bug (connector/vllm/idle_hold.py with vLLM's PP batch queue): on a PP2 prefill, after a request's "
-    "sends ended, its KV blocks stay held and its send counters unreported for holding_step_interval_s (30 s): vLLM "
-    "0.32 runs a PP engine with a batch queue of 2, so the scheduler builds the next empty step while the step whose "
-    "worker outputs carry finished_sending (and the stats) waits unprocessed in the queue, and "
-    "SchedulerSide.build_connector_meta's hold wait for that next step blocks the engine core's thread; the workers' "
-    "wake came before. With holding_step_interval_s 0 they come within ~1 s")
+PP_HOLD = (
+    "on a PP2 prefill, a sent request's KV blocks stayed held and its send counters unreported for "
+    "holding_step_interval_s (30 s): vLLM 0.32 runs a PP engine with a batch queue of 2, and the scheduler side's "
+    "hold wait (connector/vllm/idle_hold.py) blocked the engine core's thread while the step carrying "
+    "finished_sending waited in that queue. The pacer is now off with PP > 1")
 
 
 def flush(prefill) -> None:  # noqa: ANN001 - a Prefill
     """A plain one-token request on `prefill`: its steps make a PP engine process the step outputs still queued
-    (PP_HOLD_BUG), the connector's last stats of an earlier request among them."""
+    (PP_HOLD), the connector's last stats of an earlier request among them."""
     complete(prefill.url, completion_body([5, 6, 7], 1, cache_salt=salt()))
 
 
 def pd_with_cache_bytes(pool: ZooPdPool, prefill, prompt: list[int], flow: str):  # noqa: ANN001, ANN201
     """One PD request (`flow`: "concurrent" or "sequential", connector.pd.flows); (completion, bytes sent per cache,
-    bytes received per cache) once both engines' counters show it done (a PP prefill flushed: PP_HOLD_BUG)."""
+    bytes received per cache) once both engines' counters show it done (a PP prefill flushed: PP_HOLD)."""
     decode, pp = pool.decode, prefill.server.spec.pp > 1
     sent0, recv0 = counters(prefill.server, "sends_ok"), counters(decode, "recvs_ok")
     sent_c0, recv_c0 = by_cache(prefill.server, "bytes_sent_by_cache"), by_cache(decode, "bytes_received_by_cache")
@@ -220,7 +218,6 @@ HOLD_LIMIT_S = 10.0
 """A send that ended is reported within ~1 s (measured 0.96-1.24 s, request included) when nothing holds it up."""
 
 
-@pytest.mark.xfail(strict=True, reason=PP_HOLD_BUG)
 def test_multi_pp2_prefill_releases_a_sent_request_without_another_request(zoo_multi, record_property):
     # Sequential requests (prefill finishes before decode registers, so the send ends while prefill is idle) until
     # one is not released within HOLD_LIMIT_S: measured, 2 of 3 requests wait ~30 s (the hold interval).
