@@ -32,6 +32,8 @@ CASES = [
     ("step5", (1, 1), (1, 1)),
     ("inkling", (1, 1), (1, 1)),
     ("dots3_note", (2, 1), (1, 1)),
+    ("minimax_m3", (2, 1), (1, 1)), ("deepseek_v32", (1, 2), (1, 1)), ("hy_v4", (1, 1), (1, 1)),
+    ("flint", (1, 1), (1, 1)), ("muse_spark", (1, 1), (1, 1)),
 ]
 """(family, prefill (tp, pp), decode (tp, pp)): every kind of cache the tree declares, PP and TP where the family's
 caches allow a different TP size (the others need the same TP on both sides, and get it). `+checksum`: with
