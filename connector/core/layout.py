@@ -74,12 +74,6 @@ class PoolSpec:
         """Bytes per token per layer over all heads (0 for a per-request state)."""
         return self.num_heads * self.bytes_per_token_per_head
 
-    def bytes_per_block(self, engine_block_size: int) -> int:
-        """Bytes of one block of one layer over all heads."""
-        if self.bytes_per_block_per_head:
-            return self.num_heads * self.bytes_per_block_per_head
-        return self.num_heads * self.bytes_per_token_per_head * (self.block_size or engine_block_size)
-
     def extras(self) -> list:
         """What a pool beyond the first three's kind adds to the fingerprint (empty for a plain per-token pool, so
         those keep the fingerprints they always had)."""
@@ -204,9 +198,9 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-def engine_block_size(block_sizes: Iterable[int]) -> int:
-    """The block size a rank aligns token ranges to: the lcm of its paged caches' block sizes (a range that starts
-    on it starts on a block of every pool)."""
+def full_block_size(block_sizes: Iterable[int]) -> int:
+    """Tokens after which every paged cache ends a block at once: the lcm of their block sizes (0 for none). (A
+    rank's span unit, `LocalRank.block_size`, is their gcd.)"""
     sizes = [b for b in block_sizes if b > 0]
     return math.lcm(*sizes) if sizes else 0
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from connector.core.descriptors import NO_NULL_BLOCK
 from connector.core.errors import ConfigError
-from connector.core.layout import ModelLayout, ParallelLayout, Region, engine_block_size
+from connector.core.layout import ModelLayout, ParallelLayout, Region, full_block_size
 from connector.core.plan import Rank
 from connector.protocol.handshake import layout_wire
 from connector.protocol.messages import Hello, Role
@@ -52,7 +52,7 @@ class LocalRank:
     def full_block_size(self) -> int:
         """Tokens after which every paged cache of this rank ends a block: the lcm of its regions' block sizes
         (`block_size`, the unit spans count in, divides it). What checksums cover whole."""
-        return max(self.block_size, engine_block_size(
+        return max(self.block_size, full_block_size(
             r.block_size for r in self.regions if not r.per_request and r.block_size))
 
     @property
