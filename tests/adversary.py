@@ -14,7 +14,7 @@ from typing import Any, Callable
 import msgspec
 
 from connector.core.layout import ModelLayout
-from connector.protocol.auth import client_proof, identity, memory_of, new_nonce
+from connector.protocol.auth import client_proof, identity, lane_tag, memory_of, new_nonce, opening
 from connector.protocol.messages import HEADER, Hello, Message, decode_body, encode_frame
 from connector.sim.buffers import pick_blocks
 from connector.sim.cluster import Cluster, Scenario
@@ -134,12 +134,16 @@ async def guess(port: int, hello: Hello, token: str, timeout_s: float = 10.0) ->
         return f"refused: {exc!r}"
     try:
         async with asyncio.timeout(timeout_s):
-            ours = msgspec.structs.replace(identity(hello), nonce=new_nonce())
+            # its lane: the one `hello` names (one the guesser chose, or copied from an opening it saw), else the one
+            # its guess of the token gives
+            claim = msgspec.structs.replace(identity(hello), nonce=new_nonce(),
+                                            lane=hello.lane or lane_tag(token, hello))
+            ours = opening(claim)
             writer.write(encode_frame(ours))
             server = await read_message(reader)
             if not isinstance(server, Hello):
                 return f"{type(server).__name__}: {getattr(server, 'reason', '')}"
-            auth = memory_of(hello)
+            auth = memory_of(hello, claim=claim)
             writer.write(encode_frame(msgspec.structs.replace(auth, proof=client_proof(token, ours, server, auth))))
             answer = await read_message(reader)
             return f"{type(answer).__name__}: {getattr(answer, 'reason', '')}"
@@ -154,8 +158,8 @@ async def guess(port: int, hello: Hello, token: str, timeout_s: float = 10.0) ->
 
 
 def hello_frame(hello: Hello) -> bytes:
-    """The first frame a client sends for `hello` (fresh nonce, no memory)."""
-    return encode_frame(msgspec.structs.replace(identity(hello), nonce=new_nonce()))
+    """The first frame a client sends for `hello` (its opening: fresh nonce, no identity, no memory)."""
+    return encode_frame(opening(msgspec.structs.replace(identity(hello), nonce=new_nonce())))
 
 
 def auth_frame(hello: Hello, proof: bytes = b"") -> bytes:

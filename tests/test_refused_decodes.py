@@ -54,7 +54,7 @@ def test_a_decode_of_another_model_is_refused_and_prefill_frees_the_kv_within_se
     logs = capfd.readouterr().err
     print(f"\nanother model: decode failed after {decode_s:.2f} s, prefill freed the KV {prefill_s:.2f} s later: "
           f"{error}")
-    assert "fingerprint" in error and "rejected the handshake" in error, error
+    assert "fingerprint" in error, error  # decode compares the models (it speaks second) and tells prefill
     assert decode_s < 5 and prefill_s < 6, (decode_s, prefill_s)
     assert finished[1] is False  # released unsent
     assert "refused at the handshake" in logs and "fingerprint" in logs, logs[-3000:]

@@ -23,6 +23,7 @@ import msgspec
 import pytest
 
 from connector.engine.config import SenderConfig, SideChannelConfig
+from connector.protocol.auth import lane_tag
 from connector.protocol.messages import HEADER, PROTOCOL_VERSION, Reject
 from connector.sim.cluster import Cluster
 from tests.adversary import (ATTACKER_HOST, TOKEN, Flood, Target, guess, hello_frame, make_scenario, open_sockets,
@@ -129,11 +130,14 @@ def test_wrong_proofs_from_a_decodes_address_do_not_lock_it_out(target, victim, 
     async def guesses(hello, n: int) -> list[str]:  # one after the other: each wrong answer is held back 0.5 s
         return [await guess(target.port, hello, f"wrong-{i}") for i in range(n)]
 
-    mallory = msgspec.structs.replace(receiver.hello, engine_id="decode-mallory-guesser")
+    # (decode speaks second: an opening names only its lane tag, which the guesser chooses, or copies from the
+    # decode's own opening it saw on the wire)
+    mallory = msgspec.structs.replace(receiver.hello, engine_id="decode-mallory-guesser", lane=b"m" * 16)
     mine = rank.run(guesses(mallory, 12), 60)
     assert sum("bad auth token" in g for g in mine) == 10, mine  # then its claim is closed unanswered
     assert set(mine[10:]) <= {"closed", "reset"}, mine
-    as_victim = rank.run(guesses(receiver.hello, 12), 60)  # claiming the real decode's identity
+    seen = msgspec.structs.replace(receiver.hello, lane=lane_tag(TOKEN, receiver.hello))
+    as_victim = rank.run(guesses(seen, 12), 60)  # claiming the real decode's identity
     assert all("bad auth token" in g for g in as_victim), as_victim  # slowed, never locked out
     timed_transfer(target, rank, receiver, "t-guessed-known", seed=40)
     other, other_receiver = fresh(target, open_rank, "fresh-guessed")  # same address, another identity

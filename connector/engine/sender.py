@@ -273,15 +273,20 @@ class StreamSender:
         self.stats.connections_refused += 1
         self.stats.auth_failures += kind == "auth"
 
-    def _handshake_refused(self, hello: Hello, reason: str, address: str) -> None:
+    def _handshake_refused(self, hello: Hello, reason: str, address: str, came_for: Callable[[str], bool]) -> None:
         """A handshake failed here (another model, another token, a limit): the transfer the peer connected for
-        cannot reach it, so its KV is given up now (connector.engine.ownership.refused), not after the lease."""
-        who = f"{hello.role} engine {hello.engine_id!r} rank ({hello.pp_rank},{hello.tp_rank}) at {address}"
+        cannot reach it, so its KV is given up now (connector.engine.ownership.refused), not after the lease.
+        `hello`: the peer's opening or the identity its Auth claimed; `came_for(tid)`: whether it connected for
+        `tid` (a decode that refused our Hello names it only as a digest)."""
+        who = (f"{hello.role} engine {hello.engine_id!r} rank ({hello.pp_rank},{hello.tp_rank}) at {address}"
+               if hello.engine_id else f"a {hello.role} rank at {address}")
         self._last_refusal = f"{who}: {reason}"
-        tid = hello.for_transfer
-        if hello.role != "decode" or not tid:
+        if hello.role != "decode":
             return
         self._inbox.drain()  # a start already queued by the framework thread counts as started
+        tid = hello.for_transfer or next((t for t in self.ownership.requests if came_for(t)), "")
+        if not tid:
+            return
         why = f"{who} was refused at the handshake ({reason})"
         if self.ownership.refused(tid, hello.engine_id, why, time.monotonic()):
             log.warning("transfer %s: %s; its KV is kept %g s more (not the %g s lease) in case another decode "

@@ -42,9 +42,47 @@ def identity(hello: Hello) -> Hello:
                                    staging_bytes=0, proof=b"", signature=b"")
 
 
-def memory_of(hello: Hello, proof: bytes = b"") -> Auth:
-    """The Auth that carries `hello`'s memory."""
-    return Auth(proof=proof, **{name: getattr(hello, name) for name in MEMORY_FIELDS})
+def memory_of(hello: Hello, proof: bytes = b"", claim: Hello | None = None) -> Auth:
+    """The Auth that carries `hello`'s memory and `claim`, who the sender is (its identity as on the wire)."""
+    return Auth(proof=proof, hello=claim, **{name: getattr(hello, name) for name in MEMORY_FIELDS})
+
+
+def opening(claim: Hello) -> Hello:
+    """What decode says first (protocol 8): `claim` (its identity, as on the wire) with everything that tells which
+    decode it is left out (engine id, ranks, agent name, engine key, the transfer it came for), so a listener that
+    a request named as prefill_addr learns only that a decode of this model called. The model's fields stay:
+    prefill explains a model mismatch from them. Who it is goes in Auth.hello, once prefill proved itself."""
+    return msgspec.structs.replace(claim, engine_id="", agent_name="", engine_key=b"", for_transfer="", pp_rank=0,
+                                   tp_rank=0, pp_size=0, tp_size=0, stages=[], null_block=-1)
+
+
+LANE_BYTES = 16
+
+
+def lane_tag(token: str, hello: Hello) -> bytes:
+    """Decode's pseudonym for prefill's admission lanes (Hello.lane): HMAC(token, engine id and ranks), the same on
+    every connection of the rank, so a prefill that saw it authenticate recognises its opening; without the token,
+    no name can be read from it."""
+    return _mac(token, b"lane\x00", f"{hello.engine_id}\x00{hello.pp_rank}\x00{hello.tp_rank}".encode())[:LANE_BYTES]
+
+
+def check_lane(token: str, claim: Hello) -> None:
+    """Raises ControlError unless the lane of decode's opening is the one its identity gives (else a peer could
+    take a lane that is not its own in prefill's admission table)."""
+    if not hmac.compare_digest(claim.lane, lane_tag(token, claim)):
+        raise ControlError(f"decode engine {claim.engine_id!r} rank ({claim.pp_rank},{claim.tp_rank}) opened with a "
+                           f"lane tag that is not its own: a relay or a broken peer")
+
+
+def check_claim(first: Hello, claim: Hello | None, who: str) -> Hello:
+    """The identity decode's Auth claims, checked against its opening `first`: the same connection (nonce) and the
+    same model. Raises ControlError naming what differs."""
+    if claim is None:
+        raise ControlError(f"{who} sent an Auth without its Hello: it runs an older side-channel protocol")
+    if opening(claim) != first:
+        raise ControlError(f"{who}'s Hello in its Auth does not match its opening Hello (another nonce, role or "
+                           f"model): a relay or a broken peer")
+    return claim
 
 
 def with_memory(hello: Hello, auth: Auth) -> Hello:
@@ -137,6 +175,18 @@ def transfer_proof(secret: str, session: bytes, transfer_id: str) -> bytes:
     return _mac(secret, b"transfer\x00", session + transfer_id.encode())
 
 
+def transfer_hint(session: bytes, transfer_id: str) -> bytes:
+    """How a decode that refuses prefill's Hello names the transfer it came for (Reject.transfer_hint): a digest
+    of the transfer id bound to the connection's nonces. The prefill that holds the transfer recognises it
+    (`hint_matches`) and frees its KV; a listener learns nothing it could not check against an id it already
+    knows."""
+    return hashlib.sha256(b"transfer-hint\x00" + session + transfer_id.encode()).digest()
+
+
+def hint_matches(hint: bytes, session: bytes, transfer_id: str) -> bool:
+    return bool(hint) and hmac.compare_digest(hint, transfer_hint(session, transfer_id))
+
+
 def check_transfer_proof(secret: str, session: bytes, transfer_id: str, proof: bytes) -> str:
     """'' if `proof` proves `secret` for `transfer_id` on the connection `session`; else why not, in words."""
     if not proof:
@@ -171,19 +221,26 @@ def engine_public_key(key: bytes) -> bytes:
     return Ed25519PrivateKey.from_private_bytes(key).public_key().public_bytes_raw()
 
 
-def engine_signature(key: bytes, client: Hello, server: Hello) -> bytes:
-    return Ed25519PrivateKey.from_private_bytes(key).sign(b"engine\x00" + transcript(client, server))
+def _signed(client: Hello, server: Hello, claim: Hello) -> bytes:
+    """What an engine key signs: the transcript (both nonces) and the identity decode claims in its Auth."""
+    return b"engine\x00" + transcript(client, server) + hashlib.sha256(encode_body(identity(claim))).digest()
+
+
+def engine_signature(key: bytes, client: Hello, server: Hello, claim: Hello) -> bytes:
+    """`key`'s signature of this connection (`client`: decode's opening) and of `claim`, who decode says it is."""
+    return Ed25519PrivateKey.from_private_bytes(key).sign(_signed(client, server, claim))
 
 
 def check_engine_signature(client: Hello, server: Hello, auth: Auth) -> None:
-    """Raises ControlError unless `auth` carries the signature of the transcript by `client.engine_key` (nothing to
-    check for a peer without one)."""
-    if not client.engine_key:
+    """Raises ControlError unless `auth` carries the signature of the transcript and its identity by the identity's
+    `engine_key` (nothing to check for a peer without one). `client`: decode's opening."""
+    claim = auth.hello
+    if claim is None or not claim.engine_key:
         return
-    who = f"decode engine {client.engine_id!r} rank ({client.pp_rank},{client.tp_rank})"
+    who = f"decode engine {claim.engine_id!r} rank ({claim.pp_rank},{claim.tp_rank})"
     try:
-        Ed25519PublicKey.from_public_bytes(client.engine_key).verify(auth.engine_signature,
-                                                                     b"engine\x00" + transcript(client, server))
+        Ed25519PublicKey.from_public_bytes(claim.engine_key).verify(auth.engine_signature,
+                                                                    _signed(client, server, claim))
     except (InvalidSignature, ValueError):
         raise ControlError(f"{who} names an engine_key it does not prove (its Auth carries no valid signature by "
                            f"it): a key copied from another rank's Hello is not that engine") from None

@@ -129,9 +129,10 @@ def check_peer_regions(hello: Hello, plan: TransferPlan, side: str) -> dict[tupl
     return regions
 
 
-def check_hello(peer: Hello, own: Hello) -> None:
-    """Raise ControlError naming the first incompatibility between `peer`'s Hello as it came off the wire and this
-    side's `own` Hello (the proofs are checked in connector.protocol.auth)."""
+def check_opening(peer: Hello, own: Hello) -> None:
+    """Raise ControlError naming the first incompatibility of a peer's first Hello that does not depend on the model:
+    protocol version, nonce, no memory, the other role. (A decode's opening is checked no further before prefill
+    answers: decode compares the models itself, and tells the prefill that holds its transfer.)"""
     if peer.version != PROTOCOL_VERSION:
         raise ControlError(f"peer speaks protocol version {peer.version}, this side speaks {PROTOCOL_VERSION}: run "
                            f"the same sparse-kv-connector version on prefill and decode")
@@ -139,6 +140,12 @@ def check_hello(peer: Hello, own: Hello) -> None:
     check_no_memory(peer, f"{peer.role} {peer.engine_id}")
     if peer.role == own.role:
         raise ControlError(f"peer role {peer.role!r} cannot talk to a {own.role!r} side; the two roles must differ")
+
+
+def check_hello(peer: Hello, own: Hello) -> None:
+    """Raise ControlError naming the first incompatibility between `peer`'s Hello as it came off the wire and this
+    side's `own` Hello (the proofs are checked in connector.protocol.auth)."""
+    check_opening(peer, own)
     if peer.fingerprint != own.fingerprint:
         what = [f"the two sides run models with different KV caches: {layout_mismatch(peer, own)}"]
         if peer.block_size != own.block_size:

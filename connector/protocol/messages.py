@@ -12,11 +12,17 @@ PROTOCOL_VERSION before a single body byte is read. `Hello` also carries `versio
 
 Handshake (connector.protocol.auth has the proofs, connector.transport.control the sockets):
 
-    decode  -> prefill   Hello    who I am (no memory addresses, no NIXL metadata) + a fresh nonce
+    decode  -> prefill   Hello    an opening: role, model and a fresh nonce, nothing that says which decode
+                                  (no engine id, agent name, ranks, engine key or transfer id; no memory)
     prefill -> decode    Hello    who I am + a fresh nonce + proof (HMAC of the transcript, when a token is set)
-    decode  -> prefill   Auth     proof (HMAC of the transcript and of this message) + decode's NIXL metadata,
-                                  regions and staging buffer: sent only once prefill has proven the token
+                                  + its prefill key's signature (when it has one)
+    decode  -> prefill   Auth     who I am (`hello`), proof (HMAC of the transcript and of this message) + decode's
+                                  NIXL metadata, regions and staging buffer: sent only once prefill has proven
+                                  the token (and, for a decode with trusted_prefill_keys, a trusted key)
     prefill -> decode    Welcome  (or Reject): the connection is open
+
+Decode speaks second: whoever a request's kv_transfer_params point decode at learns only that a decode of this model
+called, until it has proven what decode requires of a prefill.
 
 Static bounds (string and list lengths) are part of the types, so msgspec refuses an oversized field while
 decoding; what depends on the engine (layout sizes, block counts) is checked in connector.protocol.handshake and
@@ -35,7 +41,7 @@ from msgspec import Meta
 from connector.core.errors import FrameError
 from connector.core.layout import Region
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 """Wire protocol version; a frame or Hello with any other version is rejected.
 
 History (one line per version; bump it for any change an older peer would misread):
@@ -77,6 +83,10 @@ History (one line per version; bump it for any change an older peer would misrea
      up to MAX_POOLS in Hello.layout and Complete.bytes_by_pool); PoolLayout and Region say how a pool moves (its
      own block size, bytes per block, whole per request, tied to one TP size, scratch blocks, how far a state may
      run past decode's resume point). A version-6 peer would refuse the new pool names mid-transfer.
+  8  Decode speaks second: its first Hello is an opening with no identity (connector.protocol.auth.opening), and
+     who it is (engine id, ranks, agent name, engine key, the transfer it connects for) goes in Auth.hello, after
+     prefill's proofs; the engine key signs the transcript and that identity. A decode that refuses prefill's
+     Hello names the transfer it came for only as `Reject.transfer_hint`, bound to the connection's nonces.
 """
 DEFAULT_MAX_FRAME_BYTES = 4 * 1024 * 1024
 """Largest body a receiver accepts after the handshake unless configured otherwise. The largest real messages are
@@ -192,6 +202,10 @@ class Hello(msgspec.Struct, frozen=True, tag="hello", tag_field="type"):
     """Decode: the transfer that made it open this connection ("" for none). A prefill that refuses the handshake
     (another model, another token) gives that transfer up at once instead of holding its KV for the lease. The
     claim is not authenticated, so it counts only as an early abort does (connector.engine.ownership)."""
+    lane: Proof = b""
+    """Decode: a pseudonym of its rank (connector.protocol.auth.lane_tag: an HMAC of its engine id and ranks under the
+    token) that its opening carries, so a prefill it authenticated to before gives a reconnect its own admission
+    lane before it knows who is calling, while a listener learns no name."""
 
 
 class Auth(msgspec.Struct, frozen=True, tag="auth", tag_field="type"):
@@ -205,8 +219,11 @@ class Auth(msgspec.Struct, frozen=True, tag="auth", tag_field="type"):
     staging_device: Count = 0
     staging_bytes: Count = 0
     engine_signature: Annotated[bytes, Meta(max_length=64)] = b""
-    """Ed25519 signature of the transcript by the key of Hello's `engine_key` (empty without one): a key copied
-    from another rank's Hello does not make its holder that engine."""
+    """Ed25519 signature of the transcript and of `hello` by the key of `hello.engine_key` (empty without one): a
+    key copied from another rank's Hello does not make its holder that engine."""
+    hello: Hello | None = None
+    """Who decode is (its Hello as on the wire, no memory, with its opening's nonce): told only here, once prefill
+    proved what decode requires (protocol 8). None is refused."""
 
 
 class Welcome(msgspec.Struct, frozen=True, tag="welcome", tag_field="type"):
@@ -214,9 +231,14 @@ class Welcome(msgspec.Struct, frozen=True, tag="welcome", tag_field="type"):
 
 
 class Reject(msgspec.Struct, frozen=True, tag="reject", tag_field="type"):
-    """The server refuses a handshake; the connection closes after it."""
+    """The server refuses a handshake; the connection closes after it. (Also decode's answer in place of Auth when
+    it refuses prefill's Hello.)"""
 
     reason: Reason
+    transfer_hint: Proof = b""
+    """Decode refusing prefill's Hello: the transfer it connected for, as connector.protocol.auth.transfer_hint (a
+    digest bound to this connection's nonces), so the prefill that holds it frees its KV at once while a listener
+    learns no transfer id. Empty otherwise."""
 
 
 class Register(msgspec.Struct, frozen=True, tag="register", tag_field="type"):

@@ -228,4 +228,6 @@ class AdmissionGuard:
 
 def _who(identity: Identity) -> str:
     engine, pp, tp = identity
+    if engine.startswith("lane:"):  # a decode's opening names no engine, only its lane (protocol.auth.lane_tag)
+        return f"the decode rank of lane tag {engine[5:17]}"
     return f"engine {engine!r} rank ({pp},{tp})"

@@ -38,8 +38,9 @@ HelloHook = Callable[[Hello], Any]
 """Called with a peer's authenticated Hello (memory included); raise to refuse it. What it returns (or awaits to)
 becomes `conn.session`; if that has an `aclose()`, the server awaits it once the connection has ended; if its
 `evictable` is true, the connection may be closed for a newcomer's fair share (connector.transport.admission)."""
-RefusedHook = Callable[[Hello, str, str], None]
-"""Called with a refused peer's first Hello (not authenticated), the reason and the peer's address."""
+RefusedHook = Callable[[Hello, str, str, Callable[[str], bool]], None]
+"""Called with a refused peer's Hello (not authenticated: its opening, or who its Auth claimed to be), the reason,
+the peer's address, and whether it connected for a transfer id (connector.transport.handshake.Attempt.came_for)."""
 MAX_QUEUED = 1024
 """Messages read from a peer and not yet handled; beyond it the reader waits (TCP slows the peer down)."""
 
@@ -429,7 +430,7 @@ class ControlServer:
             self.refusals.note(kind, "closing %s: %s", addr, reason)
             if attempt.first is not None and self._on_refused is not None:
                 try:
-                    self._on_refused(attempt.first, reason, addr)
+                    self._on_refused(attempt.first, reason, addr, attempt.came_for)
                 except Exception:  # noqa: BLE001 - the hook's failure must not keep the server from going on
                     log.exception("on_refused for %s failed", addr)
             if reply is not None:

@@ -14,10 +14,11 @@ from typing import Any, Callable
 import msgspec
 
 from connector.core.errors import AuthFailed, ControlError, InputError, PeerGaveUp, Unanswered
-from connector.protocol.auth import (check_client_proof, check_engine_signature, check_prefill_key, check_server_proof,
-                                     client_proof, engine_public_key, engine_signature, identity, memory_of, new_nonce,
-                                     prefill_signature, server_proof, session_of)
-from connector.protocol.handshake import check_hello
+from connector.protocol.auth import (check_claim, check_client_proof, check_engine_signature, check_lane,
+                                     check_prefill_key, check_server_proof, client_proof, engine_public_key, engine_signature,
+                                     hint_matches, identity, lane_tag, memory_of, new_nonce, opening, prefill_signature,
+                                     server_proof, session_of, transfer_hint)
+from connector.protocol.handshake import check_hello, check_opening
 from connector.protocol.messages import (DEFAULT_MAX_FRAME_BYTES, HANDSHAKE_MAX_FRAME_BYTES, HEADER, Auth, Hello,
                                          Message, Reject, Welcome, check_header, decode_body, encode_frame)
 from connector.transport.admission import AdmissionGuard, Pending
@@ -30,7 +31,8 @@ MAX_REASON_CHARS = 500
 
 
 PeekHook = Callable[[Hello], None]
-"""Called with a peer's first Hello before anything is answered (cheap checks only); raise to refuse it."""
+"""Called with who a peer says it is, once its proofs checked out and before its memory is taken up (cheap checks
+only); raise to refuse it."""
 
 
 def format_addr(addr: Any) -> str:
@@ -59,28 +61,31 @@ async def client_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamW
     the private key of `hello.engine_key` (protocol.auth), which signs this connection's transcript.
     `trusted_prefill_keys`: if any, the server must prove one of them (protocol.auth.check_prefill_key), also
     before our memory leaves."""
-    ours = msgspec.structs.replace(identity(hello), nonce=new_nonce(), for_transfer=for_transfer)
-    if trusted_prefill_keys:  # our agent's name goes in the Auth's metadata, to a proven prefill only
-        ours = msgspec.structs.replace(ours, agent_name="")
+    claim = msgspec.structs.replace(identity(hello), nonce=new_nonce(), for_transfer=for_transfer,
+                                    lane=lane_tag(auth_token, hello))
+    ours = opening(claim)  # who we are waits for the proofs (decode speaks second)
     writer.write(encode_frame(ours))
     await writer.drain()
     reply = _expect(await read_frame(reader, HANDSHAKE_MAX_FRAME_BYTES), Hello, where)
     try:
         check_hello(reply, hello)
-        check_server_proof(auth_token, ours, reply)  # before a byte about our memory leaves
+        check_server_proof(auth_token, ours, reply)  # before a byte about who we are or our memory leaves
         check_prefill_key(trusted_prefill_keys, ours, reply)  # a token holder is not a prefill
         if check is not None:
             check(reply)  # so is the layout it claims (a fake prefill of 4096 ranks learns nothing of ours)
     except (ControlError, InputError) as exc:
-        # Tell prefill why (else it sees only a closed connection), then give up.
+        # Tell prefill why (else it sees only a closed connection), then give up. The transfer we came for goes
+        # only as a digest bound to this connection: the prefill that holds it frees its KV, a listener learns
+        # nothing.
+        hint = transfer_hint(session_of(ours, reply), for_transfer) if for_transfer else b""
         with contextlib.suppress(Exception):
-            writer.write(encode_frame(Reject(str(exc))))
+            writer.write(encode_frame(Reject(str(exc), transfer_hint=hint)))
             async with asyncio.timeout(1.0):
                 await writer.drain()
         raise ControlError(f"{where}: {exc}") from None
-    auth = memory_of(hello)
+    auth = memory_of(hello, claim=claim)
     if hello.engine_key:
-        auth = msgspec.structs.replace(auth, engine_signature=engine_signature(engine_key, ours, reply))
+        auth = msgspec.structs.replace(auth, engine_signature=engine_signature(engine_key, ours, reply, claim))
     if auth_token:
         auth = msgspec.structs.replace(auth, proof=client_proof(auth_token, ours, reply, auth))
     writer.write(encode_frame(auth))
@@ -113,15 +118,24 @@ class Attempt:
     """What one connection's handshake got so far (the server reports a refused peer by its first Hello)."""
 
     first: Hello | None = None
-    """The peer's first Hello, once read (also one that `check_hello` then refuses: another model's)."""
+    """The peer's Hello, once read: its opening (no identity), then who its Auth says it is (also one that a later
+    check refuses)."""
     nonces: bytes = b""
     """The connection's two nonces (connector.protocol.auth.session_of), once our Hello is out."""
+    hint: bytes = b""
+    """A decode that refused our Hello: the transfer it came for, as a digest (Reject.transfer_hint)."""
+
+    def came_for(self, transfer_id: str) -> bool:
+        """Whether the peer connected for `transfer_id`: its claim names it, or its refusal's hint matches it."""
+        if self.first is not None and self.first.for_transfer:
+            return self.first.for_transfer == transfer_id
+        return hint_matches(self.hint, self.nonces, transfer_id)
 
 
 class ServerHandshake:
-    """The server's half: Hello in (checked, then `peek`), our identity with a fresh nonce and our proof out, Auth in
-    (its proof checked; a failure is counted against the source address and the identity it claims, and answered
-    late)."""
+    """The server's half: the peer's opening Hello in (version, role, model: it says nothing of who it is), our
+    identity with a fresh nonce and our proofs out, Auth in: who the peer is, its proof (a failure is counted against
+    the source address and the identity it claims, and answered late), its engine key's signature, then `peek`."""
 
     def __init__(self, hello: Hello, auth_token: str, limits: ServerLimits, guard: AdmissionGuard,
                  peek: PeekHook | None, prefill_key: bytes = b"") -> None:
@@ -135,24 +149,19 @@ class ServerHandshake:
 
     async def run(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, entry: Pending,
                   attempt: Attempt) -> tuple[Hello, Auth]:
-        """Hello in, our Hello out, Auth in: the peer's Hello and Auth once its proof (if we need one) is right.
-        The first Hello goes in `attempt` as soon as it is read (even one `check_hello` refuses: another model).
-        `entry`: the connection in the guard's pending budget (told what the Hello claims)."""
+        """Hello in, our Hello out, Auth in: who the peer is (its Auth's Hello) and its Auth, once its proof (if we
+        need one) is right. What the peer said goes in `attempt` as soon as it is read (its opening, then its
+        claim). `entry`: the connection in the guard's pending budget (told who the Auth claims to be)."""
         limit = self.limits.handshake_frame_bytes
         first = await read_frame(reader, limit)
         if not isinstance(first, Hello):
             raise ControlError(f"first frame is {type(first).__name__}, expected Hello")
         attempt.first = first
-        check_hello(first, self.hello)
-        claim = (first.engine_id, first.pp_rank, first.tp_rank)
-        locked = self.guard.claimed(entry, claim)
+        check_opening(first, self.hello)  # version, role (the model: decode compares, and says; who: in Auth)
+        lane = (f"lane:{first.lane.hex()}", 0, 0)  # who it is, for the admission lanes (its Auth says more)
+        locked = self.guard.claimed(entry, lane)
         if locked is not None:
             raise Unanswered(locked)
-        if self.peek is not None:
-            try:
-                self.peek(first)
-            except Exception as exc:
-                raise ControlError(f"refused: {exc}") from exc
         ours = msgspec.structs.replace(self.identity, nonce=new_nonce())
         if self.auth_token:
             ours = msgspec.structs.replace(ours, proof=server_proof(self.auth_token, first, ours))
@@ -163,18 +172,28 @@ class ServerHandshake:
         await writer.drain()
         auth = await read_frame(reader, limit)
         if isinstance(auth, Reject):  # decode refused our Hello (our proof, most likely): say why it gave
-            raise PeerGaveUp(f"{first.role} engine {first.engine_id} rank ({first.pp_rank},{first.tp_rank}) refused "
-                             f"this side's Hello: {auth.reason[:MAX_REASON_CHARS]!s}".replace("\n", " "))
+            attempt.hint = auth.transfer_hint
+            raise PeerGaveUp(f"a {first.role} rank refused this side's Hello: "
+                             f"{auth.reason[:MAX_REASON_CHARS]!s}".replace("\n", " "))
         if not isinstance(auth, Auth):
             raise ControlError(f"second frame is {type(auth).__name__}, expected Auth")
+        claim = check_claim(first, auth.hello, f"{first.role} peer")
+        attempt.first = claim
+        check_hello(claim, self.hello)
         try:
             check_client_proof(self.auth_token, first, ours, auth)
         except ControlError as exc:
-            self.guard.auth_failed(entry.host, claim)
+            self.guard.auth_failed(entry.host, lane)
             await asyncio.sleep(self.limits.auth_failure_delay_s)  # every guess costs the guesser this much
             raise AuthFailed(str(exc)) from None
+        check_lane(self.auth_token, claim)
         check_engine_signature(first, ours, auth)
-        return first, auth
+        if self.peek is not None:
+            try:
+                self.peek(claim)
+            except Exception as exc:
+                raise ControlError(f"refused: {exc}") from exc
+        return claim, auth
 
 
 async def end_session(session: Any) -> None:
