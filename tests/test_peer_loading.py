@@ -149,36 +149,58 @@ def tables(t: GatedTransport):
     return PeerTable(t, own, model, (0, 0), SenderConfig()), decode
 
 
-async def test_a_retried_handshake_waits_for_the_load_its_first_started_and_is_admitted():
-    """Decode gave up its first handshake while prefill loaded its agent (past CLAIM_WAIT_S) and handshakes again:
-    the second waits for that load rather than being refused as a second claim, and gets the agent once the first
-    connection (found closed) is released."""
+async def test_an_agent_loads_at_its_first_served_registration_and_a_reconnect_reuses_a_load_in_progress():
+    """The handshake loads nothing (a token holder handshaking under new names costs no load); the first
+    registration prefill serves loads the agent. A connection that ends while its agent loads leaves the load
+    running, and the same decode's next connection gets that agent: one NIXL load for both."""
     t = GatedTransport()
     t.gate.clear()
     table, decode = tables(t)
-    first = asyncio.ensure_future(table.admit(decode))  # the server does not see decode leave: it waits on
+    first = await asyncio.wait_for(table.admit(decode), WAIT_S)
+    assert first.admitted and first.agent == "" and t.loaded == [] and not t.entered.is_set()
+    loading = asyncio.ensure_future(table.load_agent(first))
     await entered(t)
-    second = asyncio.ensure_future(table.admit(decode))
+    await first.aclose()  # decode's connection ended while NIXL loads
+    with pytest.raises(asyncio.CancelledError):
+        await loading
+    again = await asyncio.wait_for(table.admit(decode), WAIT_S)
+    second = asyncio.ensure_future(table.load_agent(again))
     await asyncio.sleep(0.05)
     assert not second.done()
     t.gate.set()
-    info = await asyncio.wait_for(first, WAIT_S)
-    await info.aclose()  # the first connection is found closed once Welcome is written to it
-    again = await asyncio.wait_for(second, WAIT_S)
-    assert again.agent == "decode-agent" and again.admitted
+    assert await asyncio.wait_for(second, WAIT_S) == "decode-agent" == again.agent
     assert t.loaded == ["decode-agent"]
     await table.aclose()
 
 
-async def test_another_decode_claiming_a_loading_identity_with_other_metadata_is_refused():
+async def test_another_decode_claiming_a_live_identity_with_other_metadata_is_refused():
     t = GatedTransport()
-    t.gate.clear()
     table, decode = tables(t)
-    first = asyncio.ensure_future(table.admit(decode))
-    await entered(t)
+    first = await asyncio.wait_for(table.admit(decode), WAIT_S)
     other = msgspec.structs.replace(decode, agent_metadata=b"someone-else")
     with pytest.raises(PeerRefused, match="already connected on another live connection"):
         await asyncio.wait_for(table.admit(other), WAIT_S)
-    t.gate.set()
-    await (await asyncio.wait_for(first, WAIT_S)).aclose()
+    await first.aclose()
+    await table.aclose()
+
+
+async def test_an_agent_name_is_bound_to_the_engine_key_that_first_loaded_it():
+    """A squatter (another engine key) that names a decode's agent: while the name is bound to no engine, its claim
+    keeps nobody out (the decode is admitted beside it, and the first whose transfer loads the agent binds it);
+    once bound, a claim by another key is refused at the handshake, live or not."""
+    t = GatedTransport()
+    table, decode = tables(t)
+    decode = msgspec.structs.replace(decode, engine_key=b"\x01" * 32)
+    squatter = msgspec.structs.replace(decode, engine_id="mallory", engine_key=b"\x02" * 32)
+    squat = await asyncio.wait_for(table.admit(squatter), WAIT_S)  # first, live
+    real = await asyncio.wait_for(table.admit(decode), WAIT_S)  # not kept out
+    assert await asyncio.wait_for(table.load_agent(real), WAIT_S) == "decode-agent"
+    with pytest.raises(PeerRefused, match="bound to the engine key that first used them"):
+        await asyncio.wait_for(table.load_agent(squat), WAIT_S)
+    await squat.aclose()
+    await real.aclose()
+    with pytest.raises(PeerRefused, match="bound to the engine key that first used them"):
+        await asyncio.wait_for(table.admit(squatter), WAIT_S)
+    back = await asyncio.wait_for(table.admit(decode), WAIT_S)  # the real decode reconnecting: its agent, reused
+    assert await asyncio.wait_for(table.load_agent(back), WAIT_S) == "decode-agent" and t.loaded == ["decode-agent"]
     await table.aclose()

@@ -1,8 +1,8 @@
 """A prefill whose NIXL load of decode's agent outlasts decode's handshake timeout still serves the request (issue
-32): decode's first handshake times out, prefill goes on loading, off its loop, and decode's second handshake is
-admitted once the load ended; the KV then arrives intact (end-to-end checksum) over real NIXL between two OS
-processes, and prefill's loop never stalled meanwhile (its watchdog logs any 2 s stall). The delay is injected in a
-test subclass of the loader, in prefill's worker process only."""
+32). The load no longer runs in the handshake (issue 33: an agent loads at the first registration prefill serves),
+so the handshake does not time out at all; the load runs off prefill's loop, the KV then arrives intact (end-to-end
+checksum) over real NIXL between two OS processes, and prefill's loop never stalled meanwhile (its watchdog logs any
+2 s stall). The delay is injected in a test subclass of the loader, in prefill's worker process only."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def test_a_load_slower_than_the_handshake_timeout_still_serves_the_request(m3, c
         result = decode.run(receiver.receive(tid, prefills.prefill_address, blocks, 0, TOKENS), 60)
     assert result.bytes_written > 0 and result.checksummed_blocks > 0, result
     retries = [r.getMessage() for r in records if "trying once more" in r.getMessage()]
-    assert len(retries) == 1, [r.getMessage() for r in records]
+    assert not retries, [r.getMessage() for r in records]  # the handshake did not wait for the load
     finished = prefills.ask(conn, ("finish", tid), 60, "prefill")
     assert finished[1] is True, finished
     logs = capfd.readouterr().err
@@ -64,8 +64,8 @@ def test_a_load_slower_than_the_handshake_timeout_still_serves_the_request(m3, c
 
 
 def test_connecting_early_takes_the_slow_load_out_of_the_first_request(m3, cluster, open_rank, monkeypatch):
-    """A decode that knows its prefill connects before the first request (StreamReceiver.connect_early): the slow
-    load is paid there, and the request then needs no handshake at all."""
+    """A decode that knows its prefill connects before the first request (StreamReceiver.connect_early): the
+    request then needs no handshake at all (the agent's load comes with its first registration all the same)."""
     monkeypatch.setattr(rank_process, "run", slow_loading_prefill)
     sc = scenario(m3, tokens=TOKENS, block_size=BLOCK, timeout_s=60.0)
     prefills = cluster(sc, spawn=("prefill",))

@@ -8,6 +8,7 @@ a small constant of their baseline."""
 from __future__ import annotations
 
 import os
+import time
 
 import msgspec
 import pytest
@@ -18,13 +19,15 @@ from connector.engine.config import SenderConfig, SideChannelConfig
 from connector.sim.cluster import Cluster
 from connector.transport.client import connect
 from connector.transport.nixl import TransportConfig
-from tests.adversary import TOKEN, TOKENS, WITH_TOKEN, Target, make_scenario
+from tests.adversary import TOKEN, TOKENS, WITH_TOKEN, Target, blocks, make_scenario
 from tests.test_security import RSS_SLACK, decode_config, transfer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 HANDSHAKES = int(os.environ.get("SPARSE_KV_STORM", "20000"))
 """Full handshakes (Hello, proof, Welcome) of the storm: 1,928 reached the fd limit before."""
 MAX_AGENTS, UNLOADS = 16, 3
+MINTED = int(os.environ.get("SPARSE_KV_MINTED", "2000"))
+"""Handshakes with new agent names in the minting test (issue 33 measured 10,000 with SPARSE_KV_MINTED=10000)."""
 SOCKETS_PER_AGENT = 1 + TransportConfig.__dataclass_fields__["nixl_threads"].default
 """What one loaded decode agent costs prefill: a UCX endpoint (a socket) per worker."""
 PARKED_BYTES = 32 << 20
@@ -81,8 +84,8 @@ def test_a_reconnect_storm_costs_no_open_files(target, open_rank):
     assert mallory.run(storm(HANDSHAKES), 600) == HANDSHAKES
     after = settle(target, "storm over")
     assert fds(target.pid) <= fds0 + SOCKETS_PER_AGENT + FDS_SLACK, (fds0, fds(target.pid))
-    assert after["agent_loads"] - before["agent_loads"] == 1, after  # loaded once, then found loaded
-    assert after["agents_loaded"] <= before["agents_loaded"] + 1
+    assert after["agent_loads"] == before["agent_loads"], after  # no transfer was its: nothing loaded
+    assert after["agents_loaded"] == before["agents_loaded"]
     assert target.rss() < rss0 + RSS_SLACK
     fresh = open_rank(target.cluster.sc.rank_spec("decode", (0, 0), run_id="after-storm"))
     transfer(target, fresh, fresh.receiver(decode_config()), "t-after-storm", seed=31)
@@ -147,11 +150,13 @@ def minted(hello, name: str):
     return msgspec.structs.replace(hello, agent_name=name, agent_metadata=meta, engine_id=f"mint-{name}")
 
 
-def test_minted_agent_names_are_capped_and_a_known_decode_keeps_its_agent(target, open_rank):
-    """A peer with the token that mints a new NIXL agent name per handshake made prefill load an agent per
-    handshake (and leak on each removal). Now at most max_peer_agents are loaded and at most
-    agent_unloads_per_hour unloaded; beyond that the handshake is refused naming the settings, prefill's fds stay
-    bounded, and a decode that received a transfer before keeps its idle agent (the minted ones go first)."""
+def test_minted_agent_names_cost_no_load_and_a_new_decode_gets_in_at_once(target, open_rank):
+    """A peer with the token that minted a new NIXL agent name per handshake made prefill load an agent each time:
+    575 handshakes filled max_peer_agents and spent agent_unloads_per_hour, and every new decode was refused for an
+    hour. Now an agent loads only for a registration prefill serves (a request it computes, its secret proven):
+    MINTED handshakes with new names, each registering a transfer prefill does not hold, load nothing, unload
+    nothing and leave prefill's fds where they were; a decode that never connected then gets its transfer at once,
+    and a decode that received one before keeps its idle agent (no load, no unload)."""
     victim = open_rank(target.cluster.sc.rank_spec("decode", (0, 0), run_id="kept"))
     receiver = victim.receiver(decode_config())
     transfer(target, victim, receiver, "t-kept-1", seed=32)
@@ -167,24 +172,29 @@ def test_minted_agent_names_are_capped_and_a_known_decode_keeps_its_agent(target
             try:
                 conn = await connect("127.0.0.1", target.port, minted(hello, f"mint-{i}-{os.getpid()}"),
                                      WITH_TOKEN, timeout=20)
+                await conn.send(Register(f"t-mint-{i}", 0, 0, blocks(mallory.spec.num_blocks, i), 0, TOKENS))
                 await conn.aclose()
                 out.append("ok")
             except ControlError as exc:
                 out.append(str(exc))
         return out
 
-    answers = mallory.run(mint(40), 200)
-    accepted = answers.count("ok")
-    room = MAX_AGENTS - before["agents_loaded"]
-    assert accepted == room + UNLOADS, answers
-    refusals = [a for a in answers if a != "ok"]
-    assert all("agent_unloads_per_hour" in a for a in refusals), refusals[:3]
+    began = time.monotonic()
+    answers = mallory.run(mint(MINTED), 60 + MINTED * 0.2)
+    minting_s = time.monotonic() - began
+    assert answers.count("ok") == MINTED, [a for a in answers if a != "ok"][:3]
     after = settle(target, "minting over")
-    assert after["agents_loaded"] == MAX_AGENTS and after["agent_unloads"] - before["agent_unloads"] == UNLOADS
-    assert after["agents_refused"] - before["agents_refused"] == len(refusals)
-    assert fds(target.pid) <= fds0 + room * SOCKETS_PER_AGENT + UNLOADS * (SOCKETS_PER_AGENT - 1) + FDS_SLACK
+    print(f"\n{MINTED} handshakes with minted agent names in {minting_s:.1f} s; prefill fds {fds0} -> "
+          f"{fds(target.pid)}, agents loaded {before['agents_loaded']} -> {after['agents_loaded']}")
+    assert after["agent_loads"] == before["agent_loads"] and after["agent_unloads"] == before["agent_unloads"]
+    assert after["agents_loaded"] == before["agents_loaded"], after
+    assert fds(target.pid) <= fds0 + FDS_SLACK
     assert target.rss() < rss0 + RSS_SLACK
+    fresh = open_rank(target.cluster.sc.rank_spec("decode", (0, 0), run_id="after-mint"))
+    began = time.monotonic()
+    transfer(target, fresh, fresh.receiver(decode_config()), "t-after-mint", seed=34)
+    assert time.monotonic() - began < 10.0  # within seconds, not refused for an hour
     receiver = victim.receiver(decode_config())
+    loads = target.state()["agent_loads"]
     transfer(target, victim, receiver, "t-kept-2", seed=33)  # its agent was kept: no load, no unload
-    assert target.state()["agent_loads"] == after["agent_loads"]
-
+    assert target.state()["agent_loads"] == loads

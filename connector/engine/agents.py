@@ -36,6 +36,9 @@ LOAD_TIMEOUT_S = 120.0
 timeout: a load runs on, off the loop, when the handshake that started it gives up, and decode's retry finds the
 agent loaded (connector.engine.sources retries a handshake that timed out). A load took 25-60 ms between two idle
 processes and 8.7-10 s inside engines on 2 busy cores (issue 32)."""
+OWNERS_PER_AGENT = 8
+"""Agent names whose engine is remembered, per agent that may be loaded (max_peer_agents): far more than are loaded,
+so a name unloaded for room stays bound to its engine while that engine may come back."""
 SLOW_LOAD_S = 1.0
 """A load slower than this is logged with where its time went: before its thread ran, and inside NIXL."""
 
@@ -67,6 +70,9 @@ class LoadedAgents:
         """Loaded agents by name, least recently used first."""
         self._unloads: deque[float] = deque()
         """When the unloads of the last hour happened."""
+        self._owners: OrderedDict[str, str] = OrderedDict()
+        """Which engine (connector.protocol.auth.engine_name: its id and key) first had each agent name loaded,
+        least recently loaded first (up to OWNERS_PER_AGENT x max_agents names, loaded ones or not)."""
         self.loads = self.reuses = self.unloads = self.refused = 0
         self._released = asyncio.Event()
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
@@ -91,14 +97,35 @@ class LoadedAgents:
         if (agent := self._agents.get(name)) is not None:
             agent.served = True
 
-    async def acquire(self, name: str, metadata: bytes) -> str:
+    def check_owner(self, name: str, owner: str) -> None:
+        """Raise PeerRefused if agent `name` is bound to another engine than `owner` (the one whose decode first had
+        it loaded here): a name is its first engine's, so no peer can take over, or keep out, another's agent."""
+        bound = self._owners.get(name)
+        if bound is not None and bound != owner:
+            self.refused += 1
+            raise PeerRefused(f"NIXL agent {name!r} belongs to another decode engine (the one that first received a "
+                              f"transfer through it here, with another engine key): agent names are bound to the "
+                              f"engine key that first used them")
+
+    def owner_of(self, name: str) -> str | None:
+        return self._owners.get(name)
+
+    def _bind(self, name: str, owner: str) -> None:
+        self._owners[name] = owner
+        self._owners.move_to_end(name)
+        while len(self._owners) > OWNERS_PER_AGENT * self.max_agents:
+            self._owners.popitem(last=False)
+
+    async def acquire(self, name: str, metadata: bytes, owner: str = "") -> str:
         """The agent `name` (with `metadata`) for a live connection: the loaded one if its metadata is the same,
         else loaded now (unloading another first if all are loaded). Raises PeerRefused (a limit) or whatever the
-        transport raises. The caller holds the name for one live connection (connector.engine.peers).
+        transport raises. The caller holds the name for one live connection (connector.engine.peers). `owner`: the
+        engine it is loaded for (engine_name); the name is bound to it from then on (`check_owner`).
 
         The load runs in a task of its own, off the loop: a caller that gives up (its handshake timed out,
         cancelling this) leaves it running, and the agent then stays loaded, idle, for the same decode's next
         handshake, which waits for a load still in progress rather than starting another."""
+        self.check_owner(name, owner)
         agent = self._agents.get(name)
         if agent is not None and agent.busy:
             raise PeerRefused(f"NIXL agent {name!r} is on another live connection")
@@ -108,6 +135,7 @@ class LoadedAgents:
             if agent.loading is not None:
                 await self._wait_loaded(name, agent)
             self.reuses += 1
+            self._bind(name, owner)
             return name
         if agent is not None and agent.loading is not None:
             raise PeerRefused(f"NIXL agent {name!r} is still being loaded with other metadata; retry once it is")
@@ -123,6 +151,7 @@ class LoadedAgents:
         entry.loading.add_done_callback(lambda t: _log_failed_load(t, name))
         await self._wait_loaded(name, entry)
         self.loads += 1
+        self._bind(name, owner)
         return name
 
     async def _wait_loaded(self, name: str, entry: _Agent) -> None:

@@ -23,6 +23,7 @@ from connector.engine.agents import LoadedAgents
 from connector.engine.config import SenderConfig
 from connector.engine.plans import PlanCache
 from connector.protocol.handshake import AcceptedPeer, PeerKey, accept_peer, check_peer_layout, peer_key
+from connector.protocol.auth import engine_name
 from connector.protocol.messages import Hello
 from connector.transport.base import KVTransport
 from connector.transport.nixl.agent import metadata_agent_name
@@ -43,7 +44,9 @@ class PeerInfo:
         self.key: PeerKey = peer_key(hello)
         self.accepted: AcceptedPeer | None = None
         self.agent = ""
-        """Name its NIXL agent was loaded as ('' until loaded)."""
+        """Name its NIXL agent was loaded as ('' until loaded: at the first registration prefill serves it)."""
+        self.loading: asyncio.Task | None = None
+        """The load of its agent (PeerTable.load_agent), once one began."""
         self.layer_routes: dict[int, list[Route]] = {}
         """What this prefill rank sends that decode rank, by global layer (from the plan, once)."""
         self.max_blocks = max((r.num_blocks for r in hello.regions), default=0)
@@ -60,7 +63,7 @@ class PeerInfo:
         self.closing = False
         self.released = asyncio.Event()
         self.admitted = False
-        """Its handshake got past `admit` (its agent is loaded): from then on its connection is live."""
+        """Its handshake got past `admit`: from then on its connection is live."""
 
     @property
     def states(self) -> tuple[int, str] | None:
@@ -119,19 +122,26 @@ class PeerTable:
 
     async def admit(self, hello: Hello) -> PeerInfo:
         """Accept an authenticated decode rank for its connection: claim its identity and agent name, plan (off the
-        loop), check its regions, load its agent. Raises (the server refuses the handshake with the text)."""
+        loop), check its regions. Raises (the server refuses the handshake with the text).
+
+        Its NIXL agent is not loaded here but at the first registration prefill serves it (`load_agent`), one that
+        names a request this rank computes and proves its transfer secret: a peer that holds only the token can
+        handshake under as many agent names as it likes and costs no load, no unload and no socket (NIXL 1.5.1
+        keeps sockets open after an unload while the peer lives: connector.engine.agents)."""
         self.peek(hello)
         if hello.role != "decode":
             raise PeerRefused(f"a {hello.role} rank cannot register with a prefill rank")
+        named = metadata_agent_name(hello.agent_metadata)
         if not hello.agent_name:
-            # A decode that trusts prefill keys names its agent only in its Auth, inside the metadata (which its
-            # proof covers): a fake prefill that it refused never learns the name, so cannot squat it here.
-            named = metadata_agent_name(hello.agent_metadata)
             if not named:
                 raise PeerRefused("the decode rank names no NIXL agent, neither in its Hello nor in its metadata")
             hello = msgspec.structs.replace(hello, agent_name=named)
+        elif named is not None and named != hello.agent_name:
+            raise PeerRefused(f"the decode rank's Hello names NIXL agent {hello.agent_name!r} and its metadata "
+                              f"{named!r}: a broken peer")
         if hello.agent_name == self.own.agent_name:
             raise PeerRefused(f"NIXL agent name {hello.agent_name!r} is this prefill rank's own")
+        self.agents.check_owner(hello.agent_name, engine_name(hello))
         await self._wait_for_holders(hello)
         info = PeerInfo(self, hello)
         self.by_key[info.key] = info
@@ -140,15 +150,32 @@ class PeerTable:
             plan = await self.plans.plan_for(hello)
             info.accepted = accept_peer(hello, self.own, self.model, plan)
             info.layer_routes = plan.layer_routes(self.rank, info.key[1:])
-            # NIXL calls can wait behind a DRAM copy in progress: they run off the loop, and a load goes on when
-            # decode gives this handshake up (connector.engine.agents); PeerTable.aclose waits for it.
-            info.agent = await self.agents.acquire(hello.agent_name, hello.agent_metadata)
         except BaseException:
             self._forget(info)
             info.released.set()
             raise
         info.admitted = True
         return info
+
+    async def load_agent(self, info: PeerInfo) -> str:
+        """`info`'s NIXL agent, loaded now if it is not yet (one load per connection; callers share it). NIXL calls
+        can wait behind a DRAM copy in progress: they run off the loop (connector.engine.agents). Raises what the
+        load raises (PeerRefused: a limit)."""
+        if info.agent:
+            return info.agent
+        if info.loading is None:
+            info.loading = asyncio.get_running_loop().create_task(self._load(info),
+                                                                   name=f"agent of decode {info.key}")
+        return await asyncio.shield(info.loading)
+
+    async def _load(self, info: PeerInfo) -> str:
+        name = await self.agents.acquire(info.hello.agent_name, info.hello.agent_metadata,
+                                         owner=engine_name(info.hello))
+        if info.closing:  # its connection ended while the agent loaded: it waits, idle, for the next one
+            self.agents.release(name)
+            return ""
+        info.agent = name
+        return name
 
     async def _wait_for_holders(self, hello: Hello) -> None:
         """Return once neither the identity nor the agent name is held (the caller claims both at once, with no
@@ -157,9 +184,11 @@ class PeerTable:
         key = peer_key(hello)
         deadline, extended = asyncio.get_running_loop().time() + CLAIM_WAIT_S, False
         while True:
+            named = self._agents.get(hello.agent_name)
+            if named is not None and not self._holds_name(named, hello):
+                named = None  # another engine claims the name too: the first whose transfer loads it keeps it
             held = [(h, what) for h, what in ((self.by_key.get(key), f"decode rank {key}"),
-                                              (self._agents.get(hello.agent_name), f"NIXL agent {hello.agent_name!r}"))
-                    if h is not None]
+                                              (named, f"NIXL agent {hello.agent_name!r}")) if h is not None]
             if not held:
                 return
             holder, what = held[0]
@@ -179,12 +208,21 @@ class PeerTable:
                                   f"one connection (a restarted rank may reconnect once its old connection has "
                                   f"closed, within dead_after_s)") from None
 
+    def _holds_name(self, holder: PeerInfo, hello: Hello) -> bool:
+        """Whether `holder`'s claim of its agent name keeps `hello`'s out: it is the same engine (a rank
+        reconnecting waits for its old connection), or the name is bound to the holder's engine (it was loaded for
+        it). A claim alone binds nothing: a token holder that names a decode's agent first cannot keep it out."""
+        return engine_name(holder.hello) == engine_name(hello) or \
+            self.agents.owner_of(hello.agent_name) == engine_name(holder.hello)
+
     async def release(self, info: PeerInfo) -> None:
         """Drop a peer whose connection ended: once no WRITE to it is in flight, its agent goes idle, its entry goes."""
         if info.closing:
             await info.released.wait()
             return
         info.closing = True
+        if info.loading is not None and not info.loading.done():
+            info.loading.cancel()  # the load goes on (connector.engine.agents); the agent waits idle, for a reconnect
         try:
             if not await info.wait_idle(self.config.write_timeout_s + 5.0):
                 log.error("decode %s: %d WRITE(s) still in flight %.0f s after its connection ended; removing its "

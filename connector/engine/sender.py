@@ -9,6 +9,7 @@ fallback) by the same code. Every route is keyed by (pool, global layer) from th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import Any, Callable
@@ -28,7 +29,7 @@ from connector.engine.stats import SenderStats
 from connector.engine.timeline import close
 from connector.engine.trim import ParkedTrim
 from connector.protocol.handshake import PeerKey
-from connector.protocol.messages import (Abort, Complete, Heartbeat, Hello, Message, Register, RegisterAck,
+from connector.protocol.messages import (Abort, Complete, Error, Heartbeat, Hello, Message, Register, RegisterAck,
                                          RegisterError, Scattered, Stopped)
 from connector.transport.base import KVTransport
 from connector.transport.control import ControlConnection, ControlServer
@@ -297,6 +298,9 @@ class StreamSender:
         for dest in req.dests.values():
             if dest.done:
                 continue
+            if not dest.peer.agent:  # its first registration served here: load its agent, then pump again
+                self._load_agent(dest.peer, dest.conn)
+                continue
             # Whatever is ready goes out in ONE write per destination: a per-layer write while layers trickle in
             # during compute, few large writes when the sweep or a late registration releases many layers at
             # once (a NIXL request has a fixed cost, so fewer and larger is faster). At most two writes per
@@ -316,6 +320,26 @@ class StreamSender:
             self._maybe_complete(req, dest)
         self._note_streaming(req)
         self._check_finished(req)  # e.g. all computed now, and every destination already done or dropped
+
+    def _load_agent(self, peer: PeerInfo, conn: ControlConnection) -> None:
+        """Load `peer`'s NIXL agent (once), then pump every request that writes there; a load that fails (a limit,
+        NIXL) closes the connection saying why, which fails its destinations."""
+        if peer.loading is None:
+            self._tasks.spawn(self._agent_for(peer, conn))
+
+    async def _agent_for(self, peer: PeerInfo, conn: ControlConnection) -> None:
+        try:
+            loaded = await self._table.load_agent(peer)
+        except Exception as exc:  # noqa: BLE001 - PeerRefused, TransportError, NIXL's own
+            reason = f"prefill could not load decode {peer.key}'s NIXL agent: {exc}"
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(1.0):
+                    await conn.send(Error(reason))
+            await conn.aclose(reason)
+            return
+        if loaded:
+            for req in [r for r in self.requests.values() if any(d.peer is peer for d in r.dests.values())]:
+                self._pump(req)
 
     def _note_streaming(self, req: SendRequest) -> None:
         """Whether `req`'s layer hooks must wake the loop: it still computes and some decode rank waits for it."""
