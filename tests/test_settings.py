@@ -43,6 +43,7 @@ INTERNAL = {
     ("ReceiverConfig", "stop_timeout_s"): "bounded wait for sources to confirm they stopped",
     ("TransportConfig", "post_threads"): "posting threads per transport",
     ("TransportConfig", "ucx_error_handling_mode"): "peer-failure detection stays on",
+    ("TransportConfig", "unload_sweep_s"): "sweeps of NIXL's thread-pool UCX workers after unloads (issue 33)",
 }
 """Config fields no operator sets, and why."""
 ADAPTER = {"staging_mb": "the worker allocates the staging buffer itself (ConnectorSettings.staging_bytes)",

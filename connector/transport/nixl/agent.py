@@ -8,6 +8,18 @@ drives PROC transfers to completion. Any NIXL call that touches the UCX worker c
 wait for a concurrent copy, so none of them may run on the loop. The agent is created in NIXL_THREAD_SYNC_RW
 mode, which makes this sharing safe (see `glue.make_agent`). Control calls (`register`, `add_peer`,
 `remove_peer`) are synchronous and may wait briefly for in-progress posts; make them off the hot path.
+
+Unloaded peers' sockets (issue 33). NIXL 1.5.1 closes a removed peer's UCX endpoints in flush mode (its
+nixlUcxEp::closeImpl: ucp_ep_close_nbx with no flags; UCP_EP_CLOSE_FLAG_FORCE only for an endpoint that already
+failed), and UCX then keeps every endpoint the peer connected back to (all of them, once wireup completed) until
+the worker is destroyed or the peer fails (ucp_ep_disconnected in UCX's src/ucp/core/ucp_ep.c: "Endpoints which
+have remote connection are destroyed only when the worker is destroyed"). Over TCP that is one socket per UCX worker
+(1 + nixl_threads) per unload, held while the peer lives; nothing in NIXL 1.5.1's API closes them sooner. When the
+peer goes, UCX closes them, but only on a worker that is progressed: NIXL's progress thread progresses its shared
+worker, while each thread-pool worker is progressed only while its thread runs a chunk of a WRITE of 1,024
+descriptors or more. So `unload_sweep_s` after the first unload a WRITE to this agent itself, of
+1,024 * nixl_threads one-byte descriptors, runs through those threads: their workers close what the departed
+peers left (tools/nixl_unload_leak.py measures it; tests/test_nixl_unload_leak.py).
 """
 
 from __future__ import annotations
@@ -61,6 +73,9 @@ class Transport:
         """Xfer handles not yet released (any thread); `_release` is the only way out of this set."""
         self._closing = False
         self._close_fut: asyncio.Future[None] | None = None
+        self._sweeper: asyncio.Task[None] | None = None
+        self._sweep_buf: np.ndarray | None = None
+        """Registered scratch memory of the sweeps' self-WRITEs (first half written to the second)."""
 
     # ---------------------------------------------------------------- lifetime
     async def open(self) -> "Transport":
@@ -83,6 +98,8 @@ class Transport:
             raise TransportError(f"could not create NIXL agent {cfg.name!r} with the UCX backend: {exc}") from exc
         self._poller = Poller(self._agent, self._errors, self._release, cfg.name)
         self._poller.start()
+        if cfg.unload_sweep_s is not None and cfg.nixl_threads > 0:
+            self._sweeper = loop.create_task(self._sweep_loop(cfg.unload_sweep_s), name=f"nixl-sweep-{cfg.name}")
         _note_ucx_exposure()
         return self
 
@@ -101,6 +118,9 @@ class Transport:
         self._close_fut = asyncio.get_running_loop().create_future()
         self._closing = True
         try:
+            if self._sweeper is not None:
+                self._sweeper.cancel()
+                await asyncio.gather(self._sweeper, return_exceptions=True)
             await asyncio.to_thread(self._teardown)
         finally:
             self._close_fut.set_result(None)
@@ -215,6 +235,66 @@ class Transport:
             self._live_agent().remove_remote_agent(peer)
         except self._errors as exc:
             log.warning("transport %s: removing peer %r: %s", self.config.name, peer, exc)
+        self.stats.unloads += 1
+
+    # ---------------------------------------------------------------- unloaded peers' sockets (module docstring)
+    async def _sweep_loop(self, interval_s: float) -> None:
+        """Every `interval_s`, once some peer was unloaded: `sweep_workers` on a post thread. Until close."""
+        loop = asyncio.get_running_loop()
+        while not self._closing:
+            await asyncio.sleep(interval_s)
+            if self.stats.unloads == 0 or self._closing or self._executor is None:
+                continue
+            try:
+                await loop.run_in_executor(self._executor, self.sweep_workers)
+            except RuntimeError:  # executor shut down: closing
+                return
+            except Exception as exc:  # noqa: BLE001 - a failed sweep is retried next time; never ends the loop
+                log.warning("transport %s: sweeping NIXL's UCX workers failed: %r", self.config.name, exc)
+
+    def sweep_workers(self, timeout_s: float = 10.0) -> bool:
+        """Progress the UCX workers of NIXL's thread pool (`nixl_threads`), so that they close the endpoints, and
+        sockets, of unloaded peers that have gone: a WRITE from this agent to itself of 1,024 one-byte descriptors
+        per thread (NIXL's split_batch_size), which NIXL splits into one chunk per thread. Which thread takes which
+        chunk is NIXL's choice, so one sweep may miss a worker that the next reaches. Synchronous; any thread but
+        the event loop's. Returns whether the WRITE completed within `timeout_s` (one still running is released
+        at close)."""
+        agent = self._live_agent()
+        n = 1024 * self.config.nixl_threads
+        if n == 0:
+            return True
+        if self._sweep_buf is None:
+            buf = np.zeros(2 * n, dtype=np.uint8)
+            self.register(buf)
+            self._sweep_buf = buf
+        base = self._sweep_buf.ctypes.data
+        src = np.empty((n, 3), dtype=np.uint64)
+        src[:, 0] = base + np.arange(n, dtype=np.uint64)
+        src[:, 1] = 1
+        src[:, 2] = 0
+        dst = src.copy()
+        dst[:, 0] += n
+        handle = agent.initialize_xfer("WRITE", agent.get_xfer_descs(src, "DRAM"), agent.get_xfer_descs(dst, "DRAM"),
+                                       self.config.name)
+        with self._hlock:
+            self._handles.add(handle)
+        try:
+            state = agent.transfer(handle)
+        except BaseException:
+            self._release(handle)
+            raise
+        deadline = time.monotonic() + timeout_s
+        while state == "PROC" and time.monotonic() < deadline and not self._closing:
+            time.sleep(0.001)
+            state = agent.check_xfer_state(handle)
+        if state == "PROC":  # never release a running transfer (poller.py): _teardown does, at close
+            log.warning("transport %s: a sweep of NIXL's UCX workers did not complete in %g s", self.config.name,
+                        timeout_s)
+            return False
+        self._release(handle)
+        if state == "DONE":
+            self.stats.sweeps += 1
+        return state == "DONE"
 
     def _check_peer(self, peer: str) -> Any:
         agent = self._live_agent()
@@ -372,6 +452,7 @@ class Transport:
             metadata = self._peer_metadata.get(peer)
             try:
                 agent.remove_remote_agent(peer)
+                self.stats.unloads += 1
                 if metadata is not None:
                     agent.add_remote_agent(metadata)
             except self._errors as exc:

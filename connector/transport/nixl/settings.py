@@ -41,6 +41,14 @@ class TransportConfig:
     link neither finishes nor fails until the kernel's `net.ipv4.tcp_retries2` gives up (15, the default: many
     minutes). A link back within it loses nothing. None: the system's behaviour."""
 
+    unload_sweep_s: float | None = 5.0
+    """After a peer was unloaded (remove_peer), how often the UCX workers of NIXL's thread pool are progressed (a
+    WRITE of `1024 * nixl_threads` one-byte descriptors to this agent itself, which NIXL spreads over those
+    threads). NIXL 1.5.1 closes a peer's UCX endpoints in flush mode, and UCX keeps an endpoint its peer connected
+    back to, socket included, until the peer goes; NIXL's thread-pool workers are only progressed while they run a
+    transfer, so without this they never notice the peer has gone and keep its sockets (CLOSE_WAIT) for as long
+    as this process runs. None: never (tools/nixl_unload_leak.py, docs/security.md)."""
+
     def __post_init__(self) -> None:
         if not self.name:
             raise ConfigError("TransportConfig.name must be a non-empty agent name")
@@ -54,6 +62,8 @@ class TransportConfig:
             raise ConfigError("posts_per_second must be > 0 or None")
         if self.ucx_error_handling_mode not in ("peer", "none"):
             raise ConfigError("ucx_error_handling_mode must be 'peer' or 'none'")
+        if self.unload_sweep_s is not None and self.unload_sweep_s <= 0:
+            raise ConfigError(f"unload_sweep_s must be > 0 or None, not {self.unload_sweep_s}")
         if self.tcp_user_timeout_s is not None and self.tcp_user_timeout_s <= 0:
             raise ConfigError(f"tcp_user_timeout_s must be > 0 or None, not {self.tcp_user_timeout_s}")
 
@@ -88,6 +98,10 @@ class TransportStats:
     reconnects: int = 0
     """Peers whose NIXL connection failed and was made again from their metadata."""
     peak_inflight_bytes: int = 0
+    unloads: int = 0
+    """Peers unloaded (remove_peer, and each reconnect after a failed WRITE)."""
+    sweeps: int = 0
+    """Completed progress sweeps of NIXL's thread-pool UCX workers (TransportConfig.unload_sweep_s)."""
 
 
 class ByteGate:
