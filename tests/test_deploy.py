@@ -377,22 +377,20 @@ def exported_metric_names() -> set[str]:
     path = ROOT / "connector" / "vllm" / "stats.py"
     spec = importlib.util.spec_from_file_location("_deploy_test_stats", path)
     module = importlib.util.module_from_spec(spec)
-    saved = sys.modules.get(stub.__name__)
-    sys.modules[stub.__name__] = stub
-    try:
-        if "vllm" not in sys.modules:  # the module's own `from vllm...` import resolves through sys.modules
-            for parent in ("vllm", "vllm.distributed", "vllm.distributed.kv_transfer",
-                           "vllm.distributed.kv_transfer.kv_connector", "vllm.distributed.kv_transfer.kv_connector.v1"):
-                sys.modules.setdefault(parent, types.ModuleType(parent))
+    saved = {name: sys.modules.get(name) for name in (
+        "vllm", "vllm.distributed", "vllm.distributed.kv_transfer", "vllm.distributed.kv_transfer.kv_connector",
+        "vllm.distributed.kv_transfer.kv_connector.v1", stub.__name__)}
+    try:  # the module's own `from vllm... import` resolves through sys.modules, to the stand-ins
+        for name in saved:
+            sys.modules[name] = stub if name == stub.__name__ else types.ModuleType(name)
         spec.loader.exec_module(module)
         module.SparseKVPromMetrics(None, {}, ["model_name", "engine"], {0: ["m", "0"]})
-    finally:
-        for name in list(sys.modules):
-            if name == "vllm" or name.startswith("vllm.") and isinstance(sys.modules[name], types.ModuleType) \
-                    and getattr(sys.modules[name], "__file__", None) is None:
-                del sys.modules[name]
-        if saved is not None:
-            sys.modules[stub.__name__] = saved
+    finally:  # put back whatever was there (a real vllm, imported by another test, included)
+        for name, before in saved.items():
+            if before is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = before
     names = set()
     for kind, name in created:
         suffixes = ("_total",) if kind == "counter" else ("_bucket", "_sum", "_count")
