@@ -14,6 +14,7 @@ from typing import Any, Callable
 import msgspec
 
 from connector.core.errors import AuthFailed, ControlError, InputError, PeerGaveUp, Unanswered
+from connector.core.untrusted import shown, shown_text
 from connector.protocol.auth import (check_client_proof, check_engine_signature, check_prefill_key, check_server_proof,
                                      client_proof, engine_public_key, engine_signature, identity, memory_of, new_nonce,
                                      prefill_signature, server_proof, session_of)
@@ -91,7 +92,7 @@ async def client_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamW
 
 def _expect(msg: Message, kind: type, where: str) -> Any:
     if isinstance(msg, Reject):
-        raise ControlError(f"{where} rejected the handshake: {msg.reason}")
+        raise ControlError(f"{where} rejected the handshake: {shown_text(msg.reason)}")
     if not isinstance(msg, kind):
         raise ControlError(f"{where} answered the handshake with {type(msg).__name__} where {kind.__name__} was "
                            f"due: {msg!r}"[:2000])
@@ -164,7 +165,7 @@ class ServerHandshake:
         auth = await read_frame(reader, limit)
         if isinstance(auth, Reject):  # decode refused our Hello (our proof, most likely): say why it gave
             raise PeerGaveUp(f"{first.role} engine {first.engine_id} rank ({first.pp_rank},{first.tp_rank}) refused "
-                             f"this side's Hello: {auth.reason[:MAX_REASON_CHARS]!s}".replace("\n", " "))
+                             f"this side's Hello: {shown(auth.reason, MAX_REASON_CHARS)}")
         if not isinstance(auth, Auth):
             raise ControlError(f"second frame is {type(auth).__name__}, expected Auth")
         try:
