@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from connector.core.layout import POOLS, ModelLayout, PoolSpec
 from connector.core.plan import fold_ranges
+from connector.core.untrusted import shown
 
 
 def describe_pool(pool: PoolSpec) -> str:
@@ -15,8 +16,8 @@ def describe_pool(pool: PoolSpec) -> str:
     if pool.bytes_per_block_per_head:
         unit = (f"{pool.bytes_per_block_per_head} B per request" if pool.per_request else
                 f"{pool.bytes_per_block_per_head} B per block of {pool.block_size} tokens")
-        return (f"{pool.name} on layers {fold_ranges(pool.layers)} ({pool.spec or 'cache'}, {pool.num_heads} "
-                f"head(s) x {unit}, {sharding})")
+        return (f"{pool.name} on layers {fold_ranges(pool.layers)} ({shown(pool.spec, 64) or 'cache'}, "
+                f"{pool.num_heads} head(s) x {unit}, {sharding})")
     return (f"{pool.name} on layers {fold_ranges(pool.layers)} ({pool.num_heads} head(s) x "
             f"{pool.bytes_per_token_per_head} B per token, {sharding})")
 

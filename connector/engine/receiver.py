@@ -21,6 +21,7 @@ from connector.core.errors import ConnectorError, ControlError, PeerError, Stagi
 from connector.core.layout import Region
 from connector.core.plan import Rank
 from connector.core.staging_ranges import allowed_ranges
+from connector.core.untrusted import shown, shown_text
 from connector.engine.config import ReceiverConfig
 from connector.engine.rank import LocalRank
 from connector.engine.sources import SourceEngine, SourceTable
@@ -159,15 +160,17 @@ class StreamReceiver:
                 case Complete():
                     self._on_complete(engine, src, msg)
                 case RegisterError():
-                    self._source_stopped(engine, src, msg, f"refused {msg.transfer_id!r}: {msg.reason}")
+                    why = f"refused {shown(msg.transfer_id, quote=True)}: {shown_text(msg.reason)}"
+                    self._source_stopped(engine, src, msg, why)
                 case Abort():
-                    self._source_stopped(engine, src, msg, f"aborted {msg.transfer_id!r}: {msg.reason}")
+                    why = f"aborted {shown(msg.transfer_id, quote=True)}: {shown_text(msg.reason)}"
+                    self._source_stopped(engine, src, msg, why)
                 case Stopped():
                     self._source_stopped(engine, src, msg, f"stopped {msg.transfer_id!r}")
                 case RegisterAck():
                     pass  # registered; its Complete (or a refusal) follows
                 case Error():
-                    log.warning("prefill rank %s reports: %s", src, msg.reason)
+                    log.warning("prefill rank %s reports: %s", src, shown_text(msg.reason))
                 case _:
                     log.warning("decode %s: unexpected %s from prefill rank %s", self.me.rank, type(msg).__name__, src)
         self._engine_lost(engine, src, conn)
@@ -196,7 +199,7 @@ class StreamReceiver:
         if pend is not None and (pend.engine is not engine or src not in pend.registered):
             log.warning("decode %s: ignoring %s for %s from prefill rank %s at %s: the transfer was not registered "
                         "on that connection (it is received from %s)", self.me.rank, type(msg).__name__,
-                        msg.transfer_id, src, engine.address, pend.engine.address)
+                        shown(msg.transfer_id), src, engine.address, pend.engine.address)
             return None
         if pend is None or src not in pend.completes:
             log.debug("ignoring %s for %s from prefill rank %s (not waiting)", type(msg).__name__, msg.transfer_id,

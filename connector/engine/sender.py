@@ -17,6 +17,7 @@ from typing import Any, Callable
 from connector.core.descriptors import blocks_moved
 from connector.core.errors import CapabilityError, InputError, WriteAbandoned
 from connector.core.plan import fold_ranges
+from connector.core.untrusted import shown, shown_text
 from connector.engine.batch_writer import BatchWriter
 from connector.engine.config import SenderConfig
 from connector.engine.inbox import Inbox
@@ -233,7 +234,7 @@ class StreamSender:
         if refused is None:
             return RegisterAck(reg.transfer_id)
         self.stats.capability_refusals += isinstance(refused, CapabilityError)
-        log.warning("refusing registration of %s from decode %s: %s", reg.transfer_id, peer.key, refused)
+        log.warning("refusing registration of %s from decode %s: %s", shown(reg.transfer_id), peer.key, refused)
         return RegisterError(reg.transfer_id, str(refused))
 
     async def _on_abort(self, conn: ControlConnection, peer: PeerInfo, msg: Abort) -> None:
@@ -244,11 +245,11 @@ class StreamSender:
         verdict = self.ownership.abort(conn, key, tid, msg.proof)
         if verdict.foreign_owner is not None or verdict.unproven:
             self.stats.capability_refusals += bool(verdict.unproven)
-            log.warning("ignoring abort of %s from decode %s: %s", tid, key, verdict.unproven or
+            log.warning("ignoring abort of %s from decode %s: %s", shown(tid), key, verdict.unproven or
                         f"the transfer belongs to decode engine {verdict.foreign_owner!r}")
             await self._send_quiet(conn, stopped)
             return
-        log.info("transfer %s: decode %s aborted: %s", tid, key, msg.reason)
+        log.info("transfer %s: decode %s aborted: %s", shown(tid), key, shown_text(msg.reason))
         if verdict.destination is None:
             await self._send_quiet(conn, stopped)  # nothing was ever written there
         else:
@@ -279,8 +280,8 @@ class StreamSender:
         cannot reach it, so its KV is given up now (connector.engine.ownership.refused), not after the lease.
         `hello`: the peer's opening or the identity its Auth claimed; `came_for(tid)`: whether it connected for
         `tid` (a decode that refused our Hello names it only as a digest)."""
-        who = (f"{hello.role} engine {hello.engine_id!r} rank ({hello.pp_rank},{hello.tp_rank}) at {address}"
-               if hello.engine_id else f"a {hello.role} rank at {address}")
+        who = (f"{hello.role} engine {shown(hello.engine_id, quote=True)} rank ({hello.pp_rank},{hello.tp_rank}) "
+               f"at {address}" if hello.engine_id else f"a {hello.role} rank at {address}")
         self._last_refusal = f"{who}: {reason}"
         if hello.role != "decode":
             return
@@ -291,7 +292,7 @@ class StreamSender:
         why = f"{who} was refused at the handshake ({reason})"
         if self.ownership.refused(tid, hello.engine_id, why, time.monotonic()):
             log.warning("transfer %s: %s; its KV is kept %g s more (not the %g s lease) in case another decode "
-                        "registers it", tid, why, self.config.given_up_keep_s, self.config.lease_s)
+                        "registers it", shown(tid), why, self.config.given_up_keep_s, self.config.lease_s)
 
     # ---- writes ----------------------------------------------------------------------------------------------
     def _pump(self, req: SendRequest) -> None:

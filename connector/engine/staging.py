@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from connector.core.errors import StagedWriteError, StagingError, WriteAbandoned
+from connector.core.untrusted import shown, shown_text
 from connector.core.staging_ranges import (Extents, Rows, Segment, check_destinations, chunk_destinations,
                                            chunk_segments)
 from connector.engine.rank import LocalRank
@@ -177,11 +178,11 @@ class StagedWriter:
         sent = lane.sent.pop(msg.seq, None) if lane is not None else None
         if sent is None:
             log.warning("Scattered for unknown staged chunk %d of %s (late, or after its connection's area moved)",
-                        msg.seq, msg.transfer_id)
+                        msg.seq, shown(msg.transfer_id))
             return
         sent.timer.cancel()
         lane.give(sent.slot)
-        sent.on_answer(msg.ok, msg.reason)
+        sent.on_answer(msg.ok, shown_text(msg.reason))  # decode's text: it goes into prefill's log and errors
 
     def _unanswered(self, lane: _Lane, seq: int) -> None:
         sent = lane.sent.pop(seq, None)

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from connector.core.errors import ConfigError
 from connector.core.plan import Rank
+from connector.core.untrusted import shown
+
+HOST = re.compile(r"\[?[A-Za-z0-9._:%-]{1,253}\]?")
+"""A host name, IPv4 or IPv6 address (in brackets or not, with a zone): nothing else reaches a log as an address."""
 
 
 def side_channel_port(base_port: int, rank: Rank, tp_size: int) -> int:
@@ -31,8 +36,10 @@ class PrefillAddress:
     @classmethod
     def parse(cls, text: str) -> "PrefillAddress":
         host, sep, port = str(text).rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ConfigError(f"prefill side-channel address {text!r} is not host:port (e.g. 10.0.0.5:5600)")
+        if not sep or not HOST.fullmatch(host) or not port.isdigit() or not 0 < int(port) < 65536:
+            # (a request's kv_transfer_params carry it: the client's text, shown escaped and cut)
+            raise ConfigError(f"prefill side-channel address {shown(text, 300, quote=True)} is not host:port (e.g. "
+                              f"10.0.0.5:5600)")
         return cls(host.strip("[]"), int(port))
 
     def port_of(self, rank: Rank, tp_size: int) -> int:

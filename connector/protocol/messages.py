@@ -40,6 +40,7 @@ from msgspec import Meta
 
 from connector.core.errors import FrameError
 from connector.core.layout import Region
+from connector.core.untrusted import ID_PATTERN, shown_text
 
 PROTOCOL_VERSION = 8
 """Wire protocol version; a frame or Hello with any other version is rejected.
@@ -83,6 +84,8 @@ History (one line per version; bump it for any change an older peer would misrea
      up to MAX_POOLS in Hello.layout and Complete.bytes_by_pool); PoolLayout and Region say how a pool moves (its
      own block size, bytes per block, whole per request, tied to one TP size, scratch blocks, how far a state may
      run past decode's resume point). A version-6 peer would refuse the new pool names mid-transfer.
+     (Within 7: ids (engine ids, agent names, fingerprints, transfer ids, a pool's spec) hold no control, separator
+     or bidi character, connector.core.untrusted.ID_PATTERN; a frame with one is a bad frame. Issue 33.)
   8  Decode speaks second: its first Hello is an opening with no identity (connector.protocol.auth.opening), and
      who it is (engine id, ranks, agent name, engine key, the transfer it connects for) goes in Auth.hello, after
      prefill's proofs; the engine key signs the transcript and that identity. A decode that refuses prefill's
@@ -112,8 +115,10 @@ MAX_BLOCKS = 1 << 20
 BLOCK_ID = np.dtype("<i4")
 """A decode block id on the wire (Register.block_ids): a cache has far fewer than 2**31 blocks."""
 
-EngineName = Annotated[str, Meta(max_length=MAX_ID)]
-TransferId = Annotated[str, Meta(max_length=MAX_TRANSFER_ID)]
+EngineName = Annotated[str, Meta(max_length=MAX_ID, pattern=ID_PATTERN)]
+TransferId = Annotated[str, Meta(max_length=MAX_TRANSFER_ID, pattern=ID_PATTERN)]
+"""Ids hold no control, separator or bidi character (connector.core.untrusted.ID_PATTERN): a frame with one is
+refused as a bad frame, so no peer's id can forge or reorder a log line (issue 33)."""
 Reason = str
 """Free text (exception messages, unbounded but for the frame limit: text does not grow when decoded)."""
 Count = Annotated[int, Meta(ge=0)]
@@ -128,7 +133,7 @@ HTTP_REQUESTS = (b"GET ", b"POST", b"HEAD", b"PUT ", b"OPTI", b"DELE", b"PATC")
 """How HTTP requests start (each a length far over any limit when read as a header)."""
 
 Role = Literal["prefill", "decode"]
-PoolName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.:~@#-]{1,120}$")]
+PoolName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.:~@#-]{1,120}\Z")]
 MAX_POOLS = 64
 """Pools a layout may have: the three first ones and each cache of its own (DeepSeek-V4: 7 more)."""
 """connector.core.layout.POOL_NAME, as a wire type: the three first pools or a cache's own (`self_attn.swa_cache`)."""
@@ -147,7 +152,7 @@ class PoolLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     bytes_per_block_per_head: Count = 0
     per_request: bool = False
     same_tp: bool = False
-    spec: Annotated[str, Meta(max_length=64)] = ""
+    spec: Annotated[str, Meta(max_length=64, pattern=ID_PATTERN)] = ""
 
 
 class Hello(msgspec.Struct, frozen=True, tag="hello", tag_field="type"):
@@ -427,15 +432,16 @@ def decode_body(body: bytes) -> Message:
     to log with a traceback."""
     try:
         return _decoder.decode(body)
-    except msgspec.ValidationError as exc:
-        raise FrameError(f"invalid message: {exc}") from None
+    except msgspec.ValidationError as exc:  # msgspec names a refused tag raw (newlines and all): shown, bounded
+        why = str(exc).replace(f"matching regex {ID_PATTERN!r}", "without control, separator or bidi characters")
+        raise FrameError(f"invalid message: {shown_text(why)}") from None
     except msgspec.DecodeError as exc:
-        raise FrameError(f"malformed msgpack: {exc}") from None
+        raise FrameError(f"malformed msgpack: {shown_text(exc)}") from None
     except RecursionError:  # msgspec guards its recursion with the interpreter's limit: a value nested ~1000 deep
         raise FrameError("message nested too deeply (no message of this protocol nests more than a few levels)") \
             from None
     except Exception as exc:  # noqa: BLE001 - anything else the decoder raises on hostile bytes
-        raise FrameError(f"undecodable message: {type(exc).__name__}: {exc}"[:500]) from None
+        raise FrameError(f"undecodable message: {type(exc).__name__}: {shown_text(exc, 500)}") from None
 
 
 def encode_frame(msg: Message, *, version: int = PROTOCOL_VERSION) -> bytes:

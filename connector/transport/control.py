@@ -18,6 +18,7 @@ import time
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
 
 from connector.core.errors import AuthFailed, ControlError, FrameError, PeerGaveUp, Unanswered
+from connector.core.untrusted import shown, shown_text
 from connector.protocol.auth import key_fingerprint, with_memory
 from connector.protocol.messages import (DEFAULT_MAX_FRAME_BYTES, Auth, Error, Heartbeat, Hello, Message, Register,
                                          RegisterError, Reject, Welcome, encode_frame)
@@ -426,6 +427,7 @@ class ControlServer:
             task.uncancel()  # evicted from the pending budget (the guard cancelled us): a refusal like the others
             kind, reason = "evicted", f"evicted before it authenticated: {entry.evicted}"
         if reason is not None:
+            reason = shown_text(reason)  # it may quote the peer (each quote is shown already): one line, bounded
             await end_session(session)
             self.refusals.note(kind, "closing %s: %s", addr, reason)
             if attempt.first is not None and self._on_refused is not None:
@@ -443,7 +445,7 @@ class ControlServer:
             else:
                 writer.close()
             return None
-        log.info("control handshake with %s: %s engine %s pp%d/tp%d", addr, peer.role, peer.engine_id,
+        log.info("control handshake with %s: %s engine %s pp%d/tp%d", addr, peer.role, shown(peer.engine_id),
                  peer.pp_rank, peer.tp_rank)
         conn = ControlConnection(reader, writer, peer, session=session, nonces=attempt.nonces, **self._conn_kwargs)
         if self._on_closed is not None:

@@ -14,10 +14,11 @@ from typing import Any, Callable
 import msgspec
 
 from connector.core.errors import AuthFailed, ControlError, InputError, PeerGaveUp, Unanswered
+from connector.core.untrusted import shown, shown_text
 from connector.protocol.auth import (check_claim, check_client_proof, check_engine_signature, check_lane,
-                                     check_prefill_key, check_server_proof, client_proof, engine_public_key, engine_signature,
-                                     hint_matches, identity, lane_tag, memory_of, new_nonce, opening, prefill_signature,
-                                     server_proof, session_of, transfer_hint)
+                                     check_prefill_key, check_server_proof, client_proof, engine_public_key,
+                                     engine_signature, hint_matches, identity, lane_tag, memory_of, new_nonce,
+                                     opening, prefill_signature, server_proof, session_of, transfer_hint)
 from connector.protocol.handshake import check_hello, check_opening
 from connector.protocol.messages import (DEFAULT_MAX_FRAME_BYTES, HANDSHAKE_MAX_FRAME_BYTES, HEADER, Auth, Hello,
                                          Message, Reject, Welcome, check_header, decode_body, encode_frame)
@@ -96,7 +97,7 @@ async def client_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamW
 
 def _expect(msg: Message, kind: type, where: str) -> Any:
     if isinstance(msg, Reject):
-        raise ControlError(f"{where} rejected the handshake: {msg.reason}")
+        raise ControlError(f"{where} rejected the handshake: {shown_text(msg.reason)}")
     if not isinstance(msg, kind):
         raise ControlError(f"{where} answered the handshake with {type(msg).__name__} where {kind.__name__} was "
                            f"due: {msg!r}"[:2000])
@@ -173,8 +174,7 @@ class ServerHandshake:
         auth = await read_frame(reader, limit)
         if isinstance(auth, Reject):  # decode refused our Hello (our proof, most likely): say why it gave
             attempt.hint = auth.transfer_hint
-            raise PeerGaveUp(f"a {first.role} rank refused this side's Hello: "
-                             f"{auth.reason[:MAX_REASON_CHARS]!s}".replace("\n", " "))
+            raise PeerGaveUp(f"a {first.role} rank refused this side's Hello: {shown(auth.reason, MAX_REASON_CHARS)}")
         if not isinstance(auth, Auth):
             raise ControlError(f"second frame is {type(auth).__name__}, expected Auth")
         claim = check_claim(first, auth.hello, f"{first.role} peer")

@@ -9,6 +9,7 @@ import logging
 import time
 from typing import Any
 
+from connector.core.untrusted import shown
 from connector.engine.timeline import DecodeSchedulerPoints, close
 from connector.vllm.metadata import RecvSpec, SparseKVMetadata
 from connector.vllm.requests import all_block_ids, check_params
@@ -67,7 +68,7 @@ class DecodeScheduler:
         if isinstance(request.kv_transfer_params, dict):
             request.kv_transfer_params["do_remote_prefill"] = False
         if problem:
-            log.error("request %s: %s; failing it (kv_load_failure_policy applies)", req_id, problem)
+            log.error("request %s: %s; failing it (kv_load_failure_policy applies)", shown(req_id), problem)
 
     def fill(self, meta: SparseKVMetadata) -> None:
         meta.recvs.update(self._ready)

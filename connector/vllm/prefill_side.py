@@ -9,7 +9,9 @@ from typing import Any
 
 from vllm.v1.request import RequestStatus
 
+from connector.core.untrusted import is_id, shown
 from connector.engine.timeline import PrefillSchedulerPoints, close
+from connector.protocol.messages import MAX_TRANSFER_ID
 from connector.vllm.config import ConnectorSettings, default_host
 from connector.vllm.metadata import SendSpec, SparseKVMetadata
 from connector.vllm.requests import all_block_ids, check_params, secret_of
@@ -42,11 +44,16 @@ class PrefillScheduler:
         """A request asking for `do_remote_decode`: it will send (prefill computes everything itself)."""
         if request.request_id in self._known:
             return
-        problem = check_params(params, decode=False)
+        problem, tid = check_params(params, decode=False), self.transfer_id_of(request)
+        if not problem and (len(tid) > MAX_TRANSFER_ID or not is_id(tid)):  # vLLM's request id: a client's text
+            problem = (f"its transfer id, vLLM's request id {shown(tid, 100, quote=True)} (kv_transfer_params name "
+                       f"no transfer_id), is no id the side channel takes (at most {MAX_TRANSFER_ID} characters, no "
+                       f"control, line-separator or bidi character)")
         if problem:
-            log.error("request %s: %s; it runs as a plain prefill and nothing is sent", request.request_id, problem)
+            log.error("request %s: %s; it runs as a plain prefill and nothing is sent", shown(request.request_id),
+                      problem)
             return
-        self._known[request.request_id] = (self.transfer_id_of(request), request.num_prompt_tokens,
+        self._known[request.request_id] = (tid, request.num_prompt_tokens,
                                            secret_of(params, self.settings.require_transfer_secret))
         self._points[request.request_id] = points = PrefillSchedulerPoints()
         points.mark("seen")

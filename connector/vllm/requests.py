@@ -8,6 +8,7 @@ from typing import Any
 from connector.core.errors import ConfigError
 from connector.protocol.addressing import PrefillAddress
 from connector.protocol.auth import MAX_TRANSFER_SECRET, new_transfer_secret
+from connector.core.untrusted import is_id, shown
 from connector.protocol.messages import MAX_TRANSFER_ID
 
 ROUTER_HINT = "pass the kv_transfer_params of prefill's response to decode unchanged, or send both legs the " \
@@ -17,23 +18,28 @@ ROUTER_HINT = "pass the kv_transfer_params of prefill's response to decode uncha
 def check_params(params: dict[str, Any], *, decode: bool) -> str:
     """'' if the request's kv_transfer_params are usable, else a one-line reason naming the key and the fix.
     (Prefill accepts a missing transfer_id: it then makes one, see PrefillScheduler.transfer_id_of.)"""
-    given = sorted(params)
+    given = sorted(params)  # (the client's keys: shown, never raw)
     if decode or "transfer_id" in params:
         tid = params.get("transfer_id")
         if not isinstance(tid, str) or not tid:
-            what = "no transfer_id" if "transfer_id" not in params else f"an unusable transfer_id ({tid!r})"
-            return f"kv_transfer_params has {what} (keys given: {given}): {ROUTER_HINT}"
+            what = "no transfer_id" if "transfer_id" not in params else \
+                f"an unusable transfer_id ({shown(repr(tid), 100)})"
+            return f"kv_transfer_params has {what} (keys given: {shown(given, 300)}): {ROUTER_HINT}"
         if len(tid) > MAX_TRANSFER_ID:
             return (f"kv_transfer_params transfer_id has {len(tid)} characters, more than the side channel's "
                     f"{MAX_TRANSFER_ID}: use a shorter id (a UUID)")
+        if not is_id(tid):
+            return (f"kv_transfer_params transfer_id {shown(tid, 100, quote=True)} holds a control, line-separator "
+                    f"or bidi character, which the side channel refuses in an id: use a printable id (a UUID)")
     secret = params.get("transfer_secret")
     if secret is not None and (not isinstance(secret, str) or not 0 < len(secret) <= MAX_TRANSFER_SECRET):
         return (f"kv_transfer_params transfer_secret must be a string of 1 to {MAX_TRANSFER_SECRET} characters, "
-                f"got {type(secret).__name__} {str(secret)[:8]!r}...: pass prefill's kv_transfer_params on unchanged, "
+                f"got {type(secret).__name__} of {len(str(secret))} characters (never shown: it is a secret): pass "
+                f"prefill's kv_transfer_params on unchanged, "
                 f"or mint one per request (secrets.token_urlsafe(16)) and give both legs the same")
     if decode:
         if "prefill_addr" not in params:
-            return f"kv_transfer_params has no prefill_addr (keys given: {given}): {ROUTER_HINT}"
+            return f"kv_transfer_params has no prefill_addr (keys given: {shown(given, 300)}): {ROUTER_HINT}"
         try:
             PrefillAddress.parse(params["prefill_addr"])
         except ConfigError as exc:

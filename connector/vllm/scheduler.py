@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from connector.core.errors import LayoutError
+from connector.core.untrusted import shown
 from connector.protocol.auth import new_engine_key
 from connector.vllm.config import ConnectorSettings, role_halves
 from connector.vllm.decode_side import DecodeScheduler
@@ -139,8 +140,8 @@ class SchedulerSide:
             self._mismatch_logged_at = now
             log.warning("request %s asks this %s engine to %s, which only a %s engine does: the router sent %s, or "
                         "the two engines' kv_role are swapped); it runs as a plain request and no KV moves (%d such "
-                        "request(s) so far, counted in vllm:sparse_kv_role_mismatches_total)", request.request_id,
-                        mine, key, theirs, routed, self._mismatch_count)
+                        "request(s) so far, counted in vllm:sparse_kv_role_mismatches_total)",
+                        shown(request.request_id), mine, key, theirs, routed, self._mismatch_count)
 
     def take_stats(self) -> SparseKVConnectorStats | None:
         """What happened since the last call, or None (vLLM then ships nothing)."""

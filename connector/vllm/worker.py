@@ -16,6 +16,7 @@ import torch
 from connector.core.descriptors import NULL_BLOCK
 from connector.core.errors import ConfigError, LayoutError
 from connector.core.describe import describe_model
+from connector.core.untrusted import shown, shown_text
 from connector.core.layout import POOLS, ModelLayout, ParallelLayout, RankLayout
 from connector.engine.rank import LocalRank
 from connector.engine.receiver import ReceiveResult, StreamReceiver
@@ -301,7 +302,7 @@ class WorkerSide:
             self._wake.wake()
             if not ok:
                 log.warning("request %s (transfer %s) finished sending without every decode rank completing",
-                            req_id, tid)
+                            shown(req_id), shown(tid))
 
     def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         with self._lock:
@@ -329,7 +330,7 @@ class WorkerSide:
             if req_id in self._aborted:
                 self._aborted.discard(req_id)
             else:
-                log.error("request %s: KV transfer failed: %s", req_id, reason)
+                log.error("request %s: KV transfer failed: %s", shown(req_id), shown_text(reason))
                 failed.add(req_id)
                 self._stats.add(recvs_failed=1)
         return sending, recving, failed
