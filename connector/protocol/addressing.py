@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ipaddress
+
 import re
 from dataclasses import dataclass
 
@@ -48,3 +50,38 @@ class PrefillAddress:
 
     def __str__(self) -> str:
         return f"{self.host}:{self.port}"
+
+
+def host_allowed(host: str, allowed: tuple[str, ...] | list[str]) -> bool:
+    """Whether a prefill host named by a request may be connected to: `allowed` empty (any), or `host` is one of
+    its entries as written (a name or an address), or an address inside one of its networks (`10.0.0.0/16`)."""
+    if not allowed:
+        return True
+    host = host.strip("[]")
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        address = None
+    for entry in allowed:
+        if entry.strip("[]") == host:
+            return True
+        if address is not None and "/" in entry:
+            try:
+                if address in ipaddress.ip_network(entry, strict=False):
+                    return True
+            except ValueError:
+                continue
+    return False
+
+
+def check_allowed_hosts(allowed: list[str]) -> None:
+    """Raise ConfigError naming an `allowed_prefill_hosts` entry that is neither a host nor a network."""
+    for i, entry in enumerate(allowed):
+        if "/" in entry:
+            try:
+                ipaddress.ip_network(entry, strict=False)
+            except ValueError:
+                raise ConfigError(f"allowed_prefill_hosts[{i}] = {entry!r} is not a network (e.g. 10.0.0.0/16)") \
+                    from None
+        elif not HOST.fullmatch(entry):
+            raise ConfigError(f"allowed_prefill_hosts[{i}] = {entry!r} is not a host name or address")

@@ -20,6 +20,7 @@ from msgspec import Meta
 from connector.core.errors import ConfigError
 from connector.engine.config import ReceiverConfig, SenderConfig, default_staging_mb, lost_source_hold_s
 from connector.protocol.auth import key_from_text
+from connector.protocol.addressing import check_allowed_hosts
 from connector.transport.limits import ServerLimits
 from connector.transport.nixl import TransportConfig
 from connector.transport.side_channel import SideChannelConfig
@@ -62,7 +63,17 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     """Decode: the public prefill keys (64 hex digits each, as `python -m connector keygen` prints them) of the
     prefills it may feed from. Set, decode sends its memory (NIXL metadata and regions, with which a peer can WRITE
     anywhere decode registered) only to a prefill that proves one of them, so a holder of the auth token cannot
-    pose as a prefill. Empty: any prefill that proves the token."""
+    pose as a prefill. Required on a decode (kv_consumer, kv_both) unless insecure_any_prefill is set.
+    Public keys: not secret (a ConfigMap, the command line)."""
+    insecure_any_prefill: bool = False
+    """Decode: start without trusted_prefill_keys, and so hand this decode's memory (its NIXL metadata and regions,
+    with which a peer can WRITE anywhere in its KV cache) to any peer that proves the auth token, or to anyone
+    without one. Off (default): a decode without trusted_prefill_keys refuses to start, saying how to make keys.
+    For a test bench on one trusted machine only."""
+    allowed_prefill_hosts: Annotated[list[str], Meta(max_length=1024)] = []
+    """Decode: the hosts (names or addresses as prefill_addr gives them) or networks (10.0.0.0/16) a request's
+    kv_transfer_params may send it to; a request naming another fails at once, naming this setting, and decode
+    never connects there. Empty: any host (prefill keys still keep a stranger from learning anything)."""
     max_connections: PositiveInt = _LIMITS.max_connections
     max_connections_per_host: PositiveInt = _LIMITS.max_connections_per_host
     max_handshakes: PositiveInt = _LIMITS.max_handshakes
@@ -107,12 +118,13 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     """Log each transfer's timeline at INFO (one `SparseKV timeline {...}` line per transfer per rank and scheduler;
     at DEBUG otherwise): when prefill saw, scheduled and computed it, posted and completed its WRITEs, when decode
     registered, had the KV, told vLLM and scheduled it (README, "Where TTFT goes"; bench-pd's breakdown)."""
-    require_transfer_secret: bool = False
+    require_transfer_secret: bool = True
     """Prefill: a request that names its transfer_id but brings no transfer_secret (a router that does not mint one
     in the concurrent flow) gets one minted anyway, so its decode leg, which cannot know it, is refused (naming
     transfer_secret) instead of the transfer being open to any holder of the auth token. Off: such a transfer is
-    open (the first decode engine to register it owns it). Requests without a transfer_id (the sequential flow)
-    always get a secret (README, Security)."""
+    open (the first decode engine to register it owns it): set it off only for a router that names transfer ids
+    and mints no secret. Requests without a transfer_id (the sequential flow) always get a secret (README,
+    Security). On by default: every flow this project ships carries a secret."""
     kv_checksum: bool = False
     """Decode: verify every transfer end to end. Prefill digests what it sent per (pool, layer, block) and decode
     what its blocks hold once all is in; a difference fails the transfer (vLLM's kv_load_failure_policy applies),
@@ -218,6 +230,18 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
                 raise ConfigError(f"SparseKVConnector: {exc}: give the public key it prints (--public), never the "
                                   f"private key file's content") from None
         return frozenset(keys)
+
+    def check_trust(self, kv_role: str) -> None:
+        """Raise ConfigError if a decode (kv_consumer, kv_both) would hand its memory to any token holder: no
+        trusted_prefill_keys and no insecure_any_prefill. Also checks allowed_prefill_hosts."""
+        check_allowed_hosts(self.allowed_prefill_hosts)
+        if role_halves(kv_role)[1] and not self.trusted_prefill_keys and not self.insecure_any_prefill:
+            raise ConfigError(
+                f"SparseKVConnector: this {kv_role} engine receives KV and has no trusted_prefill_keys, so any peer "
+                f"holding the auth token could pose as a prefill and WRITE anywhere in its KV cache. Make a prefill "
+                f"key: `python -m connector keygen prefill.key` (prints its public key), give prefill "
+                f"\"prefill_key_file\": \"prefill.key\" and this engine \"trusted_prefill_keys\": [\"<public key>\"] "
+                f"(README, Security); or, on a trusted test bench only, \"insecure_any_prefill\": true")
 
     def side_channel(self) -> SideChannelConfig:
         return build(SideChannelConfig, self, auth_token=self.token(), limits=build(ServerLimits, self),

@@ -43,6 +43,7 @@ class SparseKVConnector(KVConnectorBase_V1, SupportsHMA):
         ktc = vllm_config.kv_transfer_config
         check_role(ktc.kv_role)
         self.settings = ConnectorSettings.from_extra_config(ktc.kv_connector_extra_config)
+        self.settings.check_trust(ktc.kv_role)
         self.engine_id = str(ktc.engine_id)
         dp_index = int(getattr(vllm_config.parallel_config, "data_parallel_index", 0) or 0)
         self._scheduler = (SchedulerSide(ktc.kv_role, self.engine_id, self.settings, dp_index,

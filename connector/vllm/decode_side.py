@@ -24,7 +24,9 @@ def secret(params: dict[str, Any]) -> str:
 
 
 class DecodeScheduler:
-    def __init__(self, log_timeline: bool = False) -> None:
+    def __init__(self, log_timeline: bool = False, allowed_hosts: tuple[str, ...] = ()) -> None:
+        self.allowed_hosts = allowed_hosts
+        """allowed_prefill_hosts: the only hosts a request may send this decode to (empty: any)."""
         self.kv_cache_manager: Any = None
         self._ready: dict[str, RecvSpec] = {}      # to ship in the next metadata
         self._waiting: dict[str, str] = {}         # request id -> transfer id, until finished_recving
@@ -55,7 +57,7 @@ class DecodeScheduler:
         req_id = request.request_id
         params = request.kv_transfer_params or {}
         first = self._matched.pop(req_id, request.num_computed_tokens)
-        problem = check_params(params, decode=True)
+        problem = check_params(params, decode=True, allowed_hosts=self.allowed_hosts)
         self._ready[req_id] = RecvSpec(
             transfer_id=str(params.get("transfer_id") or ""), prefill_addr=str(params.get("prefill_addr") or ""),
             block_ids=all_block_ids(self.kv_cache_manager, req_id, blocks), first_token=first,
@@ -110,7 +112,7 @@ class DecodeScheduler:
                 self._ready[req_id] = dataclasses.replace(spec, aborted=True)
             else:  # workers stop waiting once every prefill rank confirmed it writes nothing more
                 self.aborts[req_id] = tid
-        elif params.get("do_remote_prefill") and not check_params(params, decode=True):
+        elif params.get("do_remote_prefill") and not check_params(params, decode=True, allowed_hosts=self.allowed_hosts):
             # Finished (aborted, or a prompt too short to load anything) before its blocks were ever allocated, so
             # it never registered: prefill would keep the KV for its whole lease. Tell it to let go now.
             self._ready[req_id] = RecvSpec(

@@ -120,6 +120,7 @@ def check_transfer_config(ktc: Any, starting: Any = None) -> ConnectorSettings |
     try:
         check_role(ktc.kv_role)
         settings = ConnectorSettings.from_extra_config(ktc.kv_connector_extra_config)
+        settings.check_trust(ktc.kv_role)
         settings.token()
         settings.prefill_key()
         settings.trusted_keys()

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from connector.core.errors import ConfigError
-from connector.protocol.addressing import PrefillAddress
+from connector.protocol.addressing import PrefillAddress, host_allowed
 from connector.protocol.auth import MAX_TRANSFER_SECRET, new_transfer_secret
 from connector.core.untrusted import is_id, shown
 from connector.protocol.messages import MAX_TRANSFER_ID
@@ -15,7 +15,7 @@ ROUTER_HINT = "pass the kv_transfer_params of prefill's response to decode uncha
               "same transfer_id with prefill_addr on decode (examples/proxy.py)"
 
 
-def check_params(params: dict[str, Any], *, decode: bool) -> str:
+def check_params(params: dict[str, Any], *, decode: bool, allowed_hosts: tuple[str, ...] = ()) -> str:
     """'' if the request's kv_transfer_params are usable, else a one-line reason naming the key and the fix.
     (Prefill accepts a missing transfer_id: it then makes one, see PrefillScheduler.transfer_id_of.)"""
     given = sorted(params)  # (the client's keys: shown, never raw)
@@ -41,9 +41,13 @@ def check_params(params: dict[str, Any], *, decode: bool) -> str:
         if "prefill_addr" not in params:
             return f"kv_transfer_params has no prefill_addr (keys given: {shown(given, 300)}): {ROUTER_HINT}"
         try:
-            PrefillAddress.parse(params["prefill_addr"])
+            addr = PrefillAddress.parse(params["prefill_addr"])
         except ConfigError as exc:
             return f"kv_transfer_params prefill_addr: {exc}"
+        if not host_allowed(addr.host, allowed_hosts):
+            return (f"kv_transfer_params prefill_addr names host {shown(addr.host, 100, quote=True)}, which is not "
+                    f"in this decode's allowed_prefill_hosts ({len(allowed_hosts)} entries): decode connects only "
+                    f"to the prefills it is configured for; add the host (or its network) there if it is one")
     return ""
 
 

@@ -76,7 +76,8 @@ class SchedulerSide:
         self.engine_id = engine_id
         self.settings = settings or ConnectorSettings()
         self.prefill = PrefillScheduler(engine_id, self.settings, dp_index) if sends else None
-        self.decode = DecodeScheduler(self.settings.log_timeline) if receives else None
+        self.decode = (DecodeScheduler(self.settings.log_timeline, tuple(self.settings.allowed_prefill_hosts))
+                       if receives else None)
         self.handshakes: dict[tuple[int, int], SparseKVHandshake] = {}
         self.engine_key = new_engine_key() if receives else b""
         """Minted here, once per engine, where every rank's worker hears of it (the connector metadata): what
