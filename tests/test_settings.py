@@ -54,7 +54,9 @@ ADAPTER = {"staging_mb": "the worker allocates the staging buffer itself (Connec
            "trusted_prefill_keys": "hex text parsed by ConnectorSettings.trusted_keys() into SideChannelConfig."
                                    "trusted_keys (tests/test_prefill_keys.py)",
            "holding_step_interval_s": "the scheduler side's pacer (connector.vllm.idle_hold)",
-           "require_transfer_secret": "the scheduler side's prefill half (connector.vllm.requests.secret_of)"}
+           "require_transfer_secret": "the scheduler side's prefill half (connector.vllm.requests.secret_of)",
+           "insecure_any_prefill": "checked at start by ConnectorSettings.check_trust (tests/test_secure_defaults.py)",
+           "allowed_prefill_hosts": "the scheduler side's decode half (connector.vllm.requests.check_params)"}
 """Settings the vLLM adapter reads itself instead of handing them to a config."""
 
 

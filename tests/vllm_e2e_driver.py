@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator  
 from vllm.v1.engine import FinishReason  # noqa: E402
 
 import connector  # noqa: E402
+from connector.pd.servers import with_trust  # noqa: E402
 from connector.transport.ports import free_ports  # noqa: E402
 from connector.vllm import SparseKVConnector  # noqa: E402
 from connector.vllm.metadata import RecvSpec, SendSpec, SparseKVMetadata  # noqa: E402
@@ -148,7 +149,7 @@ def make_instance(pool: Pool, first_worker: int, model_dir, *, role: str, tp: in
     `_dp<rank>` engine-id suffix vLLM's engine core adds)."""
     name = name or ("prefill" if role == "kv_producer" else "decode")
     engine_id = f"{name}-{uuid.uuid4().hex[:8]}_dp{dp_index}"
-    extra = dict(EXTRA, side_channel_port=base_port, **(extra_config or {}))
+    extra = with_trust("kv_both", dict(EXTRA, side_channel_port=base_port, **(extra_config or {})))
     spec = {"model_dir": str(model_dir), "kv_role": role, "engine_id": engine_id, "extra_config": extra,
             "block_size": BS, "max_num_batched_tokens": max_num_batched_tokens, "tp": tp, "pp": pp,
             "kv_load_failure_policy": policy, "num_blocks": num_blocks, "by_name": by_name,

@@ -35,6 +35,8 @@ import types
 from collections.abc import Sequence
 from typing import Any
 
+from connector.pd.servers import with_trust
+
 try:
     import torch
     from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig,
@@ -89,7 +91,7 @@ def make_vllm_config(model_dir, *, kv_role: str, kv_connector: str = "SparseKVCo
                         dtype="bfloat16", language_model_only=True)
     kv = KVTransferConfig(kv_connector=kv_connector, kv_role=kv_role, engine_id=engine_id,
                           kv_connector_module_path=kv_connector_module_path,
-                          kv_connector_extra_config=dict(extra_config or {}),
+                          kv_connector_extra_config=with_trust(kv_role, dict(extra_config or {})),
                           kv_load_failure_policy=kv_load_failure_policy)
     return VllmConfig(
         model_config=model,

