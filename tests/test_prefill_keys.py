@@ -117,8 +117,10 @@ def test_a_token_holder_posing_as_prefill_learns_nothing_of_a_decode_that_trusts
                                                                                               open_rank, fake):
     """The fake holds the token, so its proof is right; decode refuses it for its key, sends a Reject naming
     trusted_prefill_keys instead of its memory, and keeps working with the real prefill."""
-    rank = open_rank(keyed_target.cluster.sc.rank_spec("decode", (0, 0), run_id="victim"))
+    # (an engine key of its own, so its agent name is bound to it: a run id no other test's decode uses)
+    rank = open_rank(keyed_target.cluster.sc.rank_spec("decode", (0, 0), run_id=f"victim-{fake.replace(' ', '-')}"))
     receiver = rank.receiver(trusting())
+    receiver.set_engine_key(new_engine_key())
     metadata = receiver.hello.agent_metadata
 
     async def never(conn, msg) -> None:
@@ -145,7 +147,49 @@ def test_a_token_holder_posing_as_prefill_learns_nothing_of_a_decode_that_trusts
                 "the trusted key, copied": "does not prove it"}[fake]
     assert expected in why and "nothing about decode's memory was sent" in why, why
     assert metadata not in sent and b"nixlSerDes" not in sent, "decode sent its NIXL metadata to the fake prefill"
-    # Nor its agent's name, with which the fake could claim it at the real prefill first (squatting).
-    assert receiver.hello.agent_name.encode() not in sent
+    # Nor who it is (decode speaks second): its agent's name (with which the fake could claim it at the real prefill
+    # first), its engine id and key, the transfer it came for.
+    for what in (receiver.hello.agent_name, receiver.hello.engine_id, "t-bait"):
+        assert what.encode() not in sent, what
+    assert receiver.hello.engine_key and receiver.hello.engine_key not in sent
     assert untouched(rank)
     transfer(keyed_target, rank, receiver, f"t-after-{fake.replace(' ', '-')}", seed=7)
+
+
+@pytest.mark.slow
+def test_a_listener_named_as_prefill_addr_reads_nothing_identifying(keyed_target, open_rank):
+    """Anyone who can send decode a request names a listener of theirs as prefill_addr. Decode speaks second: the
+    listener reads an opening (protocol version, role, model, a nonce, a lane tag), never decode's engine id, engine
+    key, NIXL agent name or metadata, nor the transfer id; the request fails at decode's timeout, and decode keeps
+    working with the real prefill."""
+    rank = open_rank(keyed_target.cluster.sc.rank_spec("decode", (0, 0), run_id="victim-listened"))
+    receiver = rank.receiver(trusting())
+    receiver.set_engine_key(new_engine_key())
+    heard = bytearray()
+
+    async def listen() -> str:
+        async def keep(reader, writer) -> None:
+            heard.extend(await reader.read(1 << 20))  # the whole opening, then wait: a listener proves nothing
+            await asyncio.sleep(5)
+            writer.close()
+
+        server = await asyncio.start_server(keep, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            await receiver.receive("t-listened-secret-id", PrefillAddress("127.0.0.1", port),
+                                   blocks(rank.spec.num_blocks, 8), 0, TOKENS, timeout=3)
+            return "received"
+        except TransferFailed as exc:
+            return str(exc)
+        finally:
+            server.close()
+
+    why = rank.run(listen(), 30)
+    assert why != "received"
+    assert heard, "decode sent nothing at all"
+    hello = receiver.hello
+    for what in (hello.agent_name.encode(), hello.engine_id.encode(), b"t-listened-secret-id", hello.engine_key,
+                 hello.agent_metadata[:64], b"nixlSerDes"):
+        assert what and what not in bytes(heard), what
+    assert untouched(rank)
+    transfer(keyed_target, rank, receiver, "t-after-listener", seed=9)

@@ -287,8 +287,9 @@ def test_a_restarted_decode_engine_with_a_new_key_is_served(target, ranks):
 
 # ---- fake prefills (a token holder's server that decode connects to for a request of its own) -------------------
 def fake_prefill_hello(receiver, **fields):
-    return msgspec.structs.replace(receiver.hello, role="prefill", engine_id="fake-prefill", agent_name="fake",
-                                   agent_metadata=b"", regions=[], staging_addr=0, staging_bytes=0, **fields)
+    fake = {"role": "prefill", "engine_id": "fake-prefill", "agent_name": "fake", "agent_metadata": b"", "regions": [],
+            "staging_addr": 0, "staging_bytes": 0, "engine_key": b""}
+    return msgspec.structs.replace(receiver.hello, **{**fake, **fields})
 
 
 def test_a_fake_prefill_cannot_complete_or_fail_a_transfer_registered_elsewhere(target, open_rank):
