@@ -80,6 +80,10 @@ def main() -> None:
         extra.update(side_channel_port=args.side_channel_port, lease_s=args.lease_s)
         if args.side_channel_host:
             extra["side_channel_host"] = args.side_channel_host
+        if os.environ.get("PREFILL_KEY_FILE"):  # `python -m connector keygen FILE`: decode trusts its public half
+            extra["prefill_key_file"] = os.environ["PREFILL_KEY_FILE"]
+    else:  # decode hands its memory only to a prefill that proves one of these keys (required: README, Security)
+        extra["trusted_prefill_keys"] = [k for k in os.environ.get("TRUSTED_PREFILL_KEYS", "").split(",") if k]
     kv_config = KVTransferConfig(
         kv_connector="SparseKVConnector",
         kv_role="kv_producer" if producer else "kv_consumer",

@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # Prefill instance of a disaggregated MiniMax-M3 deployment with SparseKVConnector (kv_producer, PP=2).
 #
-#   SPARSE_KV_AUTH_TOKEN=secret examples/serve_prefill.sh [MODEL] [extra vllm serve args...]
+#   SPARSE_KV_AUTH_TOKEN=secret PREFILL_KEY_FILE=/etc/sparse-kv/prefill.key \
+#     examples/serve_prefill.sh [MODEL] [extra vllm serve args...]
+#
+# PREFILL_KEY_FILE: `python -m connector keygen FILE` writes it and prints the public key decodes trust
+# (serve_decode.sh's TRUSTED_PREFILL_KEYS).
 #
 # Needs: the MiniMax-M3 weights (MODEL: a Hugging Face id or a local folder, default MiniMaxAI/MiniMax-M3; bf16, several
 # hundred GB) and PP x TP GPUs on this node (default 2 x 4 = 8, e.g. 8x H200) with room for the weights and the KV
@@ -56,6 +60,8 @@ config = {
 }
 if os.environ.get("SPARSE_KV_AUTH_TOKEN"):  # each worker reads it from its environment
     config["kv_connector_extra_config"]["auth_token_env"] = "SPARSE_KV_AUTH_TOKEN"
+if os.environ.get("PREFILL_KEY_FILE"):  # `python -m connector keygen FILE`: decodes trust its public half
+    config["kv_connector_extra_config"]["prefill_key_file"] = os.environ["PREFILL_KEY_FILE"]
 if os.environ.get("KV_CONNECTOR_MODULE_PATH"):
     config["kv_connector_module_path"] = os.environ["KV_CONNECTOR_MODULE_PATH"]
 print(json.dumps(config))
