@@ -1,5 +1,10 @@
 """The decode ranks' NIXL agents loaded on a prefill rank's transport, kept loaded across reconnects.
 
+Who gets one. An agent loads at the first registration prefill serves for its decode (connector.engine.peers), never
+at a handshake, so only decodes that are sent KV cost loads; each agent name is bound to the engine (id and engine
+key) it was first loaded for (`check_owner`), so no other peer takes it over. Why NIXL keeps sockets after an unload,
+and the sweep that closes those of departed peers: docs/security.md (tools/nixl_unload_leak.py reproduces it).
+
 Why keep them. NIXL 1.5.1 leaves sockets open each time a remote agent is unloaded (remove_remote_agent): one per
 UCX worker of its thread pool (`nixl_threads`), forever, also after the peer is gone (tests/test_soak.py; measured
 in docs/security.md). Loading and unloading a decode's agent per connection therefore cost prefill sockets per
