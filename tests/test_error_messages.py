@@ -72,8 +72,9 @@ async def test_a_token_that_differs_is_named_on_both_sides():
                 await connect("127.0.0.1", srv.port, hello(), bare_side_channel(), timeout=5)
     closing = [r.getMessage() for r in logged if r.getMessage().startswith("closing")]
     assert len(closing) == 2, closing
-    assert "decode engine eng-decode rank (0,1) refused this side's Hello: auth_token differs between prefill and " \
-           "decode: prefill's proof" in closing[0]
+    # (decode speaks second: a decode that refuses prefill's Hello has not said who it is)
+    assert "a decode rank refused this side's Hello: auth_token differs between prefill and decode: prefill's " \
+           "proof" in closing[0]
     assert "auth_token differs between prefill and decode (bad auth token" in closing[1]
 
 

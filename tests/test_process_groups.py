@@ -100,13 +100,14 @@ def test_stop_waits_for_the_group_to_end_by_itself_before_any_sigkill(tmp_path):
     """What vLLM's API server does on SIGTERM: it exits, and its engine core ends a moment later."""
     code = ("import subprocess, sys, time, signal\n"
             "c = subprocess.Popen([sys.executable, '-c', 'import signal, sys, time; "
-            "signal.signal(signal.SIGTERM, lambda *a: (time.sleep(1), sys.exit(0))); time.sleep(120)'])\n"
+            "signal.signal(signal.SIGTERM, lambda *a: (time.sleep(1), sys.exit(0))); print(\\'ready\\', flush=True); "
+            "time.sleep(120)'])\n"
             "signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))\n"
             "print(c.pid, flush=True)\n"
             "time.sleep(120)\n")
     group = Stand("engine", code, tmp_path).start()
     deadline = time.monotonic() + 20
-    while not group.log_tail().strip():
+    while "ready" not in group.log_tail():  # the child's SIGTERM handler is in place (else it dies at once)
         assert time.monotonic() < deadline
         time.sleep(0.1)
     child = int(group.log_tail().split()[0])

@@ -11,8 +11,9 @@ and went, and a peer reconnecting costs no NIXL load (NIXL 1.5.1 leaks sockets o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from typing import Callable
+from typing import Any, Callable
 
 import msgspec
 
@@ -24,9 +25,9 @@ from connector.engine.config import SenderConfig
 from connector.engine.plans import PlanCache
 from connector.protocol.handshake import AcceptedPeer, PeerKey, accept_peer, check_peer_layout, peer_key
 from connector.protocol.auth import engine_name
-from connector.protocol.messages import Hello
+from connector.protocol.messages import Error, Hello
 from connector.transport.base import KVTransport
-from connector.transport.nixl.agent import metadata_agent_name
+from connector.transport.nixl.glue import metadata_agent_name
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +168,20 @@ class PeerTable:
             info.loading = asyncio.get_running_loop().create_task(self._load(info),
                                                                    name=f"agent of decode {info.key}")
         return await asyncio.shield(info.loading)
+
+    async def serve_agent(self, info: PeerInfo, conn: Any) -> bool:
+        """`load_agent` for a registration served on `conn`: True once loaded (False: the connection ended
+        meanwhile). A load that fails (a limit, NIXL) closes the connection saying why, which fails its
+        destinations."""
+        try:
+            return bool(await self.load_agent(info))
+        except Exception as exc:  # noqa: BLE001 - PeerRefused, TransportError, NIXL's own
+            reason = f"prefill could not load decode {info.key}'s NIXL agent: {exc}"
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(1.0):
+                    await conn.send(Error(reason))
+            await conn.aclose(reason)
+            return False
 
     async def _load(self, info: PeerInfo) -> str:
         name = await self.agents.acquire(info.hello.agent_name, info.hello.agent_metadata,

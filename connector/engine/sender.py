@@ -9,7 +9,6 @@ fallback) by the same code. Every route is keyed by (pool, global layer) from th
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from typing import Any, Callable
@@ -30,7 +29,7 @@ from connector.engine.stats import SenderStats
 from connector.engine.timeline import close
 from connector.engine.trim import ParkedTrim
 from connector.protocol.handshake import PeerKey
-from connector.protocol.messages import (Abort, Complete, Error, Heartbeat, Hello, Message, Register, RegisterAck,
+from connector.protocol.messages import (Abort, Complete, Heartbeat, Hello, Message, Register, RegisterAck,
                                          RegisterError, Scattered, Stopped)
 from connector.transport.base import KVTransport
 from connector.transport.control import ControlConnection, ControlServer
@@ -276,10 +275,8 @@ class StreamSender:
         self.stats.auth_failures += kind == "auth"
 
     def _handshake_refused(self, hello: Hello, reason: str, address: str, came_for: Callable[[str], bool]) -> None:
-        """A handshake failed here (another model, another token, a limit): the transfer the peer connected for
-        cannot reach it, so its KV is given up now (connector.engine.ownership.refused), not after the lease.
-        `hello`: the peer's opening or the identity its Auth claimed; `came_for(tid)`: whether it connected for
-        `tid` (a decode that refused our Hello names it only as a digest)."""
+        """A handshake failed here: the transfer the peer came for (`hello.for_transfer`, or one `came_for` matches:
+        a decode that refused our Hello names it as a digest) is given up now (ownership.refused), not at the lease."""
         who = (f"{hello.role} engine {shown(hello.engine_id, quote=True)} rank ({hello.pp_rank},{hello.tp_rank}) "
                f"at {address}" if hello.engine_id else f"a {hello.role} rank at {address}")
         self._last_refusal = f"{who}: {reason}"
@@ -323,22 +320,11 @@ class StreamSender:
         self._check_finished(req)  # e.g. all computed now, and every destination already done or dropped
 
     def _load_agent(self, peer: PeerInfo, conn: ControlConnection) -> None:
-        """Load `peer`'s NIXL agent (once), then pump every request that writes there; a load that fails (a limit,
-        NIXL) closes the connection saying why, which fails its destinations."""
-        if peer.loading is None:
+        if peer.loading is None:  # load its agent (once), then pump every request that writes there
             self._tasks.spawn(self._agent_for(peer, conn))
 
     async def _agent_for(self, peer: PeerInfo, conn: ControlConnection) -> None:
-        try:
-            loaded = await self._table.load_agent(peer)
-        except Exception as exc:  # noqa: BLE001 - PeerRefused, TransportError, NIXL's own
-            reason = f"prefill could not load decode {peer.key}'s NIXL agent: {exc}"
-            with contextlib.suppress(Exception):
-                async with asyncio.timeout(1.0):
-                    await conn.send(Error(reason))
-            await conn.aclose(reason)
-            return
-        if loaded:
+        if await self._table.serve_agent(peer, conn):
             for req in [r for r in self.requests.values() if any(d.peer is peer for d in r.dests.values())]:
                 self._pump(req)
 

@@ -35,9 +35,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from connector.core.errors import TransportError, WriteAbandoned
-from connector.core.untrusted import is_id
 from connector.transport.loop import wait_out
-from connector.transport.nixl.glue import as_descs, make_agent, memory_region, nixl_errors, pair_check
+from connector.transport.nixl.glue import (as_descs, make_agent, memory_region, metadata_agent_name, nixl_errors,
+                                         pair_check)
 from connector.transport.nixl.poller import Poller, Xfer
 from connector.transport.nixl.settings import ByteGate, TransportConfig, TransportStats, WriteTiming
 
@@ -486,28 +486,6 @@ def _note_ucx_exposure() -> None:
         log.warning("UCX_NET_DEVICES is not set: this process's NIXL agent (UCX) listens on every network interface "
                     "of this host and advertises them to its peers; set UCX_NET_DEVICES to the interface(s) the "
                     "KV transfers should use (e.g. mlx5_0:1, or lo on one machine)")
-
-
-MAX_AGENT_NAME = 256
-"""Longest agent name read from metadata: Hello's limit for it (connector.protocol.messages.MAX_ID)."""
-
-
-def metadata_agent_name(metadata: bytes) -> str | None:
-    """The agent name NIXL 1.5 agent metadata starts with (`nixlSerDes|Agent` + u64 little-endian length + name), read
-    without loading anything; None if the bytes are not laid out that way, or name no agent a Hello could
-    (connector.core.untrusted.ID_PATTERN, at most MAX_AGENT_NAME characters)."""
-    head = b"nixlSerDes|Agent"
-    if not metadata.startswith(head) or len(metadata) < len(head) + 8:
-        return None
-    length = int.from_bytes(metadata[len(head):len(head) + 8], "little")
-    start = len(head) + 8
-    if length > 4096 or len(metadata) < start + length:
-        return None
-    try:
-        name = metadata[start:start + length].decode()
-    except UnicodeDecodeError:
-        return None
-    return name if is_id(name) and len(name) <= MAX_AGENT_NAME else None  # it is logged and put in errors
 
 
 class _Closed(Exception):

@@ -11,6 +11,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from connector.core.untrusted import is_id
+
 _UINT64 = np.uint64
 _agent_ctor_lock = threading.RLock()  # re-entered when clamp_every_agent wraps make_agent's own call
 
@@ -204,3 +206,25 @@ def as_descs(pairs: Sequence[tuple[int, int]] | np.ndarray, device: int) -> np.n
             arr = arr.copy()
         arr[:, 2] = device
     return arr
+
+
+MAX_AGENT_NAME = 256
+"""Longest agent name read from metadata: Hello's limit for it (connector.protocol.messages.MAX_ID)."""
+
+
+def metadata_agent_name(metadata: bytes) -> str | None:
+    """The agent name NIXL 1.5 agent metadata starts with (`nixlSerDes|Agent` + u64 little-endian length + name), read
+    without loading anything; None if the bytes are not laid out that way, or name no agent a Hello could
+    (connector.core.untrusted.ID_PATTERN, at most MAX_AGENT_NAME characters)."""
+    head = b"nixlSerDes|Agent"
+    if not metadata.startswith(head) or len(metadata) < len(head) + 8:
+        return None
+    length = int.from_bytes(metadata[len(head):len(head) + 8], "little")
+    start = len(head) + 8
+    if length > 4096 or len(metadata) < start + length:
+        return None
+    try:
+        name = metadata[start:start + length].decode()
+    except UnicodeDecodeError:
+        return None
+    return name if is_id(name) and len(name) <= MAX_AGENT_NAME else None  # it is logged and put in errors
