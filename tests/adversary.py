@@ -134,10 +134,9 @@ async def guess(port: int, hello: Hello, token: str, timeout_s: float = 10.0) ->
         return f"refused: {exc!r}"
     try:
         async with asyncio.timeout(timeout_s):
-            # its lane: the one `hello` names (one the guesser chose, or copied from an opening it saw), else the one
-            # its guess of the token gives
-            claim = msgspec.structs.replace(identity(hello), nonce=new_nonce(),
-                                            lane=hello.lane or lane_tag(token, hello))
+            # its lane: the one `hello` names (one the guesser chose, or copied from an opening it saw), else one of
+            # its own, the same for every guess of this identity (the guesser cannot compute the real one)
+            claim = msgspec.structs.replace(identity(hello), nonce=new_nonce(), lane=hello.lane or lane_tag("", hello))
             ours = opening(claim)
             writer.write(encode_frame(ours))
             server = await read_message(reader)

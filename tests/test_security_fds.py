@@ -14,6 +14,7 @@ import msgspec
 import pytest
 
 from connector.core.errors import ControlError
+from connector.protocol.auth import engine_public_key, new_engine_key
 from connector.protocol.messages import Register, RegisterAck
 from connector.engine.config import SenderConfig, SideChannelConfig
 from connector.sim.cluster import Cluster
@@ -198,3 +199,40 @@ def test_minted_agent_names_cost_no_load_and_a_new_decode_gets_in_at_once(target
     loads = target.state()["agent_loads"]
     transfer(target, victim, receiver, "t-kept-2", seed=33)  # its agent was kept: no load, no unload
     assert target.state()["agent_loads"] == loads
+
+def test_a_squatter_cannot_claim_a_live_or_a_reconnecting_decodes_agent_name(target, open_rank):
+    """A token holder that learned a decode's NIXL agent name (decode now names it only to a proven prefill) claimed
+    it first and kept the reconnecting decode out while it lived ("already connected on another live
+    connection"). Now a name is bound to the engine key that first had it loaded here: the squatter, even claiming
+    the decode's engine id too, is refused while the decode is connected and after it left, and the decode comes
+    back under its name with its agent still loaded (no load, no unload)."""
+    victim = open_rank(target.cluster.sc.rank_spec("decode", (0, 0), run_id="squatted"))
+    victim_key = new_engine_key()
+    receiver = victim.receiver(decode_config())
+    receiver.set_engine_key(victim_key)
+    transfer(target, victim, receiver, "t-squat-1", seed=35)
+    name, engine = receiver.hello.agent_name, receiver.hello.engine_id
+    mallory = open_rank(target.cluster.sc.rank_spec("decode", (0, 0), run_id="squatter"))
+    mallory_key = new_engine_key()
+    claim = msgspec.structs.replace(minted(mallory.receiver(decode_config()).hello, name), engine_id=engine,
+                                    engine_key=engine_public_key(mallory_key))
+
+    async def squat() -> str:
+        try:
+            conn = await connect("127.0.0.1", target.port, claim, WITH_TOKEN, timeout=20, engine_key=mallory_key)
+        except ControlError as exc:
+            return str(exc)
+        await conn.aclose()
+        return "admitted"
+
+    live = mallory.run(squat(), 40)
+    assert "bound to the engine key that first used them" in live, live
+    victim.run(receiver.aclose(), 20)
+    left = mallory.run(squat(), 40)
+    assert "bound to the engine key that first used them" in left, left
+    loads = target.state()["agent_loads"]
+    again = victim.receiver(decode_config())
+    again.set_engine_key(victim_key)
+    assert again.hello.agent_name == name
+    transfer(target, victim, again, "t-squat-2", seed=36)
+    assert target.state()["agent_loads"] == loads  # its agent, still loaded and its own

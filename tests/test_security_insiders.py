@@ -272,13 +272,14 @@ def test_a_connected_engines_other_ranks_cannot_be_claimed_without_its_key(targe
     assert_recovered(target, victim, receiver, "t-open-other-rank-after")
 
 
-def test_a_restarted_decode_engine_with_a_new_key_is_served(target, ranks):
+def test_a_restarted_decode_engine_with_a_new_key_is_served(target, ranks, open_rank):
     """No lock-out: once a keyed engine's connections are gone, the same engine id and rank with a new key (a
-    restarted engine mints one) connects and is served at once."""
+    restarted engine mints one, and opens a new NIXL agent) connects and is served at once."""
     victim, _unkeyed, _mallory = ranks
     first = victim.receiver(decode_config(), engine_key=new_engine_key())
     transfer(target, victim, first, "t-before-restart", seed=43)
     victim.run(first.aclose(), 20)
+    victim = open_rank(target.cluster.sc.rank_spec("decode", (0, 0), run_id="victim"))  # the restarted process
     again = victim.receiver(decode_config(), engine_key=new_engine_key())
     assert engine_name(again.hello) != engine_name(first.hello)
     transfer(target, victim, again, "t-after-restart", seed=44)

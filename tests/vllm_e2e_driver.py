@@ -19,6 +19,7 @@ from vllm.v1.engine import FinishReason  # noqa: E402
 
 import connector  # noqa: E402
 from connector.pd.servers import with_trust  # noqa: E402
+from connector.protocol.auth import new_transfer_secret  # noqa: E402
 from connector.transport.ports import free_ports  # noqa: E402
 from connector.vllm import SparseKVConnector  # noqa: E402
 from connector.vllm.metadata import RecvSpec, SendSpec, SparseKVMetadata  # noqa: E402
@@ -342,8 +343,7 @@ def drive(pair: Pair, jobs: list[Job], *, max_steps: int = 400, wall_s: float = 
         for job in [j for j in to_prefill if not prefill_after_register or pair.registered(j.tid)]:
             # The proxy's prefill leg: one output token, KV pushed to decode.
             P.sched.add_request(H.make_request(job.rid, len(job.prompt), max_tokens=1, prompt_token_ids=job.prompt,
-                                               kv_transfer_params={"do_remote_decode": True,
-                                                                   "transfer_id": job.tid}, block_size=bs))
+                                               kv_transfer_params=prefill_leg(job), block_size=bs))
             to_prefill.remove(job)
         trace.steps += 1
         step = trace.steps
@@ -433,8 +433,17 @@ def prompt_of(rid: str, n: int, base: int | None = None) -> list[int]:
 
 
 def decode_job(pair: Pair, rid: str, prompt: list[int], **kw) -> Job:
-    params = {"do_remote_prefill": True, "transfer_id": f"{rid}-{uuid.uuid4().hex[:8]}", "prefill_addr": pair.addr}
+    """The decode leg of a concurrent-flow request, as examples/proxy.py makes it: a transfer id and the secret
+    minted with it (prefill refuses transfers without one by default: require_transfer_secret)."""
+    params = {"do_remote_prefill": True, "transfer_id": f"{rid}-{uuid.uuid4().hex[:8]}", "prefill_addr": pair.addr,
+              "transfer_secret": new_transfer_secret()}
     return Job(rid, prompt, params, **kw)
+
+
+def prefill_leg(job: Job) -> dict:
+    """The prefill leg's kv_transfer_params: the decode leg's transfer id and secret."""
+    secret = job.decode_params.get("transfer_secret")
+    return {"do_remote_decode": True, "transfer_id": job.tid, **({"transfer_secret": secret} if secret else {})}
 
 
 def block_bytes(inst: Instance) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import uuid
 from typing import Any
 
 import torch
@@ -38,7 +39,9 @@ class SimRank:
         spec = self.spec
         try:
             self.loop.start()
-            name = f"{spec.run_id}-{spec.side}-{spec.rank[0]}-{spec.rank[1]}-{os.getpid()}"
+            # unique per rank opened, as a vLLM worker's (connector.vllm.worker): prefill binds an agent name to the
+            # engine key that first used it, and a rank opened again is a restarted one
+            name = f"{spec.run_id}-{spec.side}-{spec.rank[0]}-{spec.rank[1]}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
             self.transport = Transport(TransportConfig(name=name, tcp_user_timeout_s=spec.tcp_user_timeout_s,
                                                        nixl_threads=spec.nixl_threads))
             self.loop.run(self.transport.open(), 60)
