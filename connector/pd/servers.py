@@ -6,10 +6,12 @@ not come up raises with the tail of its log."""
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import ctypes.util
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -52,6 +54,7 @@ def lab_prefill_key() -> tuple[str, str]:
     global _LAB_KEY
     if _LAB_KEY is None:
         folder = tempfile.mkdtemp(prefix="sparse-kv-lab-key-")
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)  # the engines it started have ended by then
         path = os.path.join(folder, "prefill.key")
         key = new_engine_key()
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
