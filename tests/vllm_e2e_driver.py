@@ -433,8 +433,7 @@ def prompt_of(rid: str, n: int, base: int | None = None) -> list[int]:
 
 
 def decode_job(pair: Pair, rid: str, prompt: list[int], **kw) -> Job:
-    """The decode leg of a concurrent-flow request, as examples/proxy.py makes it: a transfer id and the secret
-    minted with it (prefill refuses transfers without one by default: require_transfer_secret)."""
+    """The decode leg, as examples/proxy.py makes it: a transfer id and its secret (require_transfer_secret)."""
     params = {"do_remote_prefill": True, "transfer_id": f"{rid}-{uuid.uuid4().hex[:8]}", "prefill_addr": pair.addr,
               "transfer_secret": new_transfer_secret()}
     return Job(rid, prompt, params, **kw)
@@ -442,8 +441,8 @@ def decode_job(pair: Pair, rid: str, prompt: list[int], **kw) -> Job:
 
 def prefill_leg(job: Job) -> dict:
     """The prefill leg's kv_transfer_params: the decode leg's transfer id and secret."""
-    secret = job.decode_params.get("transfer_secret")
-    return {"do_remote_decode": True, "transfer_id": job.tid, **({"transfer_secret": secret} if secret else {})}
+    return {"do_remote_decode": True, "transfer_id": job.tid,
+            **{k: v for k, v in job.decode_params.items() if k == "transfer_secret"}}
 
 
 def block_bytes(inst: Instance) -> int:
