@@ -19,6 +19,7 @@ from connector.core.errors import ConfigError, ControlError, TransferFailed
 from connector.engine.config import SenderConfig, SideChannelConfig
 from connector.engine.sender_state import Parked
 from connector.protocol.addressing import PrefillAddress
+from connector.protocol.auth import lane_tag
 from connector.protocol.handshake import plan_between
 from connector.protocol.messages import HEADER, PROTOCOL_VERSION, Register, RegisterAck, RegisterError, Reject
 from connector.sim.cluster import Cluster
@@ -49,6 +50,7 @@ def test_a_huge_layout_claim_is_refused_before_any_plan_while_a_transfer_streams
               "a tp the heads refuse": dict(tp_size=3)}
     for what, fields in claims.items():
         hello = msgspec.structs.replace(receiver.hello, engine_id=f"big-{what}", **fields)
+        hello = msgspec.structs.replace(hello, lane=lane_tag(TOKEN, hello))  # a token holder's own lane for its claim
         began = time.monotonic()
         reply = rank.run(guess(target.port, hello, TOKEN), 20)
         assert reply.startswith("Reject"), (what, reply)
