@@ -52,6 +52,7 @@ def forward_costs(streams: list, bulks: list, idle: list) -> dict[str, Any]:
     but no hook fires, so nothing is due until compute ends: their loop CPU is "computing, nothing due"."""
     hooks = [c for r in streams for c, _ in r.costs]
     wall = [ns / 1e3 for c in hooks for ns in c.wall_ns]
+    floor = [ns / 1e3 for r in bulks for c, _ in r.costs for ns in c.wall_ns]  # a no-op, timed as the hook is
     cpu = [ns / 1e3 for c in hooks for ns in c.cpu_ns]
 
     def stretch(runs: list) -> list[float]:
@@ -64,6 +65,7 @@ def forward_costs(streams: list, bulks: list, idle: list) -> dict[str, Any]:
         "hook_us": round(percentile(wall, 50), 2) if wall else 0.0,
         "hook_us_p90": round(percentile(wall, 90), 2) if wall else 0.0,
         "hook_cpu_us": round(percentile(cpu, 50), 2) if cpu else 0.0,
+        "hook_floor_us": round(percentile(floor, 50), 2) if floor else 0.0,
         "compute_stretch": round(percentile(stretch(streams), 50), 3),
         "compute_stretch_runs": spread(stretch(streams), 3),
         "compute_stretch_bulk": round(percentile(stretch(bulks), 50), 3),
