@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 from connector.cli.settings import markdown, table_in
-from connector.vllm.config import ConnectorSettings
+from connector.vllm.config import LIMIT_KEYS, ConnectorSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -18,14 +18,15 @@ def test_the_settings_table_is_generated_from_the_struct():
     assert table is not None, "README.md lost its settings markers"
     assert table == markdown(), "README.md's settings table is stale: run `python -m connector settings --update " \
                                 "README.md`"
-    assert all(f"| `{name}` |" in table for name in ConnectorSettings.__struct_fields__)
+    names = [n for n in ConnectorSettings.__struct_fields__ if n != "limits"]
+    assert all(f"| `{name}` |" in table for name in names + [f"limits.{n}" for n in LIMIT_KEYS])
     assert "|  |" not in table.replace("| `", "|`"), "a setting without a meaning: give it a docstring"
 
 
 def test_every_setting_has_a_meaning():
     from connector.cli.settings import rows
 
-    assert [name for name, _kind, _default, meaning in rows() if not meaning] == []
+    assert [name for name, _kind, _default, meaning, _section in rows() if not meaning] == []
 
 
 def test_the_links_into_docs_exist():

@@ -284,8 +284,9 @@ def test_limits_are_settings():
     """Every limit is a kv_connector_extra_config key with its engine default."""
     from connector.vllm.config import ConnectorSettings
 
-    s = ConnectorSettings.from_extra_config({"max_connections": "7", "max_peer_ranks": 16, "messages_per_s": 50,
-                                             "max_parked_per_connection": 3, "tls_ca_file": "/ca.pem"})
+    s = ConnectorSettings.from_extra_config({"limits": {"max_connections": "7", "max_peer_ranks": 16,
+                                                        "messages_per_s": 50, "max_parked_per_connection": 3},
+                                             "tls_ca_file": "/ca.pem"})
     side_channel = s.side_channel()
     assert side_channel.limits.max_connections == 7 and side_channel.max_peer_ranks == 16
     assert side_channel.limits.messages_per_s == 50 and side_channel.tls_ca_file == "/ca.pem"

@@ -13,10 +13,20 @@ from connector.engine.config import ReceiverConfig, SenderConfig, lost_source_ho
 from connector.transport.limits import ServerLimits
 from connector.transport.nixl.settings import TransportConfig
 from connector.transport.side_channel import SideChannelConfig
-from connector.vllm.config import ConnectorSettings
+from connector.vllm.config import LIMIT_KEYS, ConnectorSettings
 
 CONFIGS = (SideChannelConfig, ServerLimits, SenderConfig, ReceiverConfig, TransportConfig)
-SETTINGS = ConnectorSettings.__struct_fields__
+SETTINGS = tuple(n for n in ConnectorSettings.__struct_fields__ if n != "limits") + tuple(sorted(LIMIT_KEYS))
+"""Every setting by its name: the top-level keys and those under `limits` (names never repeat between the two)."""
+
+
+def setting(settings: ConnectorSettings, name: str):
+    return getattr(settings.limits if name in LIMIT_KEYS else settings, name)
+
+
+def extra(name: str, value) -> dict:
+    """kv_connector_extra_config setting `name` alone, where it belongs."""
+    return {"limits": {name: value}} if name in LIMIT_KEYS else {name: value}
 
 DERIVED = {
     ("SenderConfig", "host"): ("side_channel_host",),  # the worker resolves vLLM's own host when unset
@@ -88,7 +98,7 @@ def test_a_setting_has_its_configs_default(config_type):
     defaults = ConnectorSettings()
     for name, f in fields_of(config_type):
         if name in SETTINGS and f.default is not dataclasses.MISSING:
-            assert getattr(defaults, name) == default_of(f), f"{config_type.__name__}.{name}"
+            assert setting(defaults, name) == default_of(f), f"{config_type.__name__}.{name}"
     assert defaults.staging_slot_mb << 20 == ReceiverConfig().staging_slot_bytes
     assert lost_source_hold_s(defaults.tcp_user_timeout_s, defaults.heartbeat_interval_s) == \
         ReceiverConfig().lost_source_hold_s
@@ -117,9 +127,9 @@ def changed(value):
                                   and not n.startswith("side_channel_") and n != "staging_slot_mb"])
 def test_each_setting_reaches_its_config(name):
     """Set alone, a setting changes the field of its name in every config that has one, and nothing else there."""
-    default = getattr(ConnectorSettings(), name)
+    default = setting(ConnectorSettings(), name)
     value = 3.0 if default is None else changed(default)
-    s = ConnectorSettings.from_extra_config({name: value})
+    s = ConnectorSettings.from_extra_config(extra(name, value))
     built = {SideChannelConfig: s.side_channel(), ServerLimits: s.side_channel().limits,
              SenderConfig: s.sender_config("127.0.0.1", 0), ReceiverConfig: s.receiver_config(),
              TransportConfig: s.transport_config("agent")}
@@ -129,3 +139,32 @@ def test_each_setting_reaches_its_config(name):
     homes = {(t.__name__, name) for t in CONFIGS if name in dict(fields_of(t))}
     assert homes and moved == homes | {key for key, src in DERIVED.items() if name in src}
     assert all(getattr(built[t], name) == value for t in CONFIGS if (t.__name__, name) in homes)
+
+
+def test_limits_nest_under_one_key_and_the_old_flat_keys_still_work_with_a_warning(caplog):
+    nested = ConnectorSettings.from_extra_config({"limits": {"max_connections": 7, "max_peer_agents": "9"}})
+    assert nested.side_channel().limits.max_connections == 7 and nested.sender_config("h", 0).max_peer_agents == 9
+    assert not caplog.records
+    flat = ConnectorSettings.from_extra_config({"max_connections": 7, "limits": {"max_peer_agents": 9}})
+    assert flat == nested
+    assert [r.levelname for r in caplog.records] == ["WARNING"]
+    assert "belong under \"limits\"" in caplog.text and "max_connections" in caplog.text
+
+
+@pytest.mark.parametrize("given, says", [
+    ({"limits": {"max_conections": 3}}, "unknown kv_connector_extra_config['limits'] key(s) ['max_conections']: "
+                                        "'max_conections' (value 3): did you mean 'max_connections'?"),
+    ({"limits": {"max_connections": 0}}, "kv_connector_extra_config['limits']['max_connections']=0 is refused"),
+    ({"limits": {"max_connections": True}}, "kv_connector_extra_config['limits']['max_connections']=True is "
+                                            "refused"),
+    ({"limits": 5}, "kv_connector_extra_config['limits']=5 is refused: give an object"),
+    ({"max_connections": 1, "limits": {"max_connections": 2}}, "sets ['max_connections'] both at the top level and "
+                                                              "under 'limits'"),
+    ({"max_handshakes": 0}, "kv_connector_extra_config['limits']['max_handshakes']=0 is refused"),
+])
+def test_a_bad_limit_is_refused_naming_where_it_is(given, says):
+    from connector.core.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        ConnectorSettings.from_extra_config(given)
+    assert says in str(err.value)

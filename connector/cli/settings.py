@@ -45,10 +45,11 @@ def setting_docs() -> dict[str, str]:
     from connector.transport.side_channel import SideChannelConfig
     from connector.transport.limits import ServerLimits
     from connector.transport.nixl.settings import TransportConfig
-    from connector.vllm.config import ConnectorSettings
+    from connector.vllm.config import ConnectorSettings, LimitSettings
 
     docs: dict[str, str] = {}
-    for cls in (TransportConfig, ServerLimits, ReceiverConfig, SenderConfig, SideChannelConfig, ConnectorSettings):
+    for cls in (TransportConfig, ServerLimits, ReceiverConfig, SenderConfig, SideChannelConfig, LimitSettings,
+                ConnectorSettings):
         docs.update(field_docs(cls))  # later classes win: ConnectorSettings' own words last
     return docs
 
@@ -83,20 +84,38 @@ def default_text(name: str, value: Any) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def rows() -> list[tuple[str, str, str, str]]:
-    """(key, type, default, meaning) for every setting, in the struct's order."""
-    from connector.vllm.config import ConnectorSettings
+DEPLOYMENT = ("side_channel_host", "side_channel_port", "auth_token", "auth_token_file", "auth_token_env",
+              "tls_cert_file", "tls_key_file", "tls_ca_file", "prefill_key_file", "trusted_prefill_keys",
+              "allowed_prefill_hosts", "lease_s", "staging_mb", "kv_checksum")
+"""The handful a deployment sets, listed first (host, port, token, TLS, prefill keys, lease, staging, checksum)."""
+
+SECTIONS = ("What a deployment sets", "Tuning, timeouts and tests", "limits: the side channel's abuse bounds "
+            "(nested: {\"limits\": {\"max_connections\": 2048}})")
+
+
+def rows() -> list[tuple[str, str, str, str, int]]:
+    """(key, type, default, meaning, section) for every setting: the deployment's first, then the rest in the
+    struct's order, then those under `limits` as `limits.<key>`."""
+    from connector.vllm.config import ConnectorSettings, LimitSettings
 
     docs = setting_docs()
-    out = []
-    for f in mi.type_info(ConnectorSettings).fields:
-        out.append((f.name, type_text(f.type), default_text(f.name, f.default), docs.get(f.name, "")))
+    top = [f for f in mi.type_info(ConnectorSettings).fields if f.name != "limits"]
+    order = {name: i for i, name in enumerate(DEPLOYMENT)}
+    top.sort(key=lambda f: (f.name not in order, order.get(f.name, 0)))  # stable: the rest keep the struct's order
+    out = [(f.name, type_text(f.type), default_text(f.name, f.default), docs.get(f.name, ""),
+            0 if f.name in order else 1) for f in top]
+    for f in mi.type_info(LimitSettings).fields:
+        out.append((f"limits.{f.name}", type_text(f.type), default_text(f.name, f.default), docs.get(f.name, ""), 2))
     return out
 
 
 def markdown() -> str:
-    lines = [BEGIN, "", "| key | type | default | meaning |", "|---|---|---|---|"]
-    for name, kind, default, meaning in rows():
+    lines = [BEGIN]
+    section = -1
+    for name, kind, default, meaning, where in rows():
+        if where != section:
+            section = where
+            lines += ["", f"**{SECTIONS[where]}**", "", "| key | type | default | meaning |", "|---|---|---|---|"]
         lines.append(f"| `{name}` | {kind} | {default} | {meaning.replace('|', '/')} |")
     return "\n".join([*lines, "", END])
 
@@ -121,6 +140,6 @@ def run(args: argparse.Namespace) -> int:
         print(markdown())
         return 0
     width = max(len(r[0]) for r in rows())
-    for name, kind, default, meaning in rows():
+    for name, kind, default, meaning, _section in rows():
         print(f"{name:<{width}}  {default:<12} {kind}\n{'':<{width}}  {meaning}", file=sys.stdout)
     return 0

@@ -249,7 +249,7 @@ class LoadedAgents:
         if not idle:
             self.refused += 1
             raise PeerRefused(f"{len(self._agents)} NIXL agents of decode ranks are loaded here, each on a live "
-                              f"connection (setting max_peer_agents={self.max_agents}); raise it if this many decode "
+                              f"connection (setting limits.max_peer_agents={self.max_agents}); raise it if this many decode "
                               f"ranks really feed from one prefill rank")
         return next((n for n, a in idle if not a.served), idle[0][0])
 
@@ -261,8 +261,8 @@ class LoadedAgents:
             self.refused += 1
             raise PeerRefused(
                 f"loading NIXL agent {newcomer!r} needs another agent unloaded first ({len(self._agents)} are loaded, "
-                f"setting max_peer_agents={self.max_agents}), and {len(self._unloads)} were unloaded within the last "
-                f"hour (setting agent_unloads_per_hour={self.unloads_per_hour}: NIXL 1.5.1 leaks sockets on each "
+                f"setting limits.max_peer_agents={self.max_agents}), and {len(self._unloads)} were unloaded within the last "
+                f"hour (setting limits.agent_unloads_per_hour={self.unloads_per_hour}: NIXL 1.5.1 leaks sockets on each "
                 f"unload); the next unload is possible in {self._unloads[0] + UNLOAD_WINDOW_S - now:.0f} s")
         self._unloads.append(now)
 

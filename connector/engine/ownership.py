@@ -191,13 +191,13 @@ class Ownership:
             raise RegistrationError(
                 f"decode rank {peer.key[1:]} already has {peer.parked} registrations ({peer.parked_bytes} B) waiting "
                 f"for prefill to start their requests, the most one connection may (settings "
-                f"max_parked_per_connection={cfg.max_parked_per_connection}, "
-                f"max_parked_bytes_per_connection={cfg.max_parked_bytes_per_connection})")
+                f"limits.max_parked_per_connection={cfg.max_parked_per_connection}, "
+                f"limits.max_parked_bytes_per_connection={cfg.max_parked_bytes_per_connection})")
         if self.parked_count + 1 > cfg.max_parked or self.parked_bytes + cost > cfg.max_parked_bytes:
             raise RegistrationError(
                 f"prefill rank {self.rank} already has {self.parked_count} registrations ({self.parked_bytes} B) "
                 f"of all decode connections waiting for prefill to start their requests, the most it keeps "
-                f"(settings max_parked={cfg.max_parked}, max_parked_bytes={cfg.max_parked_bytes}); raise them if "
+                f"(settings limits.max_parked={cfg.max_parked}, limits.max_parked_bytes={cfg.max_parked_bytes}); raise them if "
                 f"this many requests really queue on prefill")
         peer.parked += 1
         peer.parked_bytes += cost

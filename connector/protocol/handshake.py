@@ -82,7 +82,7 @@ def check_peer_layout(peer: Hello, own: Hello, model: ModelLayout, max_peer_rank
         raise LayoutError(f"{who} claims pp_size={peer.pp_size}; this model has {model.num_layers} layers")
     if not 1 <= peer.tp_size or peer.tp_size * peer.pp_size > max_peer_ranks:
         raise LayoutError(f"{who} claims tp_size={peer.tp_size} x pp_size={peer.pp_size} ranks; this side accepts at "
-                          f"most {max_peer_ranks} (setting max_peer_ranks)")
+                          f"most {max_peer_ranks} (setting limits.max_peer_ranks)")
     if peer.pp_rank >= peer.pp_size or peer.tp_rank >= peer.tp_size:
         raise LayoutError(f"{who} is outside its own layout (pp_size={peer.pp_size}, tp_size={peer.tp_size})")
     for pool in model.pools.values():

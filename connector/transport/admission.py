@@ -94,7 +94,7 @@ class AdmissionGuard:
         the first of `evictable(address)` (authenticated ones that may go, least recently active first)."""
         lim = self.limits
         if self.open.get(host, 0) >= lim.max_connections_per_host:
-            return f"{host} has {self.open[host]} connections open (setting max_connections_per_host)"
+            return f"{host} has {self.open[host]} connections open (setting limits.max_connections_per_host)"
         if self.total >= lim.max_connections and (refused := self._make_room(host, evictable)) is not None:
             return refused
         self.open[host] += 1
@@ -103,7 +103,7 @@ class AdmissionGuard:
     def _make_room(self, host: str, evictable: Callable[[str], list[Callable[[str], None]]] | None) -> str | None:
         """Fair shares across source addresses: see `admit`. None if a connection was evicted for `host`'s."""
         lim = self.limits
-        full = f"{lim.max_connections} connections are open (setting max_connections)"
+        full = f"{lim.max_connections} connections are open (setting limits.max_connections)"
         biggest = max(self.open, key=self.open.__getitem__)
         mine, most = self.open.get(host, 0), self.open[biggest]
         if mine + 1 >= most:
@@ -133,11 +133,11 @@ class AdmissionGuard:
         mine = self._pending.setdefault(host, [])
         if len(mine) >= lim.max_handshakes_per_host:
             self._evict(mine[0], f"{host} has {len(mine)} connections not yet authenticated and a newer one arrived "
-                                 f"(setting max_handshakes_per_host)")
+                                 f"(setting limits.max_handshakes_per_host)")
         elif self.pending_unknown >= lim.max_handshakes:
             most = max(self._pending.values(), key=len)
             self._evict(most[0], f"{lim.max_handshakes} connections are not yet authenticated and a newer one "
-                                 f"arrived (setting max_handshakes)")
+                                 f"arrived (setting limits.max_handshakes)")
         entry = Pending(host, evict)
         self._pending.setdefault(host, []).append(entry)
         return entry
@@ -151,7 +151,7 @@ class AdmissionGuard:
             if self.locked_out(entry.host, identity):
                 lim = self.limits
                 return (f"{entry.host} failed authentication as {_who(identity)} {lim.max_auth_failures} times within "
-                        f"{lim.auth_failure_window_s:g} s (setting max_auth_failures); such connections are closed "
+                        f"{lim.auth_failure_window_s:g} s (setting limits.max_auth_failures); such connections are closed "
                         f"until that window has passed")
             return None
         self._known.move_to_end(key)

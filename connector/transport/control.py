@@ -404,7 +404,7 @@ class ControlServer:
             reason = (f"no complete handshake within the {self._handshake_timeout_s:g} s handshake timeout"
                       if self._handshake_timeout_s <= self.limits.handshake_deadline_s else
                       f"not authenticated within {self.limits.handshake_deadline_s:g} s of accept (setting "
-                      f"handshake_deadline_s)")
+                      f"limits.handshake_deadline_s)")
         except asyncio.IncompleteReadError as exc:
             kind, reason = "closed", f"peer closed the connection during the handshake after {len(exc.partial)} bytes"
         except PeerGaveUp as exc:  # the peer already said why and left: nothing to answer

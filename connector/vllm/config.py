@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
+import logging
 import os
 from typing import Annotated, Any, TypeVar
 
@@ -25,11 +27,47 @@ from connector.transport.limits import ServerLimits
 from connector.transport.nixl import TransportConfig
 from connector.transport.side_channel import SideChannelConfig
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 Positive = Annotated[float, Meta(gt=0)]
 PositiveInt = Annotated[int, Meta(gt=0)]
 _SIDE, _SENDER, _RECEIVER, _LIMITS = SideChannelConfig(), SenderConfig(), ReceiverConfig(), ServerLimits()
 _TRANSPORT = {f.name: f.default for f in dataclasses.fields(TransportConfig)}
+
+
+class LimitSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`kv_connector_extra_config["limits"]`: how much a peer may hold of prefill's side channel before it is
+    refused. A key without a docstring here means what the engine setting of the same name says
+    (connector.transport.limits, connector.transport.side_channel, connector.engine.config)."""
+
+    max_connections: PositiveInt = _LIMITS.max_connections
+    max_connections_per_host: PositiveInt = _LIMITS.max_connections_per_host
+    max_handshakes: PositiveInt = _LIMITS.max_handshakes
+    max_handshakes_per_host: PositiveInt = _LIMITS.max_handshakes_per_host
+    handshake_deadline_s: Positive = _LIMITS.handshake_deadline_s
+    handshake_frame_bytes: Annotated[int, Meta(ge=4096)] = _LIMITS.handshake_frame_bytes
+    max_frame_bytes: Annotated[int, Meta(ge=65536)] = _LIMITS.max_frame_bytes
+    messages_per_s: Positive = _LIMITS.messages_per_s
+    max_auth_failures: PositiveInt = _LIMITS.max_auth_failures
+    auth_failure_window_s: Positive = _LIMITS.auth_failure_window_s
+    """The window of max_auth_failures, in seconds."""
+    refusal_log_interval_s: Positive = _LIMITS.refusal_log_interval_s
+    max_peer_ranks: PositiveInt = _SIDE.max_peer_ranks
+    max_parked_per_connection: PositiveInt = _SENDER.max_parked_per_connection
+    max_parked_bytes_per_connection: PositiveInt = _SENDER.max_parked_bytes_per_connection
+    max_parked: PositiveInt = _SENDER.max_parked
+    """Registrations waiting for prefill to start their request, over all decode connections together."""
+    max_parked_bytes: PositiveInt = _SENDER.max_parked_bytes
+    """The memory those may hold, over all decode connections together."""
+    max_peer_agents: PositiveInt = _SENDER.max_peer_agents
+    """Decode NIXL agents a prefill worker keeps loaded at once (live and idle ones)."""
+    agent_unloads_per_hour: PositiveInt = _SENDER.agent_unloads_per_hour
+    """Idle decode agents a prefill worker unloads for new ones, at most, per hour (NIXL 1.5.1 leaks sockets on
+    each)."""
+
+
+LIMIT_KEYS = frozenset(LimitSettings.__struct_fields__)
+"""Keys that used to sit at the top level and now go under "limits" (accepted flat, with a warning, in 0.1.x)."""
 
 
 class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -74,30 +112,10 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     """Decode: the hosts (names or addresses as prefill_addr gives them) or networks (10.0.0.0/16) a request's
     kv_transfer_params may send it to; a request naming another fails at once, naming this setting, and decode
     never connects there. Empty: any host (prefill keys still keep a stranger from learning anything)."""
-    max_connections: PositiveInt = _LIMITS.max_connections
-    max_connections_per_host: PositiveInt = _LIMITS.max_connections_per_host
-    max_handshakes: PositiveInt = _LIMITS.max_handshakes
-    max_handshakes_per_host: PositiveInt = _LIMITS.max_handshakes_per_host
-    handshake_deadline_s: Positive = _LIMITS.handshake_deadline_s
-    handshake_frame_bytes: Annotated[int, Meta(ge=4096)] = _LIMITS.handshake_frame_bytes
-    max_frame_bytes: Annotated[int, Meta(ge=65536)] = _LIMITS.max_frame_bytes
-    messages_per_s: Positive = _LIMITS.messages_per_s
-    max_auth_failures: PositiveInt = _LIMITS.max_auth_failures
-    auth_failure_window_s: Positive = _LIMITS.auth_failure_window_s
-    """The window of max_auth_failures, in seconds."""
-    refusal_log_interval_s: Positive = _LIMITS.refusal_log_interval_s
-    max_peer_ranks: PositiveInt = _SIDE.max_peer_ranks
-    max_parked_per_connection: PositiveInt = _SENDER.max_parked_per_connection
-    max_parked_bytes_per_connection: PositiveInt = _SENDER.max_parked_bytes_per_connection
-    max_parked: PositiveInt = _SENDER.max_parked
-    """Registrations waiting for prefill to start their request, over all decode connections together."""
-    max_parked_bytes: PositiveInt = _SENDER.max_parked_bytes
-    """The memory those may hold, over all decode connections together."""
-    max_peer_agents: PositiveInt = _SENDER.max_peer_agents
-    """Decode NIXL agents a prefill worker keeps loaded at once (live and idle ones)."""
-    agent_unloads_per_hour: PositiveInt = _SENDER.agent_unloads_per_hour
-    """Idle decode agents a prefill worker unloads for new ones, at most, per hour (NIXL 1.5.1 leaks sockets on
-    each)."""
+    limits: "LimitSettings" = msgspec.field(default_factory=lambda: LimitSettings())
+    """The abuse bounds of prefill's side channel (connections, handshakes, frames, waiting registrations, NIXL
+    agents): one nested object, e.g. {"limits": {"max_connections": 2048}}. An operator rarely changes them; the
+    README's settings section lists them after the rest."""
     given_up_keep_s: Positive = _SENDER.given_up_keep_s
     lease_s: Positive = _SENDER.lease_s
     max_inflight_bytes: PositiveInt = _TRANSPORT["max_inflight_bytes"]
@@ -163,18 +181,29 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     def from_extra_config(cls, extra: dict[str, Any] | None) -> "ConnectorSettings":
         """The settings of `extra`, or a ConfigError of one line naming the key, its value and the fix (for an
         unknown key: the closest valid key and all of them)."""
-        extra = dict(extra or {})
+        extra = nest_limits(dict(extra or {}))
         unknown = sorted(set(extra) - set(cls.__struct_fields__))
         if unknown:
             hints = [f"{key!r} (value {extra[key]!r}){did_you_mean(key, cls.__struct_fields__)}" for key in unknown]
             raise ConfigError(f"SparseKVConnector: unknown kv_connector_extra_config key(s) {unknown}: "
                               f"{'; '.join(hints)}; valid keys are {sorted(cls.__struct_fields__)}")
+        limits = extra.get("limits", {})
+        if not isinstance(limits, dict):
+            raise ConfigError(f"SparseKVConnector: kv_connector_extra_config['limits']={limits!r} is refused: give "
+                              f"an object, e.g. {{\"limits\": {{\"max_connections\": 2048}}}}")
+        unknown = sorted(set(limits) - LIMIT_KEYS)
+        if unknown:
+            hints = [f"{key!r} (value {limits[key]!r}){did_you_mean(key, LIMIT_KEYS)}" for key in unknown]
+            raise ConfigError(f"SparseKVConnector: unknown kv_connector_extra_config['limits'] key(s) {unknown}: "
+                              f"{'; '.join(hints)}; valid keys are {sorted(LIMIT_KEYS)}")
         try:
             settings = msgspec.convert(extra, cls, strict=False)
         except msgspec.ValidationError as exc:
             why, _, where = str(exc).rpartition(" - at `$.")
-            key = where.rstrip("`")
-            raise ConfigError(f"SparseKVConnector: kv_connector_extra_config[{key!r}]={extra.get(key)!r} is refused: "
+            path = where.rstrip("`").split(".")
+            value = extra.get(path[0]) if len(path) == 1 else limits.get(path[-1])
+            key = "".join(f"[{part!r}]" for part in (path[:1] if len(path) == 1 else (path[0], path[-1])))
+            raise ConfigError(f"SparseKVConnector: kv_connector_extra_config{key}={value!r} is refused: "
                               f"{why or exc}") from None
         sources = [name for name in TOKEN_SOURCES if getattr(settings, name)]
         if len(sources) > 1:
@@ -261,11 +290,38 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
 
 def build(config_type: type[T], settings: ConnectorSettings, **derived: Any) -> T:
     """An engine or transport config (a dataclass) from the settings: every field that has a setting of the same
-    name takes its value, `derived` gives the others that depend on the settings, and the rest keep their defaults
-    (tests/test_settings.py holds that every field is one of the three, on purpose)."""
-    own = {f.name: getattr(settings, f.name) for f in dataclasses.fields(config_type)
-           if f.name in settings.__struct_fields__ and f.name not in derived}
+    name (at the top level or under `limits`) takes its value, `derived` gives the others that depend on the
+    settings, and the rest keep their defaults (tests/test_settings.py holds that every field is one of the three,
+    on purpose)."""
+    own = {}
+    for f in dataclasses.fields(config_type):
+        if f.name in derived:
+            continue
+        if f.name in LIMIT_KEYS:
+            own[f.name] = getattr(settings.limits, f.name)
+        elif f.name in settings.__struct_fields__:
+            own[f.name] = getattr(settings, f.name)
     return config_type(**own, **derived)
+
+
+def nest_limits(extra: dict[str, Any]) -> dict[str, Any]:
+    """`extra` with the abuse bounds given at the top level (as before 0.1.x's `limits`) moved under "limits", named in one
+    warning with its new place. A bound given both ways is refused (which one was meant is not known)."""
+    flat = sorted(LIMIT_KEYS & set(extra))
+    if not flat:
+        return extra
+    limits = extra.get("limits", {})
+    if not isinstance(limits, dict):
+        return extra  # refused by the caller, naming "limits"
+    both = [key for key in flat if key in limits]
+    if both:
+        raise ConfigError(f"SparseKVConnector: kv_connector_extra_config sets {both} both at the top level and under "
+                          f"'limits': keep only the one under 'limits'")
+    moved = {key: extra.pop(key) for key in flat}
+    log.warning("SparseKVConnector: kv_connector_extra_config keys %s belong under \"limits\" now (e.g. "
+                "{\"limits\": {\"%s\": %s}}); the flat keys still work in this version and will be refused in the next",
+                flat, flat[0], json.dumps(moved[flat[0]]))
+    return {**extra, "limits": {**limits, **moved}}
 
 
 TOKEN_SOURCES = ("auth_token", "auth_token_file", "auth_token_env")

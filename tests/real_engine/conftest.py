@@ -177,8 +177,8 @@ NIXL's threads on or off). (With two SCHED_FIFO watchers sampling every thread, 
 kept running and counted 111-121 runnable threads.) Every wait on an engine in these tests allows one such stall on
 top of what it waits for: they check correctness, not how soon a stalled machine answers."""
 
-STARVED_SIDE_CHANNEL = {"handshake_timeout_s": 60.0 + MACHINE_STALL_S, "handshake_deadline_s": 60.0 + MACHINE_STALL_S,
-                        "dead_after_s": 60.0 + MACHINE_STALL_S, "heartbeat_interval_s": 5.0}
+STARVED_SIDE_CHANNEL = {"handshake_timeout_s": 60.0 + MACHINE_STALL_S, "dead_after_s": 60.0 + MACHINE_STALL_S,
+                        "heartbeat_interval_s": 5.0, "limits": {"handshake_deadline_s": 60.0 + MACHINE_STALL_S}}
 """Side-channel timeouts for eight engine workers on two cores that may stall (MACHINE_STALL_S): idle vLLM workers
 poll their shared-memory rings, so a process can wait seconds for the CPU, and a peer load that stalls past the
 handshake timeout fails its request (CI: a 60 s load against a 60 s timeout, HTTP 500). Production defaults assume
