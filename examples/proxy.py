@@ -11,7 +11,28 @@ them layer by layer while it computes. The client gets the decode response, stre
     python examples/proxy.py --port 8001 \
         --prefill http://P_HOST:8100,P_HOST:5600 --decode http://D_HOST:8200 [--prefill ...] [--decode ...]
 
-Several instances of each kind are used round-robin. The default port, 8001, leaves 8000 to
+Data parallel: a prefill started with `--data-parallel-size N` (vLLM's own load balancer behind one API server) is
+N engines, each with its own side channel (DP rank r: side_channel_port + r * tp * pp). Decode must be told the
+side channel before prefill runs, so the proxy picks the rank itself (the fewest requests in flight through it,
+ties round-robin), sends the prefill leg to it with vLLM's `X-data-parallel-rank` header, and tells decode that
+rank's side channel. Give the sizes after the side channel (tp and pp default to 1):
+
+    python examples/proxy.py --prefill http://P_HOST:8100,P_HOST:5600,dp=2[,tp=1][,pp=1] --decode http://D_HOST:8200
+
+Prefill's answer must confirm it kept the KV for decode on that rank (its kv_transfer_params name the rank and side
+channel): an answer without them (a plain request: swapped URLs, an engine without the connector) or naming
+another rank ends the decode leg at once, and the client gets a 502 naming the cause instead of waiting for KV
+that no rank will send.
+
+Before it listens, the proxy checks the deployment (up to --startup-wait s, default 300, for the engines to come
+up; --no-startup-checks skips it) and refuses to start, naming the flag and the fix, when a side-channel address
+answers HTTP (an engine's API port given as side channel), or when a 16-token PD request through each prefill DP
+rank (decodes in turn) does not move KV (prefill's answer must confirm the KV kept for that rank, and decode's
+/metrics count it received: swapped --prefill/--decode, wrong dp/tp/pp). The probe costs prefill one
+refused-handshake WARNING line per DP rank, which quotes the check (it sends a Reject, not a Hello).
+
+Several instances of each kind: the prefill DP ranks of all instances are taken by fewest requests in flight
+(ties round-robin), decodes round-robin. The default port, 8001, leaves 8000 to
 examples/sequential_router.py, so both can run in front of the same engines. `build_app()` is the importable entry
 (tests use it).
 """
@@ -40,8 +61,8 @@ except ImportError:  # the system python has no aiohttp; vLLM's environment alwa
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its helper, examples/proxy_ranks.py
 from proxy_ranks import (DP_HEADER, MAX_ANSWER_BYTES, Prefill, RankPicker, StartupError,  # noqa: E402
-                         check_side_channels, check_url, confirm_prefill, parse_prefill, served_model, wait_healthy,
-                         warmup_body)
+                         check_kv_arrived, check_side_channels, check_url, confirm_prefill, kv_received, parse_prefill,
+                         served_model, wait_healthy, warmup_body)
 
 _check_url = check_url
 log = logging.getLogger("sparse_kv_proxy")
@@ -203,6 +224,7 @@ def build_app(prefill_instances: Sequence[Prefill | str], decode_instances: Sequ
         await wait_healthy(session, [p.url for p in prefills] + decodes, deadline)
         for slot, (prefill, dp_rank) in enumerate(picker.slots):
             decode = next(next_decode)
+            received = await kv_received(session, decode)
             picker.in_flight[slot] += 1  # (both_legs gives it back)
 
             async def read(upstream: aiohttp.ClientResponse) -> tuple[int, bytes]:
@@ -217,6 +239,7 @@ def build_app(prefill_instances: Sequence[Prefill | str], decode_instances: Sequ
             if status != 200:
                 raise StartupError(f"--decode {decode}: a 16-token check request through {prefill.name(dp_rank)} "
                                    f"got HTTP {status}: {raw[:1000].decode(errors='replace')}")
+            await check_kv_arrived(session, decode, received, prefill.name(dp_rank))
             log.info("start-up check: %s -> %s ok", prefill.name(dp_rank), decode)
 
     async def relay(request: web.Request, upstream: aiohttp.ClientResponse) -> web.StreamResponse:

@@ -11,7 +11,6 @@ probe borrows the connector's frame encoding (no vLLM import)."""
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import secrets
 import struct
@@ -117,6 +116,10 @@ def confirm_prefill(prefill: Prefill, dp_rank: int, status: int, raw: bytes) -> 
                 "for decode: is this URL a decode (--prefill and --decode swapped?) or an engine without "
                 "SparseKVConnector as kv_producer/kv_both?")
     rank = params.get("prefill_dp_rank")
+    if isinstance(rank, int) and rank != dp_rank and prefill.dp == 1:
+        return (f"DP rank {rank} served it (vLLM's load balancer chose it), but decode was told DP rank 0's side "
+                f"channel: this prefill runs data parallel; give its size, --prefill "
+                f"{prefill.url},{prefill.side_channel_addr},dp=N, so the router picks the rank")
     if isinstance(rank, int) and rank != dp_rank:
         return (f"DP rank {rank} served it, but decode was told DP rank {dp_rank}'s side channel: the server ignored "
                 f"the {DP_HEADER} header (a vLLM without it, or a load balancer in between that drops it)")
@@ -219,4 +222,47 @@ def warmup_body(model: str) -> dict[str, Any]:
             "cache_salt": secrets.token_hex(16)}
 
 
-_check_ids = itertools.count()
+RECVS_OK = "vllm:sparse_kv_recvs_ok_total"
+"""The decode counter of requests whose KV arrived (SparseKVConnector's stats, on vLLM's /metrics)."""
+
+
+async def kv_received(session: aiohttp.ClientSession, url: str) -> float | None:
+    """Sum of decode's RECVS_OK samples; None when its /metrics does not answer or names none."""
+    try:
+        async with session.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as r:
+            text = (await r.content.read(16 << 20)).decode(errors="replace") if r.status == 200 else ""
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return None
+    found = None
+    for line in text.splitlines():
+        if line.startswith(RECVS_OK + "{") or line.startswith(RECVS_OK + " "):
+            try:
+                found = (found or 0.0) + float(line.rpartition(" ")[2])
+            except ValueError:
+                continue
+    return found
+
+
+KV_ARRIVAL_S = 20.0
+"""How long the start-up check waits for decode's /metrics to count the check request's KV."""
+
+
+async def check_kv_arrived(session: aiohttp.ClientSession, decode: str, before: float | None, through: str) -> None:
+    """Decode counted the check request's KV as received (its /metrics lag a step): else it computed the prompt
+    itself, which a decode URL that is really a prefill (or an engine without the connector) does."""
+    loop = asyncio.get_running_loop()
+    timeout_s = KV_ARRIVAL_S
+    deadline = loop.time() + timeout_s
+    while True:
+        now = await kv_received(session, decode)
+        if now is not None and now > (before or 0.0):
+            return
+        if loop.time() >= deadline:
+            why = (f"its /metrics name no {RECVS_OK}" if now is None else
+                   f"its {RECVS_OK} stayed at {now:g} for {timeout_s:g} s after the request, so it computed the "
+                   f"prompt itself")
+            raise StartupError(f"--decode {decode}: a 16-token check request through {through} did not load KV: "
+                               f"{why}. Is this URL a decode with SparseKVConnector as kv_consumer/kv_both (a "
+                               f"prefill's URL here, --prefill and --decode swapped?), and is its log free of "
+                               f"transfer errors?")
+        await asyncio.sleep(0.5)
