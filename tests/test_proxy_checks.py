@@ -23,7 +23,7 @@ from connector.protocol.messages import Hello
 from connector.transport.control import ControlServer
 from connector.transport.loop import LoopThread
 from connector.transport.ports import free_ports
-from tests.helpers import bare_side_channel
+from tests.helpers import bare_side_channel, log_records
 from tests.test_proxy import proxy
 
 pytestmark = pytest.mark.timeout(60)
@@ -62,8 +62,10 @@ class Engine:
     """An aiohttp server standing in for vLLM's OpenAI server. `answer(body, headers)` -> (status, JSON) of a
     completion; `hang` makes it never answer (a decode waiting for KV)."""
 
-    def __init__(self, answer=None, hang: bool = False) -> None:
-        self.answer, self.hang = answer, hang
+    def __init__(self, answer=None, hang: bool = False, receives: bool = False) -> None:
+        self.answer, self.hang, self.receives = answer, hang, receives
+        """`receives`: its /metrics count each request with do_remote_prefill as KV received, as a working decode's
+        do (what the router reads; the real-engine test, tests/real_engine/test_real_dp_router.py, has real ones)."""
         self.seen: list[tuple[dict[str, Any], dict[str, str]]] = []
         self.cancelled = asyncio.Event()
 
@@ -86,7 +88,12 @@ class Engine:
         async def models(_request: web.Request) -> web.Response:
             return web.json_response({"object": "list", "data": [{"id": "tiny"}]})
 
+        async def metrics(_request: web.Request) -> web.Response:
+            n = sum(1 for body, _ in self.seen if (body.get("kv_transfer_params") or {}).get("do_remote_prefill"))
+            return web.Response(text=f'vllm:sparse_kv_recvs_ok_total{{engine="0"}} {n if self.receives else 0}.0\n')
+
         app = web.Application()
+        app.router.add_get("/metrics", metrics)
         app.router.add_post("/v1/completions", completions)
         app.router.add_get("/health", health)
         app.router.add_get("/v1/models", models)
@@ -138,7 +145,16 @@ def test_parse_prefill_with_data_parallel_sizes() -> None:
 
 async def test_the_probe_tells_a_side_channel_from_an_http_port(side_channel, serve) -> None:
     port, registered = side_channel
-    assert await ranks.probe_side_channel("127.0.0.1", port, 5) == "side channel"
+    with log_records("connector.transport.control") as records:
+        assert await ranks.probe_side_channel("127.0.0.1", port, 5) == "side channel"
+        for _ in range(50):  # (the server logs from its own thread)
+            if records:
+                break
+            await asyncio.sleep(0.05)
+    # prefill's one line names who asked: an operator reading it knows it was the router's check
+    lines = [r.getMessage() for r in records]
+    assert any("first frame is Reject, expected Hello: the peer says examples/proxy.py start-up check: is this a "
+               "side channel?" in line for line in lines), lines
     http = await serve(Engine(plain_answer).app())
     assert await ranks.probe_side_channel("127.0.0.1", int(http.rsplit(":", 1)[1]), 5) == "http"
     assert (await ranks.probe_side_channel("127.0.0.1", free_ports(), 2)).startswith("unreachable")
@@ -189,7 +205,8 @@ async def test_swapped_urls_are_refused_at_start(side_channel, serve) -> None:
 
 async def test_start_up_checks_pass_on_a_right_configuration(side_channel, serve) -> None:
     port, registered = side_channel
-    prefill, decode = Engine(prefill_answer(port)), Engine(lambda body, headers: (200, {"choices": [{"text": "ok"}]}))
+    prefill = Engine(prefill_answer(port))
+    decode = Engine(lambda body, headers: (200, {"choices": [{"text": "ok"}]}), receives=True)
     p_url, d_url = await serve(prefill.app()), await serve(decode.app())
     runner = web.AppRunner(proxy.build_app([f"{p_url},127.0.0.1:{port}"], [d_url], timeout=10, startup_wait=5))
     await runner.setup()  # raises StartupError on a finding
@@ -197,6 +214,22 @@ async def test_start_up_checks_pass_on_a_right_configuration(side_channel, serve
     assert len(prefill.seen) == len(decode.seen) == 1  # the one check request, both legs
     assert decode.seen[0][0]["kv_transfer_params"]["prefill_addr"] == f"127.0.0.1:{port}"
     assert registered == []
+
+
+async def test_a_decode_url_that_loads_no_kv_is_refused_at_start(side_channel, serve, monkeypatch) -> None:
+    # --decode names another prefill: it answers the decode leg by computing the prompt itself (a role mismatch)
+    monkeypatch.setattr(ranks, "KV_ARRIVAL_S", 1.0)
+    port, _ = side_channel
+    p_url = await serve(Engine(prefill_answer(port)).app())
+    other_prefill = await serve(Engine(lambda body, headers: (200, {"choices": [{"text": "ok"}]})).app())
+    runner = web.AppRunner(proxy.build_app([f"{p_url},127.0.0.1:{port}"], [other_prefill], timeout=10,
+                                           startup_wait=5))
+    with pytest.raises(ranks.StartupError) as err:
+        await runner.setup()
+    await runner.cleanup()
+    msg = str(err.value)
+    assert f"--decode {other_prefill}: a 16-token check request through {p_url} did not load KV" in msg, msg
+    assert "stayed at 0 for 1 s" in msg and "--prefill and --decode swapped?" in msg, msg
 
 
 async def test_each_request_pins_a_dp_rank_and_decode_gets_its_side_channel(serve) -> None:
