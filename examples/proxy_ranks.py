@@ -243,8 +243,9 @@ async def kv_received(session: aiohttp.ClientSession, url: str) -> float | None:
     return found
 
 
-KV_ARRIVAL_S = 20.0
-"""How long the start-up check waits for decode's /metrics to count the check request's KV."""
+KV_ARRIVAL_S = 60.0
+"""How long the start-up check waits for decode's /metrics to count the check request's KV (they lag a step;
+more on a machine whose processes stall)."""
 
 
 async def check_kv_arrived(session: aiohttp.ClientSession, decode: str, before: float | None, through: str) -> None:
