@@ -62,7 +62,7 @@ except ImportError:  # the system python has no aiohttp; vLLM's environment alwa
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its helper, examples/proxy_ranks.py
 from proxy_ranks import (DP_HEADER, MAX_ANSWER_BYTES, Prefill, RankPicker, StartupError,  # noqa: E402
                          check_kv_arrived, check_side_channels, check_url, confirm_prefill, kv_received, parse_prefill,
-                         served_model, wait_healthy, warmup_body)
+                         read_capped, served_model, wait_healthy, warmup_body)
 
 _check_url = check_url
 log = logging.getLogger("sparse_kv_proxy")
@@ -137,9 +137,10 @@ def build_app(prefill_instances: Sequence[Prefill | str], decode_instances: Sequ
             headers = {**headers, DP_HEADER: str(dp_rank)}
         try:
             async with session.post(prefill.url + path, json=body, headers=headers, timeout=prefill_timeout) as r:
-                raw = await r.content.read(MAX_ANSWER_BYTES)
+                raw = await read_capped(r.content, MAX_ANSWER_BYTES)
                 if r.status >= 300:
-                    raise LegError("prefill", where, r.status, f"HTTP {r.status}: {raw[:2000].decode(errors='replace')}")
+                    text = raw[:2000].decode(errors="replace")
+                    raise LegError("prefill", where, r.status, f"HTTP {r.status}: {text}")
         except asyncio.TimeoutError as exc:
             raise LegError("prefill", where, 504, f"no answer within {timeout:g} s") from exc
         except aiohttp.ClientError as exc:
@@ -228,7 +229,7 @@ def build_app(prefill_instances: Sequence[Prefill | str], decode_instances: Sequ
             picker.in_flight[slot] += 1  # (both_legs gives it back)
 
             async def read(upstream: aiohttp.ClientResponse) -> tuple[int, bytes]:
-                return upstream.status, await upstream.content.read(MAX_ANSWER_BYTES)
+                return upstream.status, await read_capped(upstream.content, MAX_ANSWER_BYTES)
             try:
                 status, raw = await both_legs(session, slot, decode, "/v1/completions",
                                               warmup_body(await served_model(session, prefill.url, timeout)), {},
@@ -305,7 +306,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     ap.add_argument("--port", type=int, default=8001, help="port to listen on (default %(default)s)")
-    ap.add_argument("--prefill", action="append", required=True, type=_arg(parse_prefill), metavar="URL,SIDE_HOST:PORT[,dp=N][,tp=N][,pp=N]",
+    ap.add_argument("--prefill", action="append", required=True, type=_arg(parse_prefill),
+                    metavar="URL,SIDE_HOST:PORT[,dp=N][,tp=N][,pp=N]",
                     help="prefill instance: OpenAI server URL, DP rank 0's side-channel address, and its data-, "
                          "tensor- and pipeline-parallel sizes (default 1); repeatable")
     ap.add_argument("--decode", action="append", required=True, type=_arg(_check_url), metavar="URL",

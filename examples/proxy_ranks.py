@@ -26,6 +26,15 @@ MAX_ANSWER_BYTES = 4 << 20
 """The most of a prefill leg's answer the router reads (a 1-token completion is a few kB)."""
 
 
+async def read_capped(content: aiohttp.StreamReader, limit: int) -> bytes:
+    """The body up to `limit` bytes (a peer's answer: what is beyond is not read)."""
+    chunks, size = [], 0
+    while size < limit and (chunk := await content.read(limit - size)):
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
+
+
 def check_url(url: str) -> str:
     parts = urlsplit(url.strip())
     if parts.scheme not in ("http", "https") or not parts.netloc:
@@ -141,7 +150,12 @@ async def probe_side_channel(host: str, port: int, timeout_s: float) -> str:
     """What listens at host:port: "side channel" (it answered a frame), "http" (an HTTP server), or why neither
     ("unreachable: ...", "closed", "silent"). Sends one connector frame (a Reject, so nothing is registered; prefill
     logs one refused-handshake line) followed by an empty line, which an HTTP server answers with 400."""
-    from connector.protocol.messages import HEADER, Reject, encode_frame
+    try:
+        from connector.protocol.messages import HEADER, Reject, encode_frame
+    except ImportError as exc:
+        raise StartupError(f"the side-channel check speaks the connector's frames, and this python has no connector "
+                           f"package ({exc}): run the proxy with vLLM's python (where SparseKVConnector is installed), "
+                           f"pip install sparse-kv-connector here, or pass --no-startup-checks") from None
 
     try:
         reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
@@ -178,9 +192,9 @@ async def check_side_channels(prefills: list[Prefill], deadline: float, timeout_
             if got == "http" or got.startswith("other"):
                 raise StartupError(
                     f"--prefill {p.spec or p.url}: {p.side_channel(rank)} (side channel of {p.name(rank)}) answers "
-                    f"{'HTTP: it is an HTTP port' if got == 'http' else got}, not prefill's side channel. After the comma give prefill's "
-                    f"side_channel_host:side_channel_port (kv_connector_extra_config; default port 5600), not its "
-                    f"API port: --prefill {p.url},HOST:SIDE_CHANNEL_PORT")
+                    f"{'HTTP: it is an HTTP port' if got == 'http' else got}, not prefill's side channel. After the "
+                    f"comma give prefill's side_channel_host:side_channel_port (kv_connector_extra_config; default "
+                    f"port 5600), not its API port: --prefill {p.url},HOST:SIDE_CHANNEL_PORT")
             if loop.time() >= deadline:
                 raise StartupError(
                     f"--prefill {p.spec or p.url}: no side channel at {p.side_channel(rank)} ({p.name(rank)}): "
@@ -209,7 +223,7 @@ async def wait_healthy(session: aiohttp.ClientSession, urls: list[str], deadline
 async def served_model(session: aiohttp.ClientSession, url: str, timeout_s: float) -> str:
     try:
         async with session.get(url + "/v1/models", timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
-            data = json.loads(await r.content.read(MAX_ANSWER_BYTES))
+            data = json.loads(await read_capped(r.content, MAX_ANSWER_BYTES))
         return str(data["data"][0]["id"])
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, IndexError, TypeError) as exc:
         raise StartupError(f"{url}/v1/models names no model ({type(exc).__name__}: {exc}): is it vLLM's OpenAI "
@@ -230,7 +244,7 @@ async def kv_received(session: aiohttp.ClientSession, url: str) -> float | None:
     """Sum of decode's RECVS_OK samples; None when its /metrics does not answer or names none."""
     try:
         async with session.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as r:
-            text = (await r.content.read(16 << 20)).decode(errors="replace") if r.status == 200 else ""
+            text = (await read_capped(r.content, 16 << 20)).decode(errors="replace") if r.status == 200 else ""
     except (aiohttp.ClientError, asyncio.TimeoutError):
         return None
     found = None

@@ -163,7 +163,8 @@ async def test_the_probe_tells_a_side_channel_from_an_http_port(side_channel, se
 
 def test_the_router_refuses_an_http_port_as_side_channel_at_start(tmp_path) -> None:
     # examples/proxy.py as a user runs it, against a real HTTP server given where the side channel belongs
-    http = subprocess.Popen([sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(http_port := free_ports())],
+    http_port = free_ports()
+    http = subprocess.Popen([sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(http_port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 20
