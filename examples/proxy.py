@@ -27,9 +27,10 @@ that no rank will send.
 Before it listens, the proxy checks the deployment (up to --startup-wait s, default 300, for the engines to come
 up; --no-startup-checks skips it) and refuses to start, naming the flag and the fix, when a side-channel address
 answers HTTP (an engine's API port given as side channel), or when a 16-token PD request through each prefill DP
-rank (decodes in turn) does not move KV (prefill's answer must confirm the KV kept for that rank, and decode's
+rank and to each decode does not move KV (prefill's answer must confirm the KV kept for that rank, and decode's
 /metrics count it received: swapped --prefill/--decode, wrong dp/tp/pp). The probe costs prefill one
-refused-handshake WARNING line per DP rank, which quotes the check (it sends a Reject, not a Hello).
+refused-handshake WARNING line per DP rank, which quotes the check (it sends a Reject, not a Hello). With vLLM's
+--api-key, the checks need the key in the router's VLLM_API_KEY.
 
 Several instances of each kind: the prefill DP ranks of all instances are taken by fewest requests in flight
 (ties round-robin), decodes round-robin. The default port, 8001, leaves 8000 to
@@ -44,6 +45,7 @@ import asyncio
 import itertools
 import json
 import logging
+import os
 import secrets
 import uuid
 import sys
@@ -219,12 +221,16 @@ def build_app(prefill_instances: Sequence[Prefill | str], decode_instances: Sequ
     async def startup_checks(session: aiohttp.ClientSession, wait_s: float) -> None:
         """Before any request: an HTTP port given as a side channel, engines not up, swapped --prefill/--decode
         URLs, a DP rank the engine does not have or whose side channel is elsewhere: StartupError naming the flag.
-        One 16-token PD request per prefill DP rank (decodes in turn) proves the path and warms it."""
+        One 16-token PD request per prefill DP rank and per decode (in turn) proves the path and warms it. With
+        vLLM's --api-key, give the router its key in VLLM_API_KEY (as vLLM reads it)."""
         deadline = asyncio.get_running_loop().time() + wait_s
         await check_side_channels(prefills, deadline)
         await wait_healthy(session, [p.url for p in prefills] + decodes, deadline)
-        for slot, (prefill, dp_rank) in enumerate(picker.slots):
-            decode = next(next_decode)
+        key = os.environ.get("VLLM_API_KEY")
+        auth = {"Authorization": f"Bearer {key}"} if key else {}
+        for i in range(max(len(picker.slots), len(decodes))):
+            slot, decode = i % len(picker.slots), decodes[i % len(decodes)]
+            prefill, dp_rank = picker.slots[slot]
             received = await kv_received(session, decode)
             picker.in_flight[slot] += 1  # (both_legs gives it back)
 
@@ -232,8 +238,8 @@ def build_app(prefill_instances: Sequence[Prefill | str], decode_instances: Sequ
                 return upstream.status, await read_capped(upstream.content, MAX_ANSWER_BYTES)
             try:
                 status, raw = await both_legs(session, slot, decode, "/v1/completions",
-                                              warmup_body(await served_model(session, prefill.url, timeout)), {},
-                                              read)
+                                              warmup_body(await served_model(session, prefill.url, timeout, auth)),
+                                              auth, read)
             except LegError as exc:
                 raise StartupError(f"--prefill {prefill.spec or prefill.url} --decode {decode}: a 16-token check "
                                    f"request failed: {exc}") from None

@@ -220,9 +220,10 @@ async def wait_healthy(session: aiohttp.ClientSession, urls: list[str], deadline
             await asyncio.sleep(1.0)
 
 
-async def served_model(session: aiohttp.ClientSession, url: str, timeout_s: float) -> str:
+async def served_model(session: aiohttp.ClientSession, url: str, timeout_s: float, headers: dict[str, str]) -> str:
     try:
-        async with session.get(url + "/v1/models", timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+        async with session.get(url + "/v1/models", headers=headers,
+                               timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
             data = json.loads(await read_capped(r.content, MAX_ANSWER_BYTES))
         return str(data["data"][0]["id"])
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, IndexError, TypeError) as exc:

@@ -207,13 +207,14 @@ async def test_swapped_urls_are_refused_at_start(side_channel, serve) -> None:
 async def test_start_up_checks_pass_on_a_right_configuration(side_channel, serve) -> None:
     port, registered = side_channel
     prefill = Engine(prefill_answer(port))
-    decode = Engine(lambda body, headers: (200, {"choices": [{"text": "ok"}]}), receives=True)
-    p_url, d_url = await serve(prefill.app()), await serve(decode.app())
-    runner = web.AppRunner(proxy.build_app([f"{p_url},127.0.0.1:{port}"], [d_url], timeout=10, startup_wait=5))
+    decodes = [Engine(lambda body, headers: (200, {"choices": [{"text": "ok"}]}), receives=True) for _ in range(2)]
+    p_url, d_urls = await serve(prefill.app()), [await serve(d.app()) for d in decodes]
+    runner = web.AppRunner(proxy.build_app([f"{p_url},127.0.0.1:{port}"], d_urls, timeout=10, startup_wait=5))
     await runner.setup()  # raises StartupError on a finding
     await runner.cleanup()
-    assert len(prefill.seen) == len(decode.seen) == 1  # the one check request, both legs
-    assert decode.seen[0][0]["kv_transfer_params"]["prefill_addr"] == f"127.0.0.1:{port}"
+    # one check request per decode (and per prefill DP rank), both legs each
+    assert len(prefill.seen) == 2 and [len(d.seen) for d in decodes] == [1, 1]
+    assert all(d.seen[0][0]["kv_transfer_params"]["prefill_addr"] == f"127.0.0.1:{port}" for d in decodes)
     assert registered == []
 
 
