@@ -28,7 +28,7 @@ Before it listens, the proxy checks the deployment (up to --startup-wait s, defa
 up; --no-startup-checks skips it) and refuses to start, naming the flag and the fix, when a side-channel address
 answers HTTP (an engine's API port given as side channel), or when a 16-token PD request through each prefill DP
 rank and to each decode does not move KV (prefill's answer must confirm the KV kept for that rank, and decode's
-/metrics count it received: swapped --prefill/--decode, wrong dp/tp/pp). The probe costs prefill one
+/metrics count it received, prefill's sent: swapped --prefill/--decode, wrong dp/tp/pp). The probe costs prefill one
 refused-handshake WARNING line per DP rank, which quotes the check (it sends a Reject, not a Hello). With vLLM's
 --api-key, the checks need the key in the router's VLLM_API_KEY.
 
@@ -62,9 +62,9 @@ except ImportError:  # the system python has no aiohttp; vLLM's environment alwa
                      f".venv-cpu/bin/python {__file__} ..., or `pip install aiohttp`") from None
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its helper, examples/proxy_ranks.py
-from proxy_ranks import (DP_HEADER, MAX_ANSWER_BYTES, Prefill, RankPicker, StartupError,  # noqa: E402
-                         check_kv_arrived, check_side_channels, check_url, confirm_prefill, kv_received, parse_prefill,
-                         read_capped, served_model, wait_healthy, warmup_body)
+from proxy_ranks import (DP_HEADER, MAX_ANSWER_BYTES, RECVS_OK, SENDS_OK, Prefill, RankPicker,  # noqa: E402
+                         StartupError, check_kv_moved, check_side_channels, check_url, confirm_prefill, counter,
+                         parse_prefill, read_capped, served_model, wait_healthy, warmup_body)
 
 _check_url = check_url
 log = logging.getLogger("sparse_kv_proxy")
@@ -231,7 +231,7 @@ def build_app(prefill_instances: Sequence[Prefill | str], decode_instances: Sequ
         for i in range(max(len(picker.slots), len(decodes))):
             slot, decode = i % len(picker.slots), decodes[i % len(decodes)]
             prefill, dp_rank = picker.slots[slot]
-            received = await kv_received(session, decode)
+            before = (await counter(session, prefill.url, SENDS_OK), await counter(session, decode, RECVS_OK))
             picker.in_flight[slot] += 1  # (both_legs gives it back)
 
             async def read(upstream: aiohttp.ClientResponse) -> tuple[int, bytes]:
@@ -246,7 +246,7 @@ def build_app(prefill_instances: Sequence[Prefill | str], decode_instances: Sequ
             if status != 200:
                 raise StartupError(f"--decode {decode}: a 16-token check request through {prefill.name(dp_rank)} "
                                    f"got HTTP {status}: {raw[:1000].decode(errors='replace')}")
-            await check_kv_arrived(session, decode, received, prefill.name(dp_rank))
+            await check_kv_moved(session, prefill, dp_rank, decode, before)
             log.info("start-up check: %s -> %s ok", prefill.name(dp_rank), decode)
 
     async def relay(request: web.Request, upstream: aiohttp.ClientResponse) -> web.StreamResponse:

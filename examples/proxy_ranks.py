@@ -239,10 +239,15 @@ def warmup_body(model: str) -> dict[str, Any]:
 
 RECVS_OK = "vllm:sparse_kv_recvs_ok_total"
 """The decode counter of requests whose KV arrived (SparseKVConnector's stats, on vLLM's /metrics)."""
+SENDS_OK = "vllm:sparse_kv_sends_ok_total"
+"""The prefill counter of requests whose KV every rank finished sending."""
+KV_ARRIVAL_S = 60.0
+"""How long the start-up check waits for the engines' /metrics to count the check request's KV (they lag a step;
+more on a machine whose processes stall)."""
 
 
-async def kv_received(session: aiohttp.ClientSession, url: str) -> float | None:
-    """Sum of decode's RECVS_OK samples; None when its /metrics does not answer or names none."""
+async def counter(session: aiohttp.ClientSession, url: str, name: str) -> float | None:
+    """Sum of the samples of counter `name` on url's /metrics; None when they do not answer or name none."""
     try:
         async with session.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as r:
             text = (await read_capped(r.content, 16 << 20)).decode(errors="replace") if r.status == 200 else ""
@@ -250,7 +255,7 @@ async def kv_received(session: aiohttp.ClientSession, url: str) -> float | None:
         return None
     found = None
     for line in text.splitlines():
-        if line.startswith(RECVS_OK + "{") or line.startswith(RECVS_OK + " "):
+        if line.startswith(name + "{") or line.startswith(name + " "):
             try:
                 found = (found or 0.0) + float(line.rpartition(" ")[2])
             except ValueError:
@@ -258,27 +263,33 @@ async def kv_received(session: aiohttp.ClientSession, url: str) -> float | None:
     return found
 
 
-KV_ARRIVAL_S = 60.0
-"""How long the start-up check waits for decode's /metrics to count the check request's KV (they lag a step;
-more on a machine whose processes stall)."""
-
-
-async def check_kv_arrived(session: aiohttp.ClientSession, decode: str, before: float | None, through: str) -> None:
-    """Decode counted the check request's KV as received (its /metrics lag a step): else it computed the prompt
-    itself, which a decode URL that is really a prefill (or an engine without the connector) does."""
+async def counted(session: aiohttp.ClientSession, url: str, name: str, before: float | None) -> str:
+    """"" once url's counter `name` is above `before`, within KV_ARRIVAL_S; else what it shows."""
     loop = asyncio.get_running_loop()
     timeout_s = KV_ARRIVAL_S
     deadline = loop.time() + timeout_s
     while True:
-        now = await kv_received(session, decode)
+        now = await counter(session, url, name)
         if now is not None and now > (before or 0.0):
-            return
+            return ""
         if loop.time() >= deadline:
-            why = (f"its /metrics name no {RECVS_OK}" if now is None else
-                   f"its {RECVS_OK} stayed at {now:g} for {timeout_s:g} s after the request, so it computed the "
-                   f"prompt itself")
-            raise StartupError(f"--decode {decode}: a 16-token check request through {through} did not load KV: "
-                               f"{why}. Is this URL a decode with SparseKVConnector as kv_consumer/kv_both (a "
-                               f"prefill's URL here, --prefill and --decode swapped?), and is its log free of "
-                               f"transfer errors?")
+            return (f"its /metrics name no {name}" if now is None else
+                    f"its {name} stayed at {now:g} for {timeout_s:g} s after the request")
         await asyncio.sleep(0.5)
+
+
+async def check_kv_moved(session: aiohttp.ClientSession, prefill: Prefill, dp_rank: int, decode: str,
+                         before: tuple[float | None, float | None]) -> None:
+    """Decode counted the check request's KV received, and prefill counted it sent (their /metrics lag a step).
+    A decode that computed the prompt itself (a URL that is really a prefill, an engine without the connector)
+    counts nothing."""
+    why = await counted(session, decode, RECVS_OK, before[1])
+    if why:
+        raise StartupError(f"--decode {decode}: a 16-token check request through {prefill.name(dp_rank)} did not "
+                           f"load KV: {why}, so it computed the prompt itself. Is this URL a decode with "
+                           f"SparseKVConnector as kv_consumer/kv_both (a prefill's URL here, --prefill and --decode "
+                           f"swapped?), and is its log free of transfer errors?")
+    why = await counted(session, prefill.url, SENDS_OK, before[0])
+    if why:
+        raise StartupError(f"--prefill {prefill.spec or prefill.url}: decode {decode} loaded the check request's KV "
+                           f"but {prefill.name(dp_rank)} did not count it sent: {why}. See prefill's log")

@@ -62,10 +62,11 @@ class Engine:
     """An aiohttp server standing in for vLLM's OpenAI server. `answer(body, headers)` -> (status, JSON) of a
     completion; `hang` makes it never answer (a decode waiting for KV)."""
 
-    def __init__(self, answer=None, hang: bool = False, receives: bool = False) -> None:
-        self.answer, self.hang, self.receives = answer, hang, receives
-        """`receives`: its /metrics count each request with do_remote_prefill as KV received, as a working decode's
-        do (what the router reads; the real-engine test, tests/real_engine/test_real_dp_router.py, has real ones)."""
+    def __init__(self, answer=None, hang: bool = False, counts: bool = False) -> None:
+        self.answer, self.hang, self.counts = answer, hang, counts
+        """`counts`: its /metrics count each request with do_remote_prefill as KV received and each with
+        do_remote_decode as KV sent, as working engines' do (what the router reads; the real-engine test,
+        tests/real_engine/test_real_dp_router.py, has real ones)."""
         self.seen: list[tuple[dict[str, Any], dict[str, str]]] = []
         self.cancelled = asyncio.Event()
 
@@ -89,8 +90,11 @@ class Engine:
             return web.json_response({"object": "list", "data": [{"id": "tiny"}]})
 
         async def metrics(_request: web.Request) -> web.Response:
-            n = sum(1 for body, _ in self.seen if (body.get("kv_transfer_params") or {}).get("do_remote_prefill"))
-            return web.Response(text=f'vllm:sparse_kv_recvs_ok_total{{engine="0"}} {n if self.receives else 0}.0\n')
+            def n(flag: str) -> int:
+                return sum(1 for body, _ in self.seen if (body.get("kv_transfer_params") or {}).get(flag)) \
+                    if self.counts else 0
+            return web.Response(text=f'vllm:sparse_kv_recvs_ok_total{{engine="0"}} {n("do_remote_prefill")}.0\n'
+                                     f'vllm:sparse_kv_sends_ok_total{{engine="0"}} {n("do_remote_decode")}.0\n')
 
         app = web.Application()
         app.router.add_get("/metrics", metrics)
@@ -206,8 +210,8 @@ async def test_swapped_urls_are_refused_at_start(side_channel, serve) -> None:
 
 async def test_start_up_checks_pass_on_a_right_configuration(side_channel, serve) -> None:
     port, registered = side_channel
-    prefill = Engine(prefill_answer(port))
-    decodes = [Engine(lambda body, headers: (200, {"choices": [{"text": "ok"}]}), receives=True) for _ in range(2)]
+    prefill = Engine(prefill_answer(port), counts=True)
+    decodes = [Engine(lambda body, headers: (200, {"choices": [{"text": "ok"}]}), counts=True) for _ in range(2)]
     p_url, d_urls = await serve(prefill.app()), [await serve(d.app()) for d in decodes]
     runner = web.AppRunner(proxy.build_app([f"{p_url},127.0.0.1:{port}"], d_urls, timeout=10, startup_wait=5))
     await runner.setup()  # raises StartupError on a finding
@@ -222,7 +226,7 @@ async def test_a_decode_url_that_loads_no_kv_is_refused_at_start(side_channel, s
     # --decode names another prefill: it answers the decode leg by computing the prompt itself (a role mismatch)
     monkeypatch.setattr(ranks, "KV_ARRIVAL_S", 1.0)
     port, _ = side_channel
-    p_url = await serve(Engine(prefill_answer(port)).app())
+    p_url = await serve(Engine(prefill_answer(port), counts=True).app())
     other_prefill = await serve(Engine(lambda body, headers: (200, {"choices": [{"text": "ok"}]})).app())
     runner = web.AppRunner(proxy.build_app([f"{p_url},127.0.0.1:{port}"], [other_prefill], timeout=10,
                                            startup_wait=5))
@@ -231,7 +235,8 @@ async def test_a_decode_url_that_loads_no_kv_is_refused_at_start(side_channel, s
     await runner.cleanup()
     msg = str(err.value)
     assert f"--decode {other_prefill}: a 16-token check request through {p_url} did not load KV" in msg, msg
-    assert "stayed at 0 for 1 s" in msg and "--prefill and --decode swapped?" in msg, msg
+    assert "stayed at 0 for 1 s after the request, so it computed the prompt itself" in msg, msg
+    assert "--prefill and --decode swapped?" in msg, msg
 
 
 async def test_each_request_pins_a_dp_rank_and_decode_gets_its_side_channel(serve) -> None:
