@@ -11,7 +11,29 @@ them layer by layer while it computes. The client gets the decode response, stre
     python examples/proxy.py --port 8001 \
         --prefill http://P_HOST:8100,P_HOST:5600 --decode http://D_HOST:8200 [--prefill ...] [--decode ...]
 
-Several instances of each kind are used round-robin. The default port, 8001, leaves 8000 to
+Data parallel: a prefill started with `--data-parallel-size N` (vLLM's own load balancer behind one API server) is
+N engines, each with its own side channel (DP rank r: side_channel_port + r * tp * pp). Decode must be told the
+side channel before prefill runs, so the proxy picks the rank itself (the fewest requests in flight through it,
+ties round-robin), sends the prefill leg to it with vLLM's `X-data-parallel-rank` header, and tells decode that
+rank's side channel. Give the sizes after the side channel (tp and pp default to 1):
+
+    python examples/proxy.py --prefill http://P_HOST:8100,P_HOST:5600,dp=2[,tp=1][,pp=1] --decode http://D_HOST:8200
+
+Prefill's answer must confirm it kept the KV for decode on that rank (its kv_transfer_params name the rank and side
+channel): an answer without them (a plain request: swapped URLs, an engine without the connector) or naming
+another rank ends the decode leg at once, and the client gets a 502 naming the cause instead of waiting for KV
+that no rank will send.
+
+Before it listens, the proxy checks the deployment (up to --startup-wait s, default 300, for the engines to come
+up; --no-startup-checks skips it) and refuses to start, naming the flag and the fix, when a side-channel address
+answers HTTP (an engine's API port given as side channel), or when a 16-token PD request through each prefill DP
+rank and to each decode does not move KV (prefill's answer must confirm the KV kept for that rank, and decode's
+/metrics count it received, prefill's sent: swapped --prefill/--decode, wrong dp/tp/pp). The probe costs prefill one
+refused-handshake WARNING line per DP rank, which quotes the check (it sends a Reject, not a Hello). With vLLM's
+--api-key, the checks need the key in the router's VLLM_API_KEY.
+
+Several instances of each kind: the prefill DP ranks of all instances are taken by fewest requests in flight
+(ties round-robin), decodes round-robin. The default port, 8001, leaves 8000 to
 examples/sequential_router.py, so both can run in front of the same engines. `build_app()` is the importable entry
 (tests use it).
 """
@@ -23,11 +45,12 @@ import asyncio
 import itertools
 import json
 import logging
+import os
 import secrets
 import uuid
-from dataclasses import dataclass
+import sys
+from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Sequence
-from urllib.parse import urlsplit
 
 try:
     import aiohttp
@@ -38,35 +61,17 @@ except ImportError:  # the system python has no aiohttp; vLLM's environment alwa
     raise SystemExit(f"{__file__} needs aiohttp: run it with the python of vLLM's environment (which has it), e.g. "
                      f".venv-cpu/bin/python {__file__} ..., or `pip install aiohttp`") from None
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its helper, examples/proxy_ranks.py
+from proxy_ranks import (DP_HEADER, MAX_ANSWER_BYTES, RECVS_OK, SENDS_OK, Prefill, RankPicker,  # noqa: E402
+                         StartupError, check_kv_moved, check_side_channels, check_url, confirm_prefill, counter,
+                         parse_prefill, read_capped, served_model, wait_healthy, warmup_body)
+
+_check_url = check_url
 log = logging.getLogger("sparse_kv_proxy")
 
 # Response headers that describe the upstream hop, not the payload; aiohttp sets its own for the client hop.
 HOP_HEADERS = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding",
                          "date", "server"})
-
-
-@dataclass(frozen=True)
-class Prefill:
-    url: str
-    """Base URL of the prefill instance's OpenAI server, e.g. http://10.0.0.1:8100."""
-    side_channel_addr: str
-    """HOST:PORT of its connector side channel (`side_channel_host`/`side_channel_port`), given to decode."""
-
-
-def parse_prefill(spec: str) -> Prefill:
-    """`http://HOST:8100,HOST:5600` -> Prefill. The side channel is not derivable from the URL (own port)."""
-    url, sep, side = spec.partition(",")
-    host, _, port = side.strip().rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"--prefill wants URL,SIDE_HOST:SIDE_PORT, got {spec!r}")
-    return Prefill(_check_url(url), side.strip())
-
-
-def _check_url(url: str) -> str:
-    parts = urlsplit(url.strip())
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise ValueError(f"not an http(s) URL: {url!r}")
-    return url.strip().rstrip("/")
 
 
 class LegError(Exception):
@@ -94,20 +99,22 @@ def prefill_body(body: dict[str, Any], transfer_id: str, secret: str) -> dict[st
     return out
 
 
-def decode_body(body: dict[str, Any], transfer_id: str, prefill: Prefill, secret: str) -> dict[str, Any]:
+def decode_body(body: dict[str, Any], transfer_id: str, side_channel: str, secret: str) -> dict[str, Any]:
     return {**body, "kv_transfer_params": {"do_remote_prefill": True, "transfer_id": transfer_id,
-                                           "prefill_addr": prefill.side_channel_addr, "transfer_secret": secret}}
+                                           "prefill_addr": side_channel, "transfer_secret": secret}}
 
 
 def build_app(prefill_instances: Sequence[Prefill | str], decode_instances: Sequence[str],
-              timeout: float = 600.0) -> web.Application:
+              timeout: float = 600.0, startup_wait: float | None = None) -> web.Application:
     """The proxy app. Serve it with `handler_cancellation=True` (as `main` does): a client that disconnects then
-    cancels the handler, and so both legs, instead of leaving vLLM computing for nobody."""
+    cancels the handler, and so both legs, instead of leaving vLLM computing for nobody. `startup_wait`: seconds
+    the start-up checks (every side channel answers as one, one short PD request per prefill DP rank moves KV)
+    may wait for the engines; None: no checks."""
     prefills = [p if isinstance(p, Prefill) else parse_prefill(p) for p in prefill_instances]
     decodes = [_check_url(d) for d in decode_instances]
     if not prefills or not decodes:
         raise ValueError("need at least one prefill and one decode instance")
-    next_prefill, next_decode = itertools.cycle(prefills), itertools.cycle(decodes)
+    picker, next_decode = RankPicker(prefills), itertools.cycle(decodes)
     # The prefill leg must finish within `timeout`; the decode leg may stream for longer, but may not stay silent
     # (connect, or between two reads) for longer than `timeout`.
     prefill_timeout = aiohttp.ClientTimeout(total=timeout)
@@ -119,19 +126,30 @@ def build_app(prefill_instances: Sequence[Prefill | str], decode_instances: Sequ
         # silently queue requests behind long decode streams.
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
             app[SESSION] = session
+            if startup_wait is not None:
+                await startup_checks(session, startup_wait)
             yield
 
-    async def run_prefill(session: aiohttp.ClientSession, prefill: Prefill, path: str, body: dict[str, Any],
-                          headers: dict[str, str]) -> None:
+    async def run_prefill(session: aiohttp.ClientSession, prefill: Prefill, dp_rank: int, path: str,
+                          body: dict[str, Any], headers: dict[str, str]) -> None:
+        """Returns once prefill answered 2xx AND its answer confirms it kept the KV for decode on `dp_rank`; else
+        LegError, which ends the decode leg at once (a decode waiting for KV no rank will send fails fast)."""
+        where = prefill.name(dp_rank)
+        if prefill.dp > 1:
+            headers = {**headers, DP_HEADER: str(dp_rank)}
         try:
             async with session.post(prefill.url + path, json=body, headers=headers, timeout=prefill_timeout) as r:
-                text = await r.text(errors="replace")
+                raw = await read_capped(r.content, MAX_ANSWER_BYTES)
                 if r.status >= 300:
-                    raise LegError("prefill", prefill.url, r.status, f"HTTP {r.status}: {text[:2000]}")
+                    text = raw[:2000].decode(errors="replace")
+                    raise LegError("prefill", where, r.status, f"HTTP {r.status}: {text}")
         except asyncio.TimeoutError as exc:
-            raise LegError("prefill", prefill.url, 504, f"no answer within {timeout:g} s") from exc
+            raise LegError("prefill", where, 504, f"no answer within {timeout:g} s") from exc
         except aiohttp.ClientError as exc:
-            raise LegError("prefill", prefill.url, 502, f"{type(exc).__name__}: {exc}") from exc
+            raise LegError("prefill", where, 502, f"{type(exc).__name__}: {exc}") from exc
+        problem = confirm_prefill(prefill, dp_rank, r.status, raw)
+        if problem:
+            raise LegError("prefill", where, 502, f"no prefill rank will send decode this request's KV: {problem}")
 
     async def open_decode(session: aiohttp.ClientSession, url: str, path: str, body: dict[str, Any],
                           headers: dict[str, str]) -> aiohttp.ClientResponse:
@@ -143,24 +161,17 @@ def build_app(prefill_instances: Sequence[Prefill | str], decode_instances: Sequ
         except aiohttp.ClientError as exc:
             raise LegError("decode", url, 502, f"{type(exc).__name__}: {exc}") from exc
 
-    async def generate(request: web.Request) -> web.StreamResponse:
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            body = None
-        if not isinstance(body, dict):
-            return web.json_response({"error": {"message": "body must be a JSON object", "type": "invalid_request"}},
-                                     status=400)
+    async def both_legs(session: aiohttp.ClientSession, slot: int, decode: str, path: str, body: dict[str, Any],
+                        headers: dict[str, str], use: Callable[[aiohttp.ClientResponse], Any]) -> Any:
+        """Sends both legs, and once prefill confirmed (and decode answered), returns `use(decode's response)`."""
+        prefill, dp_rank = picker.slots[slot]
         transfer_id, secret = uuid.uuid4().hex, secrets.token_urlsafe(16)  # the secret is never logged
-        prefill, decode = next(next_prefill), next(next_decode)
-        headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}  # vLLM --api-key
-        log.info("%s %s: prefill %s, decode %s", transfer_id, request.path, prefill.url, decode)
-        session = request.app[SESSION]
+        log.info("%s %s: prefill %s, decode %s", transfer_id, path, prefill.name(dp_rank), decode)
         # Both legs at once: decode registers its blocks while prefill computes, so layers are pushed as they finish.
-        p_task = asyncio.create_task(run_prefill(session, prefill, request.path, prefill_body(body, transfer_id, secret),
-                                                 headers))
-        d_task = asyncio.create_task(open_decode(session, decode, request.path,
-                                                 decode_body(body, transfer_id, prefill, secret), headers))
+        p_task = asyncio.create_task(run_prefill(session, prefill, dp_rank, path,
+                                                 prefill_body(body, transfer_id, secret), headers))
+        d_task = asyncio.create_task(open_decode(session, decode, path, decode_body(
+            body, transfer_id, prefill.side_channel(dp_rank), secret), headers))
         upstream: aiohttp.ClientResponse | None = None
         try:
             # Nothing goes to the client until prefill succeeded, so a prefill failure can still be a clean JSON
@@ -176,11 +187,12 @@ def build_app(prefill_instances: Sequence[Prefill | str], decode_instances: Sequ
                             p_task.cancel()
                             pending.discard(p_task)
             assert upstream is not None
-            return await relay(request, upstream)
+            return await use(upstream)
         except LegError as exc:
             log.warning("%s: %s", transfer_id, exc)
-            return exc.response()
+            raise
         finally:
+            picker.give_back(slot)
             # Closing a connection mid-request is what makes vLLM abort that request (and so the transfer).
             p_task.cancel()
             d_task.cancel()
@@ -190,6 +202,52 @@ def build_app(prefill_instances: Sequence[Prefill | str], decode_instances: Sequ
                 upstream = d_task.result()  # decode answered in the same instant prefill failed
             if upstream is not None:
                 upstream.close()  # no-op once fully read; otherwise drops the connection rather than reusing it
+
+    async def generate(request: web.Request) -> web.StreamResponse:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            body = None
+        if not isinstance(body, dict):
+            return web.json_response({"error": {"message": "body must be a JSON object", "type": "invalid_request"}},
+                                     status=400)
+        headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}  # vLLM --api-key
+        try:
+            return await both_legs(request.app[SESSION], picker.take(), next(next_decode), request.path, body,
+                                   headers, lambda upstream: relay(request, upstream))
+        except LegError as exc:
+            return exc.response()
+
+    async def startup_checks(session: aiohttp.ClientSession, wait_s: float) -> None:
+        """Before any request: an HTTP port given as a side channel, engines not up, swapped --prefill/--decode
+        URLs, a DP rank the engine does not have or whose side channel is elsewhere: StartupError naming the flag.
+        One 16-token PD request per prefill DP rank and per decode (in turn) proves the path and warms it. With
+        vLLM's --api-key, give the router its key in VLLM_API_KEY (as vLLM reads it)."""
+        deadline = asyncio.get_running_loop().time() + wait_s
+        await check_side_channels(prefills, deadline)
+        await wait_healthy(session, [p.url for p in prefills] + decodes, deadline)
+        key = os.environ.get("VLLM_API_KEY")
+        auth = {"Authorization": f"Bearer {key}"} if key else {}
+        for i in range(max(len(picker.slots), len(decodes))):
+            slot, decode = i % len(picker.slots), decodes[i % len(decodes)]
+            prefill, dp_rank = picker.slots[slot]
+            before = (await counter(session, prefill.url, SENDS_OK), await counter(session, decode, RECVS_OK))
+            picker.in_flight[slot] += 1  # (both_legs gives it back)
+
+            async def read(upstream: aiohttp.ClientResponse) -> tuple[int, bytes]:
+                return upstream.status, await read_capped(upstream.content, MAX_ANSWER_BYTES)
+            try:
+                status, raw = await both_legs(session, slot, decode, "/v1/completions",
+                                              warmup_body(await served_model(session, prefill.url, timeout, auth)),
+                                              auth, read)
+            except LegError as exc:
+                raise StartupError(f"--prefill {prefill.spec or prefill.url} --decode {decode}: a 16-token check "
+                                   f"request failed: {exc}") from None
+            if status != 200:
+                raise StartupError(f"--decode {decode}: a 16-token check request through {prefill.name(dp_rank)} "
+                                   f"got HTTP {status}: {raw[:1000].decode(errors='replace')}")
+            await check_kv_moved(session, prefill, dp_rank, decode, before)
+            log.info("start-up check: %s -> %s ok", prefill.name(dp_rank), decode)
 
     async def relay(request: web.Request, upstream: aiohttp.ClientResponse) -> web.StreamResponse:
         """Decode's status, headers and bytes as they come (SSE chunks keep their order and timing)."""
@@ -254,16 +312,25 @@ def main(argv: Sequence[str] | None = None) -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     ap.add_argument("--port", type=int, default=8001, help="port to listen on (default %(default)s)")
-    ap.add_argument("--prefill", action="append", required=True, type=_arg(parse_prefill), metavar="URL,SIDE_HOST:PORT",
-                    help="prefill instance: OpenAI server URL and connector side-channel address; repeatable")
+    ap.add_argument("--prefill", action="append", required=True, type=_arg(parse_prefill),
+                    metavar="URL,SIDE_HOST:PORT[,dp=N][,tp=N][,pp=N]",
+                    help="prefill instance: OpenAI server URL, DP rank 0's side-channel address, and its data-, "
+                         "tensor- and pipeline-parallel sizes (default 1); repeatable")
     ap.add_argument("--decode", action="append", required=True, type=_arg(_check_url), metavar="URL",
                     help="decode instance: OpenAI server URL; repeatable")
     ap.add_argument("--timeout", type=float, default=600.0,
                     help="seconds: prefill must answer within it; decode may not stay silent longer (default 600)")
+    ap.add_argument("--startup-wait", type=float, default=300.0,
+                    help="seconds the start-up checks wait for the engines to come up (default %(default)s)")
+    ap.add_argument("--no-startup-checks", action="store_true",
+                    help="skip the start-up checks (side channels, roles, one PD request per prefill DP rank)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    web.run_app(build_app(args.prefill, args.decode, args.timeout), host=args.host, port=args.port,
-                handler_cancellation=True)
+    app = build_app(args.prefill, args.decode, args.timeout, None if args.no_startup_checks else args.startup_wait)
+    try:
+        web.run_app(app, host=args.host, port=args.port, handler_cancellation=True)
+    except StartupError as exc:
+        raise SystemExit(f"examples/proxy.py: refusing to start: {exc}") from None
 
 
 if __name__ == "__main__":

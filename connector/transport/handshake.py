@@ -155,6 +155,8 @@ class ServerHandshake:
         claim). `entry`: the connection in the guard's pending budget (told who the Auth claims to be)."""
         limit = self.limits.handshake_frame_bytes
         first = await read_frame(reader, limit)
+        if isinstance(first, Reject):  # a probe (examples/proxy.py's start-up check) that only asks what listens
+            raise ControlError(f"first frame is Reject, expected Hello: the peer says {shown(first.reason, 200)}")
         if not isinstance(first, Hello):
             raise ControlError(f"first frame is {type(first).__name__}, expected Hello")
         attempt.first = first

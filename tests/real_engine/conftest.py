@@ -49,7 +49,7 @@ RUNNING: list["Engines"] = []
 """The session's engines while they run (for the failure report)."""
 
 
-POOL_FIXTURES = ("engines", "sparse_m3", "sparse_dsa", "other_archs")
+POOL_FIXTURES = ("engines", "sparse_m3", "sparse_dsa", "other_archs", "dp_router")
 """The fixtures that each stand for one pool of engines, in the order their tests run (tests that need none, such
 as the bench that starts engines of its own, run before any pool)."""
 
@@ -130,7 +130,10 @@ class Proxy:
     """A router run as its own process, ended by PID: an example (examples/*.py), or `vllm-router` (script
     "vllm-router")."""
 
-    def __init__(self, script: str, args: list[str], log_dir: Path) -> None:
+    def __init__(self, script: str, args: list[str], log_dir: Path, listen_s: float | None = None) -> None:
+        """`listen_s`: how long it may take to listen; default 30 s, and for examples/proxy.py, whose start-up checks
+        (a PD request per prefill DP rank) run first, 120 s plus a machine stall."""
+        listen_s = listen_s or (120 + MACHINE_STALL_S if script == "proxy.py" else 30.0)
         self.script, self.args = script, list(args)
         self.port = free_ports()
         self.log = open(log_dir / f"{Path(script).stem}-{self.port}.log", "wb")
@@ -143,17 +146,17 @@ class Proxy:
         else:
             cmd = [sys.executable, str(ROOT / "examples" / script), "--port", str(self.port), *args]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + listen_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{script} exited with {self.proc.returncode}")
+                raise RuntimeError(f"{script} exited with {self.proc.returncode}: {self.log.name}")
             try:
                 socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
                 return
             except OSError:
                 time.sleep(0.2)
         self.stop()
-        raise RuntimeError(f"{script} did not listen on {self.port} within 30 s")
+        raise RuntimeError(f"{script} did not listen on {self.port} within {listen_s:g} s")
 
     @property
     def url(self) -> str:
@@ -361,3 +364,11 @@ def other_archs(pools):
     from tests.real_engine.arch_engines import ArchEngines
 
     return pools.use("other-archs", ArchEngines)
+
+
+@pytest.fixture
+def dp_router(pools):
+    """A DP2 prefill and a decode of the tiny Llama (tests.real_engine.test_real_dp_router.DpPair)."""
+    from tests.real_engine.test_real_dp_router import DpPair
+
+    return pools.use("dp-router", DpPair)
