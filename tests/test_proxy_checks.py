@@ -156,9 +156,9 @@ async def test_the_probe_tells_a_side_channel_from_an_http_port(side_channel, se
                 break
             await asyncio.sleep(0.05)
     # prefill's one line names who asked: an operator reading it knows it was the router's check
-    lines = [r.getMessage() for r in records]
-    assert any("first frame is Reject, expected Hello: the peer says examples/proxy.py start-up check: is this a "
-               "side channel?" in line for line in lines), lines
+    lines = [(r.levelname, r.getMessage()) for r in records]
+    assert any(level == "INFO" and "first frame is Reject, expected Hello (a probe): the peer says examples/proxy.py "
+               "start-up check: is this a side channel?" in line for level, line in lines), lines  # happy path: no WARNING
     http = await serve(Engine(plain_answer).app())
     assert await ranks.probe_side_channel("127.0.0.1", int(http.rsplit(":", 1)[1]), 5) == "http"
     assert (await ranks.probe_side_channel("127.0.0.1", free_ports(), 2)).startswith("unreachable")

@@ -91,6 +91,12 @@ class PeerGaveUp(ControlError):
     """The client refused the handshake itself, saying why (its Reject in place of Auth): nothing to answer."""
 
 
+class Probed(ControlError):
+    """The peer's first frame was a Reject: a probe asking what listens (examples/proxy.py's start-up check), not a
+    decode. Refused like any handshake that is not a decode's, but logged at INFO: it is how a router checks an
+    address before traffic, on the happy path."""
+
+
 class AuthFailed(ControlError):
     """A side-channel peer's proof of the auth token is wrong (counted against its address and claimed identity)."""
 

@@ -3,8 +3,7 @@
 A request's layers go out as soon as two things are known: the layer is computed (`layer_ready`, or the sweep at
 the end of a chunk) and the decode rank's registration (its block ids) has arrived. Whichever comes second
 triggers the WRITE, so a registration that arrives after prefill finished is served from the kept blocks (bulk
-fallback) by the same code. Every route is keyed by (pool, global layer) from the plan; slots never cross ranks.
-"""
+fallback) by the same code. Every route is keyed by (pool, global layer) from the plan; slots never cross ranks."""
 
 from __future__ import annotations
 
@@ -271,7 +270,8 @@ class StreamSender:
             self.writer.staged.connection_closed(conn)
 
     def _count_refusal(self, kind: str) -> None:
-        self.stats.connections_refused += 1
+        """Metrics; a router's start-up probe (connector.core.errors.Probed) is not a refused peer."""
+        self.stats.connections_refused += kind != "probe"
         self.stats.auth_failures += kind == "auth"
 
     def _handshake_refused(self, hello: Hello, reason: str, address: str, came_for: Callable[[str], bool]) -> None:

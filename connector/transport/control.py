@@ -17,7 +17,7 @@ import ssl
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
 
-from connector.core.errors import AuthFailed, ControlError, FrameError, PeerGaveUp, Unanswered
+from connector.core.errors import AuthFailed, ControlError, FrameError, PeerGaveUp, Probed, Unanswered
 from connector.core.untrusted import shown, shown_text
 from connector.protocol.auth import key_fingerprint, with_memory
 from connector.protocol.messages import (DEFAULT_MAX_FRAME_BYTES, Auth, Error, Heartbeat, Hello, Message, Register,
@@ -411,6 +411,8 @@ class ControlServer:
             reason = str(exc)
         except Unanswered as exc:
             kind, reason = "locked_out", str(exc)
+        except Probed as exc:  # a router checking what listens here: answered, counted, logged at INFO
+            kind, reason, reply = "probe", str(exc), Reject(str(exc))
         except ControlError as exc:  # FrameError included
             kind = "frame" if isinstance(exc, FrameError) else "auth" if isinstance(exc, AuthFailed) else "refused"
             reason, reply = str(exc), Reject(str(exc))
@@ -429,7 +431,8 @@ class ControlServer:
         if reason is not None:
             reason = shown_text(reason)  # it may quote the peer (each quote is shown already): one line, bounded
             await end_session(session)
-            self.refusals.note(kind, "closing %s: %s", addr, reason)
+            self.refusals.note(kind, "closing %s: %s", addr, reason,
+                               level=logging.INFO if kind == "probe" else logging.WARNING)
             if attempt.first is not None and self._on_refused is not None:
                 try:
                     self._on_refused(attempt.first, reason, addr, attempt.came_for)

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import msgspec
 
-from connector.core.errors import AuthFailed, ControlError, InputError, PeerGaveUp, Unanswered
+from connector.core.errors import AuthFailed, ControlError, InputError, PeerGaveUp, Probed, Unanswered
 from connector.core.untrusted import shown, shown_text
 from connector.protocol.auth import (check_claim, check_client_proof, check_engine_signature, check_lane,
                                      check_prefill_key, check_server_proof, client_proof, engine_public_key,
@@ -156,7 +156,7 @@ class ServerHandshake:
         limit = self.limits.handshake_frame_bytes
         first = await read_frame(reader, limit)
         if isinstance(first, Reject):  # a probe (examples/proxy.py's start-up check) that only asks what listens
-            raise ControlError(f"first frame is Reject, expected Hello: the peer says {shown(first.reason, 200)}")
+            raise Probed(f"first frame is Reject, expected Hello (a probe): the peer says {shown(first.reason, 200)}")
         if not isinstance(first, Hello):
             raise ControlError(f"first frame is {type(first).__name__}, expected Hello")
         attempt.first = first

@@ -15,11 +15,12 @@ from typing import Callable
 
 LOGGED_PER_INTERVAL = 5
 """Refusals logged in full per interval; the others of the interval go into its summary line."""
-KINDS = ("limit", "evicted", "deadline", "frame", "auth", "locked_out", "refused", "closed")
+KINDS = ("limit", "evicted", "deadline", "frame", "auth", "locked_out", "refused", "closed", "probe")
 """What went wrong: a connection limit (max_connections, max_connections_per_host); evicted from the pending budget
 by a newer connection; the handshake deadline passed; a bad frame (size, version, undecodable, wrong type); a wrong
 proof; claimed an identity locked out after wrong proofs; refused by a check (another model, a limit of the engine);
-the peer closed or lost the connection during the handshake."""
+the peer closed or lost the connection during the handshake; a probe asking what listens (a first frame Reject:
+examples/proxy.py's start-up check), logged at INFO."""
 
 
 class RefusalLog:
@@ -40,8 +41,9 @@ class RefusalLog:
     def total(self) -> int:
         return sum(self.counts.values())
 
-    def note(self, kind: str, message: str, *args: object) -> None:
-        """One refused or failed connection of `kind` (KINDS); `message % args` is its line if it gets one."""
+    def note(self, kind: str, message: str, *args: object, level: int = logging.WARNING) -> None:
+        """One refused or failed connection of `kind` (KINDS); `message % args` is its line (at `level`) if it gets
+        one."""
         assert kind in KINDS, kind
         self.counts[kind] += 1
         if self.on_refusal is not None:
@@ -56,7 +58,7 @@ class RefusalLog:
         self._in_interval += 1
         if self._in_interval <= LOGGED_PER_INTERVAL:
             self.lines += 1
-            self.log.warning(message, *args)
+            self.log.log(level, message, *args)
             return
         self._suppressed[kind] += 1
         if self._timer is None:

@@ -233,8 +233,10 @@ class Engines:
 
     def proxy(self) -> Proxy:
         """examples/proxy.py in front of prefill and decode (one per pool, started on first use)."""
+        # its start-up checks (a PD request through each engine) have tests of their own (test_real_dp_router,
+        # serve-local): here the pool's counters and prefix caches see only the tests' own requests
         return self.shared("proxy.py", ["--prefill", f"{self.prefill.url},{self.prefill.side_channel}",
-                                        "--decode", self.decode.url])
+                                        "--decode", self.decode.url, "--no-startup-checks"])
 
     def router(self) -> Proxy:
         """examples/sequential_router.py in front of prefill and decode (one per pool)."""
