@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 import uuid
+from typing import Any
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -188,7 +189,35 @@ handshake timeout fails its request (CI: a 60 s load against a 60 s timeout, HTT
 a core per worker and a machine that runs."""
 
 
-class Engines:
+class RouterPool:
+    """What every pool with routers does: its routers (one per script and arguments), decode alone as the
+    reference, and the stop (routers first). Subclasses set `servers`, `decode`, `log_dir` and `proxies` ([])."""
+
+    servers: list[Any]
+    decode: Any
+    log_dir: Path
+    proxies: list[Proxy]
+
+    def shared(self, script: str, args: list[str]) -> Proxy:
+        for proxy in self.proxies:
+            if proxy.script == script and proxy.args == args:
+                return proxy
+        proxy = Proxy(script, args, self.log_dir)
+        self.proxies.append(proxy)
+        return proxy
+
+    def reference(self, prompt: list[int], max_tokens: int = 16) -> list[int]:
+        """Greedy tokens of one engine computing everything itself (no prefix cache shared with anyone)."""
+        return complete(self.decode.url, completion_body(prompt, max_tokens, cache_salt=fresh_salt())).token_ids
+
+    def stop(self) -> None:
+        for proxy in self.proxies:
+            proxy.stop()
+        for server in self.servers:
+            server.stop(20)
+
+
+class Engines(RouterPool):
     """prefill (TP1, chunked 256, connector by its entry-point name), prefill_tp2 (kv_both) and prefill_pp2 (by
     kv_connector_module_path), spare (TP1, 4 s lease, 32-token chunks: slow to prefill, killed by a test),
     decode (TP1, policy fail, by module path with vLLM's plugins off) and decode_recompute (policy recompute,
@@ -242,23 +271,6 @@ class Engines:
         """examples/sequential_router.py in front of prefill and decode (one per pool)."""
         return self.shared("sequential_router.py", ["--prefill", self.prefill.url, "--decode", self.decode.url])
 
-    def shared(self, script: str, args: list[str]) -> Proxy:
-        for proxy in self.proxies:
-            if proxy.script == script and proxy.args == args:
-                return proxy
-        proxy = Proxy(script, args, self.log_dir)
-        self.proxies.append(proxy)
-        return proxy
-
-    def reference(self, prompt: list[int], max_tokens: int = 16) -> list[int]:
-        """Greedy tokens of one engine computing everything itself (no prefix cache shared with anyone)."""
-        return complete(self.decode.url, completion_body(prompt, max_tokens, cache_salt=fresh_salt())).token_ids
-
-    def stop(self) -> None:
-        for proxy in self.proxies:
-            proxy.stop()
-        for server in self.servers:
-            server.stop(20)
 
 
 def fresh_salt() -> str:

@@ -17,7 +17,7 @@ from connector.pd.model import TinyLlama
 from connector.pd.servers import ServerSpec, VllmServer, sparse_kv_config, start_all
 from connector.transport.ports import free_ports
 from tests.real_engine.conftest import (CHUNK_TOKENS, MACHINE_STALL_S, STARVED_SIDE_CHANNEL, Prefill, Proxy,
-                                        fresh_salt)
+                                        RouterPool, fresh_salt)
 from tests.real_engine.test_real_pd import wait_for
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(900)]
@@ -26,7 +26,7 @@ DP_SIZE = 2
 KV_CACHE_BYTES = 64 << 20
 
 
-class DpPair:
+class DpPair(RouterPool):
     """prefill: the tiny Llama with --data-parallel-size 2 (side channels side_port and side_port + 1); decode."""
 
     def __init__(self, root: Path, python: Path) -> None:
@@ -49,18 +49,7 @@ class DpPair:
         start_all(self.servers, timeout_s=600 + MACHINE_STALL_S)
 
     def router(self, *args: str) -> Proxy:
-        proxy = Proxy("proxy.py", list(args), self.log_dir)
-        self.proxies.append(proxy)
-        return proxy
-
-    def reference(self, prompt: list[int], max_tokens: int = 16) -> list[int]:
-        return complete(self.decode.url, completion_body(prompt, max_tokens, cache_salt=fresh_salt())).token_ids
-
-    def stop(self) -> None:
-        for proxy in self.proxies:
-            proxy.stop()
-        for server in self.servers:
-            server.stop(20)
+        return self.shared("proxy.py", list(args))
 
 
 def sends_by_rank(server: VllmServer) -> dict[int, float]:
