@@ -36,7 +36,8 @@ def add_subcommand(subs: Any) -> None:
                    help="prefill's HTTP port (default: a free one)")
     p.add_argument("--side-channel-port", type=int_in(1, 65535), default=None,
                    help="prefill's side channel, where decode fetches the KV (default: a free one)")
-    p.add_argument("--decode-port", type=int_in(1, 65535), default=None, help="decode's HTTP port (default: a free one)")
+    p.add_argument("--decode-port", type=int_in(1, 65535), default=None,
+                   help="decode's HTTP port (default: a free one)")
     p.add_argument("--timeout", type=float_in(1, 7200), default=600.0,
                    help="seconds to wait for the engines to be healthy")
     p.add_argument("--no-check", action="store_true",

@@ -36,7 +36,8 @@ METRIC_WAIT_S = 15.0
 """How long the check waits for decode's /metrics to show the transfer (vLLM publishes it with its step stats)."""
 
 
-WARM_PROMPT = "warm up the pair"
+WARM_PROMPT = "warm up the pair " * 20
+"""340 tokens of the tiny tokenizer (a byte each): two full blocks, so the warm-up moves KV as a user's request does."""
 LOCAL_HANDSHAKE_TIMEOUT_S = 60.0
 """serve-local's side-channel handshake timeout (see where it is set)."""
 

@@ -122,7 +122,8 @@ class ServerSpec:
     def command(self, python: str) -> list[str]:
         cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
                "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(self.port),
-               *(() if self.tokenizer else ("--skip-tokenizer-init",)), "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
+               *(() if self.tokenizer else ("--skip-tokenizer-init",)), "--dtype", self.dtype,
+               "--max-model-len", str(self.max_model_len),
                "--tensor-parallel-size", str(self.tp), "--pipeline-parallel-size", str(self.pp), "--seed", "0",
                "--kv-cache-memory-bytes", str(self.kv_cache_bytes)]
         if "--compilation-config" not in self.extra_args:
