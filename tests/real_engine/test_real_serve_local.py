@@ -89,7 +89,7 @@ def unexpected_warnings(log: str) -> list[str]:
             if re.search(r"\bWARNING\b|Traceback", line):
                 bad.append(line)
             continue
-        if level.group(1) != "WARNING" or not any(level.group(2) == f and level.group(3).startswith(m)
+        if level.group(1) != "WARNING" or not any(level.group(2) == f and m in level.group(3)
                                                   for f, m in VLLM_STARTUP_NOTICES):
             bad.append(line)
     return bad
