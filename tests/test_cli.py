@@ -176,3 +176,23 @@ def test_every_option_of_every_command_has_help():
     bare = [(name, a.option_strings[0]) for name, p in subs.choices.items() for a in p._actions
             if a.option_strings and a.dest != "help" and not a.help]
     assert bare == []
+
+
+def test_serve_local_names_a_port_given_twice_or_taken_before_anything_starts(tmp_path):
+    import socket
+
+    from connector.transport.ports import free_ports
+
+    port = free_ports()
+    out = run("serve-local", "--engine-python", sys.executable, "--work-dir", str(tmp_path), "--port", str(port),
+              "--decode-port", str(port))
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert f"error: --decode-port {port} is also --port: every server needs a port of its own" in out.stderr
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        out = run("serve-local", "--engine-python", sys.executable, "--work-dir", str(tmp_path),
+                  "--side-channel-port", str(port))
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert f"error: --side-channel-port {port} is not free on 127.0.0.1" in out.stderr, out.stderr
+    assert not (tmp_path / "logs").exists()  # nothing started

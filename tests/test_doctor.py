@@ -154,7 +154,8 @@ def test_a_side_channel_address_that_is_an_http_server():
     finally:
         loop.run(runner.cleanup(), 10)
         loop.stop()
-    assert any(f"side channel 127.0.0.1:{port}: is an HTTP server, not a side channel" in f for f in fails), fails
+    assert any(f"side channel 127.0.0.1:{port}: this is an HTTP server, not a side channel: you gave an HTTP port"
+               in f for f in fails), fails
 
 
 def test_models_whose_layouts_differ_name_what_differs():

@@ -7,7 +7,8 @@ same one, readable where it comes from a file or a variable); TLS files; the sid
 loopback when decode runs on another node) and its ports (not prefill's HTTP port; free before prefill starts,
 answering as a SparseKVConnector side channel once it runs, with the token checked by a handshake that stops before
 anything is registered); the engines' HTTP servers; UCX's settings for the network; the two models' fingerprints and
-the transfer plan between the two layouts."""
+the transfer plan between the two layouts; on the engines' host, which process serves each URL (swapped URLs) and
+the engines' own UCX environment (connector.cli.doctor_proc). Identical lines about several things print once."""
 
 from __future__ import annotations
 
@@ -98,7 +99,8 @@ class Doctor:
         self.lines.append(Line(level, what, text))
 
     def run(self) -> list[Line]:
-        from connector.cli.doctor_net import check_engines, check_side_channel, check_ucx
+        from connector.cli.doctor_net import check_engines, check_side_channel
+        from connector.cli.doctor_proc import check_ucx
 
         self.check_roles()
         self.check_settings()
@@ -110,7 +112,7 @@ class Doctor:
             check_side_channel(self)
             check_engines(self)
         check_ucx(self)
-        return self.lines
+        return grouped(self.lines)
 
     # ---- the configs ------------------------------------------------------------------------------------------
     def check_roles(self) -> None:
@@ -268,6 +270,14 @@ class Doctor:
             return int(fields.get("tp", 1)), int(fields.get("pp", 1))
         except ValueError:
             return 1, 1
+
+
+def grouped(lines: list[Line]) -> list[Line]:
+    """Lines that say the same thing about several things, as one line naming them all (in first-seen order)."""
+    whats: dict[tuple[str, str], list[str]] = {}
+    for line in lines:
+        whats.setdefault((line.level, line.text), []).append(line.what)
+    return [Line(level, ", ".join(dict.fromkeys(what)), text) for (level, text), what in whats.items()]
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,5 +1,5 @@
 """The network half of `doctor` (connector.cli.doctor): the side-channel address and its ports, the running
-engines' HTTP servers, and UCX's settings in this shell."""
+engines' HTTP servers (UCX's settings and the engines' processes: connector.cli.doctor_proc)."""
 
 from __future__ import annotations
 
@@ -77,6 +77,12 @@ def check_side_channel(doc: Doctor) -> None:
             doc.add(FAIL, "--side-channel", str(exc))
             return
         if told.port != address.port or (told.host != address.host and not doc.multi_node):
+            http = _http_port_owner(doc, told)
+            if http:
+                doc.add(FAIL, "--side-channel", f"{told} is {http}, not a side channel: you gave an HTTP port where "
+                                                f"the side channel goes; prefill's side channel is side_channel_port "
+                                                f"{address.port} ({address}): give the router --prefill URL,{address}")
+                return
             doc.add(FAIL, "side-channel address", f"the router gives decode {told}, but prefill rank (0, 0) listens "
                                                   f"on {address}: give the router --prefill URL,{address}")
         address = told
@@ -93,6 +99,28 @@ def check_side_channel(doc: Doctor) -> None:
                                                f"e.g. 5600, and give the router --prefill URL,HOST:THAT_PORT")
             return
     _check_ports(doc, address, ports, span)
+
+
+def _http_port_owner(doc: Doctor, address: PrefillAddress) -> str:
+    """What `address` is when it is an engine's HTTP port ("prefill's HTTP server (URL)", from --prefill-url or
+    --decode-url, or "an HTTP server" when a probe gets an HTTP answer there); "" when it is none."""
+    for side, url in doc.urls.items():
+        parts = urlsplit(url or "")
+        if parts.port == address.port and (parts.hostname == address.host or not doc.multi_node):
+            return f"{side}'s HTTP server ({url})"
+    answer = probe_side_channel(address.host, address.port, probe_hello(doc), "", doc.args.timeout)
+    return f"an HTTP server ({answer.detail})" if answer.kind == "http" else ""
+
+
+def port_list(ports: list[int]) -> str:
+    """Ports as runs: [5600, 5601, 5602, 5605] -> "5600-5602, 5605"."""
+    runs: list[list[int]] = []
+    for port in sorted(ports):
+        if runs and port == runs[-1][-1] + 1:
+            runs[-1].append(port)
+        else:
+            runs.append([port])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
 
 
 def _check_ports(doc: Doctor, address: PrefillAddress, ports: list[int], span: str) -> None:
@@ -119,8 +147,13 @@ def _check_ports(doc: Doctor, address: PrefillAddress, ports: list[int], span: s
         else:
             doc.add(OK, "side_channel_port", f"{span} free on {address.host} (prefill ranks listen there once started)")
         return
-    for port, answer in answers.items():
-        _report(doc, f"side channel {address.host}:{port}", answer, running)
+    groups: dict[tuple[str, str, str], list[int]] = {}
+    for port, answer in answers.items():  # one line per kind of answer, naming its ports (not eight alike)
+        groups.setdefault((answer.kind, answer.detail.replace(str(port), "{port}"), answer.auth), []).append(port)
+    for (kind, detail, auth), same in groups.items():
+        where = f"side channel{'s' if len(same) > 1 else ''} {address.host}:{port_list(same)}"
+        shown = detail if len(same) == 1 else detail.replace("{port}", "<each port>")
+        _report(doc, where, SideChannelAnswer(kind, shown.replace("{port}", str(same[0])), auth), running)
 
 
 def _report(doc: Doctor, what: str, answer: SideChannelAnswer, running: bool) -> None:
@@ -138,8 +171,12 @@ def _report(doc: Doctor, what: str, answer: SideChannelAnswer, running: bool) ->
     elif kind == "refused":
         doc.add(FAIL, what, f"refused decode's handshake: {answer.detail}")
     elif kind == "http":
-        doc.add(FAIL, what, f"is an HTTP server, not a side channel: give decode (the router's --prefill "
-                            f"URL,HOST:PORT) prefill's side_channel_port, not an HTTP port ({answer.detail})")
+        port = what.rpartition(":")[2]
+        owner = next((f"{side}'s HTTP port ({url})" for side, url in doc.urls.items()
+                      if url and str(urlsplit(url).port) == port), "an HTTP port")
+        doc.add(FAIL, what, f"this is an HTTP server, not a side channel: you gave {owner} where prefill's side "
+                            f"channel goes; the side channel is prefill's side_channel_port: give decode (the "
+                            f"router's --prefill URL,HOST:PORT) that port ({answer.detail})")
     elif kind == "unreachable":
         doc.add(FAIL if running else WARN, what, f"nothing answers ({answer.detail}): the prefill rank of this port "
                                                  f"is not up")
@@ -182,33 +219,3 @@ def _json(text: str) -> dict:
     except ValueError:
         return {}
     return value if isinstance(value, dict) else {}
-
-
-def check_ucx(doc: Doctor) -> None:
-    """UCX's settings in this shell (export the same for every prefill and decode process)."""
-    where = " (this shell; export it for every prefill and decode process)"
-    devices, tls = os.environ.get("UCX_NET_DEVICES"), os.environ.get("UCX_TLS")
-    if doc.multi_node:
-        if devices == "lo":
-            doc.add(FAIL, "UCX_NET_DEVICES", "lo: UCX cannot reach another node over loopback; set it to the KV "
-                                             "interface (e.g. mlx5_0:1 for RDMA, eth1 for TCP)" + where)
-        elif not devices:
-            doc.add(WARN, "UCX_NET_DEVICES", "unset: UCX listens on and advertises every interface; set it to the KV "
-                                             "interface (e.g. mlx5_0:1, eth1)" + where)
-        else:
-            doc.add(OK, "UCX_NET_DEVICES", devices + where)
-        names = set((tls or "").replace(",", " ").split())
-        if doc.args.network == "tcp" and tls and not names & {"tcp", "all"}:
-            doc.add(FAIL, "UCX_TLS", f"{tls}: no TCP transport, and the KV crosses TCP: add tcp (UCX_TLS=tcp)" + where)
-        elif doc.args.network == "rdma" and names and names <= {"tcp", "self", "sm", "shm", "cma"}:
-            doc.add(WARN, "UCX_TLS", f"{tls}: TCP only over an RDMA network (far slower): leave it unset or name "
-                                     f"rc/dc/ud (and cuda_ipc on GPU nodes)" + where)
-        else:
-            doc.add(OK, "UCX_TLS", (tls or "unset: UCX picks the fastest transport it finds") + where)
-    elif devices and devices != "lo":
-        doc.add(OK, "UCX_NET_DEVICES", devices + where)
-    elif devices == "lo":
-        doc.add(OK, "UCX_NET_DEVICES", "lo: prefill and decode on this machine" + where)
-    else:
-        doc.add(WARN, "UCX_NET_DEVICES", "unset: each NIXL agent listens on every interface; on one machine set "
-                                         "UCX_NET_DEVICES=lo" + where)

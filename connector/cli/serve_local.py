@@ -32,6 +32,12 @@ def add_subcommand(subs: Any) -> None:
                    help="concurrent: examples/proxy.py sends both legs at once and the KV streams while prefill "
                         "computes; sequential: examples/sequential_router.py, vLLM's prefill-then-decode pattern")
     p.add_argument("--port", type=int_in(1, 65535), default=None, help="the router's port (default: a free one)")
+    p.add_argument("--prefill-port", type=int_in(1, 65535), default=None,
+                   help="prefill's HTTP port (default: a free one)")
+    p.add_argument("--side-channel-port", type=int_in(1, 65535), default=None,
+                   help="prefill's side channel, where decode fetches the KV (default: a free one)")
+    p.add_argument("--decode-port", type=int_in(1, 65535), default=None,
+                   help="decode's HTTP port (default: a free one)")
     p.add_argument("--timeout", type=float_in(1, 7200), default=600.0,
                    help="seconds to wait for the engines to be healthy")
     p.add_argument("--no-check", action="store_true",
@@ -52,13 +58,17 @@ def run(args: argparse.Namespace) -> int:
     previous = {sig: signal.signal(sig, _raise_stop) for sig in STOP_SIGNALS}
     pair = None
     try:
-        pair = LocalPair(LocalConfig(args.engine_python, args.work_dir, args.flow, args.port, args.timeout), log=say)
+        config = LocalConfig(args.engine_python, args.work_dir, args.flow, router_port=args.port,
+                             prefill_port=args.prefill_port, side_channel_port=args.side_channel_port,
+                             decode_port=args.decode_port, timeout_s=args.timeout)
+        pair = LocalPair(config, log=say)
         pair.start()
         if not args.no_check:
             check = pair.check()
             verdict = "token-equal" if check.token_equal else "DIFFERENT (the KV did not arrive intact)"
             say(f"check: PD answer {check.pd_tokens} vs decode alone {check.alone_tokens}: {verdict}; decode "
                 f"received {check.received_bytes / 1e6:.3f} MB of KV from prefill")
+        say(f"warm-up: a text request through the router, first token after {pair.warm():.2f} s")
         _ready(pair, say)
         while not (dead := pair.dead()):
             time.sleep(WATCH_S)
@@ -92,8 +102,11 @@ def _ready(pair: LocalPair, say) -> None:  # noqa: ANN001 - print-like
         f"  prefill  {pair.prefill.url}   kv_producer, side channel {pair.side_channel} (log {pair.prefill.log_path})\n"
         f"  decode   {pair.decode.url}   kv_consumer (log {pair.decode.log_path})\n"
         f"  process groups: " + ", ".join(f"{p.name} {p.pid}" for p in pair.processes) + "\n"
-        f"Send a request ({pair.config.prompt_tokens} prompt token ids, {pair.config.max_tokens} greedy tokens; the "
-        f"answer is in choices[0].token_ids):\n"
+        f"Send a request (the tiny model's tokenizer makes up words; the answer is in choices[0].text):\n"
+        f"  curl -s {pair.router.url}/v1/completions -H 'Content-Type: application/json' "
+        f"-d '{{\"prompt\": \"hello world\", \"max_tokens\": 8}}'\n"
+        f"or the check's long one ({pair.config.prompt_tokens} prompt token ids, {pair.config.max_tokens} greedy "
+        f"tokens, in choices[0].token_ids):\n"
         f"  curl -s {pair.router.url}/v1/completions -H 'Content-Type: application/json' -d @{pair.request_path}\n"
         f"The same body with \"cache_salt\": \"any\" added, sent to {pair.decode.url} (decode computing the prompt "
         f"itself), gives the same tokens. Ctrl-C or SIGTERM stops all three.")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,8 @@ METRIC_WAIT_S = 15.0
 """How long the check waits for decode's /metrics to show the transfer (vLLM publishes it with its step stats)."""
 
 
+WARM_PROMPT = "warm up the pair " * 20
+"""340 tokens of the tiny tokenizer (a byte each): two full blocks, so the warm-up moves KV as a user's request does."""
 LOCAL_HANDSHAKE_TIMEOUT_S = 60.0
 """serve-local's side-channel handshake timeout (see where it is set)."""
 
@@ -47,11 +50,44 @@ class LocalConfig:
     """The model, the request body and the logs go here."""
     flow: str = "concurrent"
     router_port: int | None = None
-    """None: a free port."""
+    """None: a free port (so for the three below)."""
+    prefill_port: int | None = None
+    """Prefill's HTTP (OpenAI) port."""
+    side_channel_port: int | None = None
+    """Prefill's side channel (decode's KV handshakes; the concurrent router names it)."""
+    decode_port: int | None = None
     timeout_s: float = 600.0
     """Longest wait for the engines to be healthy (both start at once)."""
     prompt_tokens: int = 600
     max_tokens: int = 8
+
+
+def chosen_ports(config: LocalConfig) -> dict[str, int]:
+    """Every port by its flag: the one given (free and distinct from the others, else ConfigError naming the flag),
+    or a free one."""
+    given = {"--port": config.router_port, "--prefill-port": config.prefill_port,
+             "--side-channel-port": config.side_channel_port, "--decode-port": config.decode_port}
+    seen: dict[int, str] = {}
+    for flag, port in given.items():
+        if port is None:
+            continue
+        if port in seen:
+            raise ConfigError(f"{flag} {port} is also {seen[port]}: every server needs a port of its own; give "
+                              f"another or leave one out (a free port is chosen)")
+        seen[port] = flag
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError as exc:
+                raise ConfigError(f"{flag} {port} is not free on 127.0.0.1 ({exc.strerror}): stop what listens there "
+                                  f"(`ss -ltnp 'sport = :{port}'`) or give another port") from None
+    out = {}
+    for flag, port in given.items():
+        while port is None or port in seen and seen[port] != flag:
+            port = free_ports()
+        seen[port] = flag
+        out[flag] = port
+    return out
 
 
 @dataclass(frozen=True)
@@ -79,8 +115,9 @@ class LocalPair:
         self.config, self.log = config, log
         self.work_dir = Path(config.work_dir).resolve()
         logs = self.work_dir / "logs"
+        ports = chosen_ports(config)
         model = TinyLlama().write(self.work_dir / "tiny-llama")
-        self.side_port = free_ports()
+        self.side_port = ports["--side-channel-port"]
         self.token_path = self.work_dir / TOKEN_FILE
         self.token_path.touch(mode=0o600)
         self.token_path.chmod(0o600)
@@ -95,16 +132,18 @@ class LocalPair:
                   "handshake_deadline_s": LOCAL_HANDSHAKE_TIMEOUT_S}
         prefill_kv = sparse_kv_config("kv_producer", side_channel_port=self.side_port,
                                       prefill_key_file=str(self.key_path), **common)
-        self.prefill = VllmServer(ServerSpec("prefill", model, free_ports(), kv_transfer_config=prefill_kv),
+        self.prefill = VllmServer(ServerSpec("prefill", model, ports["--prefill-port"], kv_transfer_config=prefill_kv,
+                                             tokenizer=True),
                                   config.engine_python, logs, tie_to_parent=True)
         decode_kv = sparse_kv_config("kv_consumer", trusted_prefill_keys=[engine_public_key(prefill_key).hex()],
                                      **common)
-        self.decode = VllmServer(ServerSpec("decode", model, free_ports(), kv_transfer_config=decode_kv),
+        self.decode = VllmServer(ServerSpec("decode", model, ports["--decode-port"], kv_transfer_config=decode_kv,
+                                            tokenizer=True),
                                  config.engine_python, logs, tie_to_parent=True)
         legs = (["--prefill", f"{self.prefill.url},{self.side_channel}"] if config.flow == "concurrent"
                 else ["--prefill", self.prefill.url])
         self.router = ScriptServer("router", config.engine_python, script, [*legs, "--decode", self.decode.url],
-                                   config.router_port or free_ports(), logs, tie_to_parent=True)
+                                   ports["--port"], logs, tie_to_parent=True)
         self.request_path = self.work_dir / "request.json"
 
     @property
@@ -130,7 +169,7 @@ class LocalPair:
         self.request_path.write_text(json.dumps(self.body()) + "\n")
 
     def body(self, **extra: object) -> dict:
-        """The ready-to-paste request: a seeded prompt of token ids (the servers run without a tokenizer), greedy."""
+        """The long request (request.json): a seeded prompt of token ids, greedy; what the check compares."""
         return completion_body(prompt_ids(self.config.prompt_tokens, seed=1), self.config.max_tokens, **extra)
 
     def check(self) -> Check:
@@ -147,6 +186,13 @@ class LocalPair:
                 break
             time.sleep(0.5)
         return Check(pd, alone, received)
+
+    def warm(self) -> float:
+        """One streamed text request through the router (the tokenizer, detokenizing, the relay), after the check's
+        KV transfer (or as the first one, with --no-check): what a first user request would otherwise pay. Returns
+        its time to first token."""
+        return complete(self.router.url, {"prompt": WARM_PROMPT, "max_tokens": 4, "stream": True,
+                                             "return_token_ids": True}).ttft_s
 
     def dead(self) -> list[str]:
         """Names of the processes that exited."""

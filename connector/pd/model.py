@@ -13,6 +13,59 @@ import torch
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+TOKENIZER_NAME = "tokenizer.json"
+TOKENIZER_CONFIG_NAME = "tokenizer_config.json"
+SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
+"""Ids 0, 1, 2: the config's bos_token_id 1 and eos_token_id 2."""
+CONSONANTS, VOWELS = "bcdfghjklmnprstvwxyz", "aeiou"
+
+
+def _byte_chars() -> list[str]:
+    """GPT-2's byte-level alphabet: byte b is this printable character (what a ByteLevel pre-tokenizer emits)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+def _word(n: int) -> str:
+    """The n-th pseudo-word (n >= 0): two or more consonant-vowel syllables, all distinct."""
+    syllables = [c + v for c in CONSONANTS for v in VOWELS]
+    k, size = 2, len(syllables) ** 2
+    while n >= size:
+        n, k, size = n - size, k + 1, len(syllables) ** (k + 1)
+    out = []
+    for _ in range(k):
+        n, i = divmod(n, len(syllables))
+        out.append(syllables[i])
+    return "".join(out)
+
+
+def tokenizer_files(vocab_size: int) -> dict[str, dict]:
+    """A Hugging Face fast tokenizer for the tiny model, written by hand (nothing can be downloaded): byte-level BPE
+    whose ids 3-258 are the 256 bytes (any text encodes, one token a byte) and whose other ids up to `vocab_size`
+    are space-led pseudo-words, so whatever ids the random model generates decode to readable text."""
+    bytes_ = _byte_chars()
+    words = ["\u0120" + _word(i) for i in range(vocab_size - len(SPECIAL_TOKENS) - len(bytes_))]
+    vocab = {tok: i for i, tok in enumerate([*SPECIAL_TOKENS, *bytes_, *words])}
+    assert len(vocab) == vocab_size, "pseudo-words must be distinct from the bytes"
+    added = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+              "special": True} for i, t in enumerate(SPECIAL_TOKENS)]
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    tokenizer = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
+                 "pre_tokenizer": byte_level, "post_processor": None, "decoder": byte_level,
+                 "model": {"type": "BPE", "dropout": None, "unk_token": "<unk>", "continuing_subword_prefix": None,
+                           "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+                           "ignore_merges": False, "vocab": vocab, "merges": []}}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>", "bos_token": "<s>",
+              "eos_token": "</s>", "add_bos_token": False, "add_eos_token": False, "model_max_length": 1 << 20,
+              "clean_up_tokenization_spaces": False}
+    return {TOKENIZER_NAME: tokenizer, TOKENIZER_CONFIG_NAME: config}
 
 
 @dataclass(frozen=True)
@@ -64,15 +117,19 @@ class TinyLlama:
         return out
 
     def write(self, folder: str | Path) -> Path:
-        """Write the checkpoint into `folder` (created) unless the same config is already there; returns it."""
+        """Write the checkpoint and its tokenizer (`tokenizer_files`) into `folder` (created) unless the same config
+        is already there; returns it. An engine started without `--skip-tokenizer-init` takes text prompts."""
         from safetensors.torch import save_file
 
         path = Path(folder)
         config = self.config() | {"sparse_kv_seed": self.seed}
         cfg_file = path / CONFIG_NAME
+        path.mkdir(parents=True, exist_ok=True)
+        for name, content in tokenizer_files(self.vocab_size).items():
+            if not (path / name).exists() or json.loads((path / name).read_text()) != content:
+                (path / name).write_text(json.dumps(content, ensure_ascii=False) + "\n")
         if cfg_file.exists() and (path / WEIGHTS_NAME).exists() and json.loads(cfg_file.read_text()) == config:
             return path
-        path.mkdir(parents=True, exist_ok=True)
         save_file({k: v.contiguous() for k, v in self.weights().items()}, str(path / WEIGHTS_NAME),
                   metadata={"format": "pt"})
         cfg_file.write_text(json.dumps(config, indent=2) + "\n")

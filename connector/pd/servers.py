@@ -115,11 +115,15 @@ class ServerSpec:
     """CPU cores the server (all its processes) may run on; None = any. Pinning prefill and decode to different
     cores stands in for separate nodes on one machine: a decode engine spins a core while it waits for KV (vLLM's
     shared-memory ring polls for a second after each read), which must not be the core prefill computes on."""
+    tokenizer: bool = False
+    """Load the model folder's tokenizer (connector.pd.model writes one): text prompts work and answers carry text.
+    False: `--skip-tokenizer-init`, prompts are token ids (what the token-equality tests send)."""
 
     def command(self, python: str) -> list[str]:
         cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
                "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(self.port),
-               "--skip-tokenizer-init", "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
+               *(() if self.tokenizer else ("--skip-tokenizer-init",)), "--dtype", self.dtype,
+               "--max-model-len", str(self.max_model_len),
                "--tensor-parallel-size", str(self.tp), "--pipeline-parallel-size", str(self.pp), "--seed", "0",
                "--kv-cache-memory-bytes", str(self.kv_cache_bytes)]
         if "--compilation-config" not in self.extra_args:
