@@ -140,3 +140,37 @@ def log_records(name: str) -> Iterator[list[logging.LogRecord]]:
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
+
+
+@contextmanager
+def prefill_side_channel(token: str, name: str = "probe-target") -> Iterator[tuple[int, list]]:
+    """A real prefill side channel (the connector's ControlServer and handshake) for qwen3-8b with auth token
+    `token`, on a free port of 127.0.0.1: (port, the peers that got past the handshake). For the probes of doctor and
+    examples/proxy.py, which must never get that far."""
+    from connector.core.hf_config import load_model
+    from connector.transport.control import ControlServer
+    from connector.transport.loop import LoopThread
+    from connector.transport.ports import free_ports
+
+    model = load_model("qwen3-8b")
+    layout = ParallelLayout.build(model.num_layers, 1, 1)
+    hello = Hello(role="prefill", engine_id="prefill-under-test", pp_rank=0, tp_rank=0, pp_size=1, tp_size=1,
+                  fingerprint=model.fingerprint(), block_size=16, agent_name="prefill-agent",
+                  stages=[tuple(s) for s in layout.stages], layout=layout_wire(model), num_layers=model.num_layers)
+    registered: list = []
+
+    async def on_hello(peer: Any) -> None:
+        registered.append(peer)
+
+    async def on_message(conn: Any, msg: Any) -> None:
+        raise AssertionError("a probe sends no message after the handshake")
+
+    loop = LoopThread(name).start()
+    server = ControlServer(hello, on_message, bare_side_channel(auth_token=token), port=free_ports(),
+                           on_hello=on_hello)
+    loop.run(server.start(), 10)
+    try:
+        yield server.port, registered
+    finally:
+        loop.run(server.aclose(), 10)
+        loop.stop()

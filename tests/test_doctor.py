@@ -13,14 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from connector.core.hf_config import load_model
-from connector.core.layout import ParallelLayout
-from connector.protocol.handshake import layout_wire
 from connector.protocol.messages import Hello
 from connector.transport.control import ControlServer
 from connector.transport.loop import LoopThread
 from connector.transport.ports import free_ports
-from tests.helpers import bare_side_channel
+from tests.helpers import prefill_side_channel
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "a-token-of-thirty-two-characters"
@@ -185,27 +182,8 @@ def test_tls_on_prefill_only():
 @pytest.fixture
 def side_channel():
     """A real prefill side channel (the connector's ControlServer and handshake) for qwen3-8b, token TOKEN."""
-    model = load_model("qwen3-8b")
-    layout = ParallelLayout.build(model.num_layers, 1, 1)
-    hello = Hello(role="prefill", engine_id="prefill-under-test", pp_rank=0, tp_rank=0, pp_size=1, tp_size=1,
-                  fingerprint=model.fingerprint(), block_size=16, agent_name="prefill-agent",
-                  stages=[tuple(s) for s in layout.stages], layout=layout_wire(model), num_layers=model.num_layers)
-    registered = []
-
-    async def on_hello(peer):
-        registered.append(peer)  # the probe must never get here
-
-    async def on_message(conn, msg):
-        raise AssertionError("the probe sends no message after the handshake")
-
-    loop = LoopThread("doctor-side-channel").start()
-    server = ControlServer(hello, on_message, bare_side_channel(auth_token=TOKEN), port=free_ports(), on_hello=on_hello)
-    loop.run(server.start(), 10)
-    try:
-        yield server.port, registered
-    finally:
-        loop.run(server.aclose(), 10)
-        loop.stop()
+    with prefill_side_channel(TOKEN, "doctor-side-channel") as got:
+        yield got
 
 
 def test_a_running_side_channel_is_probed_and_its_token_checked(side_channel):

@@ -16,14 +16,10 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from connector.core.layout import ParallelLayout
-from connector.core.hf_config import load_model
-from connector.protocol.handshake import layout_wire
 from connector.protocol.messages import Hello
 from connector.transport.control import ControlServer
-from connector.transport.loop import LoopThread
 from connector.transport.ports import free_ports
-from tests.helpers import bare_side_channel, log_records
+from tests.helpers import log_records, prefill_side_channel
 from tests.test_proxy import proxy
 
 pytestmark = pytest.mark.timeout(60)
@@ -34,28 +30,8 @@ ranks = sys.modules["proxy_ranks"]  # examples/proxy_ranks.py, as examples/proxy
 @pytest.fixture
 def side_channel():
     """A real prefill side channel (the connector's ControlServer) on 127.0.0.1: (port, peers that registered)."""
-    model = load_model("qwen3-8b")
-    layout = ParallelLayout.build(model.num_layers, 1, 1)
-    hello = Hello(role="prefill", engine_id="prefill-under-test", pp_rank=0, tp_rank=0, pp_size=1, tp_size=1,
-                  fingerprint=model.fingerprint(), block_size=16, agent_name="prefill-agent",
-                  stages=[tuple(s) for s in layout.stages], layout=layout_wire(model), num_layers=model.num_layers)
-    registered: list[Any] = []
-
-    async def on_hello(peer):
-        registered.append(peer)
-
-    async def on_message(conn, msg):
-        raise AssertionError("the probe sends no message after the handshake")
-
-    loop = LoopThread("proxy-side-channel").start()
-    server = ControlServer(hello, on_message, bare_side_channel(auth_token="t" * 32), port=free_ports(),
-                           on_hello=on_hello)
-    loop.run(server.start(), 10)
-    try:
-        yield server.port, registered
-    finally:
-        loop.run(server.aclose(), 10)
-        loop.stop()
+    with prefill_side_channel("t" * 32, "proxy-side-channel") as got:
+        yield got
 
 
 class Engine:

@@ -129,7 +129,7 @@ class LocalPair:
         # Both engines share a laptop's cores: there the first handshake (UCX starting, NIXL loading the peer) has
         # taken over 10 s, the production default (CI, 2 cores: timed out at 10.0 s, the request answered HTTP 500).
         common = {"auth_token_file": str(self.token_path), "handshake_timeout_s": LOCAL_HANDSHAKE_TIMEOUT_S,
-                  "handshake_deadline_s": LOCAL_HANDSHAKE_TIMEOUT_S}
+                  "limits": {"handshake_deadline_s": LOCAL_HANDSHAKE_TIMEOUT_S}}
         prefill_kv = sparse_kv_config("kv_producer", side_channel_port=self.side_port,
                                       prefill_key_file=str(self.key_path), **common)
         self.prefill = VllmServer(ServerSpec("prefill", model, ports["--prefill-port"], kv_transfer_config=prefill_kv,
