@@ -162,7 +162,9 @@ class LocalPair:
         start_all([self.prefill, self.decode], timeout_s=self.config.timeout_s)
         self.log(f"prefill and decode healthy after {time.monotonic() - began:.0f} s")
         try:
-            self.router.start().wait_listening()
+            # examples/proxy.py listens once its start-up checks passed (a PD request through each engine):
+            # seconds here, more on a machine whose cores the engines share
+            self.router.start().wait_listening(timeout_s=max(60.0, self.config.timeout_s / 2))
         except BaseException:
             self.stop()
             raise
