@@ -12,6 +12,10 @@
   staging       both halves of a staged chunk (gather + one-descriptor WRITE; check + scatter)
   plans         transfer plans per peer layout, built off the loop and cached
   stats         the sender's counters and their per-interval deltas
+  inbox         the hand-off from vLLM's forward thread to the loop (hooks append; a wake only when one is due)
+  agents        prefill: the decode ranks' NIXL agents it keeps loaded, bound to their engine key, capped
+  trim          prefill: memory waiting registrations held, handed back to the system once they are gone
+  timeline      per-request timelines: when each stage of a transfer happened, on each side
 
 It knows vLLM only through what the vllm/ adapter hands it (layouts, regions, block ids, hooks); it imports neither
 vllm nor nixl (tests/test_layers.py holds this) and moves bytes only through a connector.transport.base.KVTransport.

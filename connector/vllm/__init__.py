@@ -4,7 +4,23 @@
 `vllm.general_plugins` entry point) makes the bare name work: `--kv-transfer-config '{"kv_connector":
 "SparseKVConnector", "kv_role": "kv_producer", ...}'`. Either way vLLM looks the class up here, through this
 module's `__getattr__`, which first checks the configuration being looked up (connector.vllm.early): that lookup
-happens while vLLM builds its VllmConfig, before any model is loaded. Importing this package imports no vllm."""
+happens while vLLM builds its VllmConfig, before any model is loaded. Importing this package imports no vllm.
+
+  connector       SparseKVConnector, the class vLLM instantiates: routes each call to the scheduler or worker half
+  config          kv_connector_extra_config -> typed settings, and the engine and transport configs built from them
+  early           mistakes in --kv-transfer-config refused before vLLM loads the model
+  scheduler       the scheduler side (EngineCore): each request to the half of its role
+  prefill_side    the scheduler's prefill half: which requests send, their blocks, when they are released
+  decode_side     the scheduler's decode half: which requests load their prompt's KV, and when they are ready
+  requests        what both halves read from a vLLM request (kv_transfer_params checked, block ids)
+  metadata        what the scheduler side tells every worker each step
+  idle_hold       holding and awaiting KV at little CPU: vLLM's empty steps spaced out
+  worker          the worker side (one per GPU worker): vLLM's tensors -> regions, its hooks -> engine calls
+  specs           the model's layout from the KV-cache specs vLLM built, not from an architecture table
+  regions         which pool and global layer each KV-cache tensor is, as Regions
+  layer_signals   per-layer "KV written" signals for the attention layers vLLM never hooks
+  stats           the transfer metrics on vLLM's KV-connector stats path (Prometheus counters, histograms)
+  logs            the connector's log lines in vLLM's log, in vLLM's format"""
 
 import logging
 import sys

@@ -1,7 +1,11 @@
 """NIXL transport: the only package that imports nixl (lazily, on the first agent). No vllm here.
 
-`Transport` wraps one NIXL agent (UCX backend) for asyncio: register memory, exchange metadata over our own side
-channel, WRITE descriptor lists with byte backpressure. Open it with `async with` or `open()` / `aclose()`."""
+  agent           Transport: one NIXL agent (UCX backend) for asyncio: memory registration, WRITEs with backpressure
+  glue            thin synchronous glue over NIXL 1.5.1's Python API: agents, descriptor arrays, memory regions
+  poller          the thread that drives posted transfers to completion
+  settings        TransportConfig, the counters, and the byte gate (plain data and asyncio; no NIXL)
+
+Open a `Transport` with `async with` or `open()` / `aclose()`."""
 
 from connector.transport.nixl.agent import Transport
 from connector.transport.nixl.settings import TransportConfig, TransportStats, WriteTiming
