@@ -12,13 +12,13 @@ prompt, the KV really came over the wire."""
 
 from __future__ import annotations
 
-import secrets
 import threading
 import time
 import uuid
 from typing import Any
 
 from connector.pd.client import Completion, complete, completion_body
+from connector.protocol.auth import new_transfer_secret
 
 PREFILL_LEG = {"max_tokens": 1, "stream": False}
 
@@ -36,7 +36,7 @@ def concurrent(prefill_url: str, side_channel: str, decode_url: str, prompt: lis
     prefill wants to see what decode did about it). Whoever mints the transfer id mints its capability too
     (`transfer_secret`, 128 random bits, given to both legs and nobody else; "" sends none: an open transfer)."""
     tid = transfer_id or uuid.uuid4().hex
-    secret = secrets.token_urlsafe(16) if transfer_secret is None else transfer_secret
+    secret = new_transfer_secret() if transfer_secret is None else transfer_secret
     cap = {"transfer_secret": secret} if secret else {}
     pre_body = completion_body(prefill_prompt or prompt, **extra) | PREFILL_LEG | {
         "kv_transfer_params": {"do_remote_decode": True, "transfer_id": tid} | cap}

@@ -127,7 +127,7 @@ class WorkerSide:
         """Prefill: which layers got their per-layer signal this step, and their CUDA events."""
         self._installed = layer_signals.InstallResult()
         self._staging: torch.Tensor | None = None
-        self.port = 0
+        self.host, self.port = "", 0
 
     # ---- startup ----------------------------------------------------------------------------------------------
     def _classify(self) -> dict[str, CacheFacts]:
@@ -174,7 +174,7 @@ class WorkerSide:
                        mem_type="VRAM" if self._cuda else "DRAM", staging=staging, null_block=NULL_BLOCK)
         s = self.settings
         if self.sends:
-            host = s.side_channel_host or default_host()
+            self.host = host = s.side_channel_host or default_host()  # what handshake_metadata names too
             base = engine_base_port(s.side_channel_port, self.dp_index, self.parallel.tp, self.parallel.pp)
             self.port = side_channel_port(base, self.rank, self.parallel.tp)
             self.sender = StreamSender(me, self.transport, s.sender_config(host, self.port), self.loop.loop,
@@ -205,9 +205,8 @@ class WorkerSide:
             log.info("SparseKVConnector prefill rank %s: %s", self.rank, line)
 
     def handshake_metadata(self) -> SparseKVHandshake:
-        host = (self.settings.side_channel_host or default_host()) if self.sends else ""
         return SparseKVHandshake(self.engine_id, self.rank[0], self.rank[1], self.model.fingerprint(),
-                                 f"{host}:{self.port}" if self.sends else "")
+                                 f"{self.host}:{self.port}" if self.sends else "")
 
     # ---- per step (model runner thread) -----------------------------------------------------------------------
     def bind(self, meta: SparseKVMetadata) -> None:
