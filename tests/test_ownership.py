@@ -191,7 +191,7 @@ def test_waiting_registrations_are_bounded_in_all_connections_together():
     for i in range(5):
         conn, decode = conns[i % 3]
         own.park(conn, decode, register(f"t{i}"), NOW)
-    with pytest.raises(RegistrationError, match="max_parked=5, max_parked_bytes=1048576"):
+    with pytest.raises(RegistrationError, match="limits.max_parked=5, limits.max_parked_bytes=1048576"):
         own.park(*conns[2], register("t-more"), NOW)
     conn, decode = conns[0]
     own.connection_closed(conn, decode.key)
@@ -220,7 +220,7 @@ def test_waiting_registrations_are_bounded_per_connection(count, ids_each, refus
     for reg in regs[:-1]:
         own.park(conn, decode, reg, NOW)
     if refused:
-        with pytest.raises(RegistrationError, match="max_parked_per_connection=3, max_parked_bytes_per_conn"):
+        with pytest.raises(RegistrationError, match="limits.max_parked_per_connection=3, limits.max_parked_bytes_per_conn"):
             own.park(conn, decode, regs[-1], NOW)
     else:
         own.park(conn, decode, regs[-1], NOW)
