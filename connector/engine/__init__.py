@@ -3,6 +3,7 @@
   rank          LocalRank: this rank as both engines and their peers see it (Hello, device, memory type, staging)
   config        SenderConfig, ReceiverConfig: every default once (the side channel's: connector.transport.side_channel)
   sender        prefill: streams each layer to the decode ranks that registered for it
+  dispatch      prefill: the sender's writes to each decode rank, its Completes and notices, the release
   ownership     prefill: who owns which transfer; the pure rules the sender asks (no I/O)
   sender_state  prefill: requests, destinations, waiting registrations, and the check of a registration
   peers         prefill: the decode ranks it serves, one per live side-channel connection

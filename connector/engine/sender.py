@@ -13,26 +13,25 @@ import time
 from typing import Any, Callable
 
 from connector.core.descriptors import blocks_moved
-from connector.core.errors import CapabilityError, InputError, WriteAbandoned
-from connector.core.plan import fold_ranges
+from connector.core.errors import CapabilityError, InputError
 from connector.core.untrusted import shown, shown_text
 from connector.engine.batch_writer import BatchWriter
 from connector.engine.config import SenderConfig
+from connector.engine.dispatch import Dispatch
 from connector.engine.inbox import Inbox
 from connector.engine.ownership import Ownership
 from connector.engine.peers import PeerTable
 from connector.engine.rank import LocalRank
-from connector.engine.sender_state import (Destination, FinishedInfo, PeerInfo, SendRequest, given_up_note,
-                                           lease_expiry_note)
+from connector.engine.sender_state import FinishedInfo, PeerInfo, SendRequest, given_up_note, lease_expiry_note
 from connector.engine.stats import SenderStats
 from connector.engine.timeline import close
 from connector.engine.trim import ParkedTrim
 from connector.protocol.handshake import PeerKey
-from connector.protocol.messages import (Abort, Complete, Heartbeat, Hello, Message, Register, RegisterAck,
-                                         RegisterError, Scattered, Stopped)
+from connector.protocol.messages import (Abort, Heartbeat, Hello, Message, Register, RegisterAck, RegisterError,
+                                         Scattered, Stopped)
 from connector.transport.base import KVTransport
 from connector.transport.control import ControlConnection, ControlServer
-from connector.transport.loop import OwnedTasks, wait_out
+from connector.transport.loop import OwnedTasks
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +60,9 @@ class StreamSender:
         self._last_refusal = ""
         """The last decode rank refused at the handshake here, and why (named when a lease expires unread)."""
         self._trim = ParkedTrim()
+        self.dispatch = Dispatch(me, config, self.writer, self.ownership, self.stats, self._tasks, self._inbox,
+                                 self._table, lambda tid, ok: self.on_finished and self.on_finished(tid, ok))
+        """The destination-and-write half (connector.engine.dispatch): WRITEs, Completes, notices, the release."""
 
     @property
     def port(self) -> int:
@@ -131,8 +133,8 @@ class StreamSender:
                           loop_cpu_ns=time.thread_time_ns())
         req.points.mark("started")
         for p, refused in self.ownership.start(req, time.monotonic()):
-            self._tasks.spawn(self._send_quiet(p.conn, self._answer(p.peer, p.register, refused)))
-        self._note_streaming(req)  # registrations that waited for this start are destinations now
+            self._tasks.spawn(self.dispatch.send_quiet(p.conn, self._answer(p.peer, p.register, refused)))
+        self.dispatch.note_streaming(req)  # registrations that waited for this start are destinations now
         if req.given_up_by is not None:
             log.info("transfer %s: decode engine %r gave it up before prefill started; its KV is kept only %g s",
                      transfer_id, req.given_up_by, self.config.given_up_keep_s)
@@ -180,7 +182,7 @@ class StreamSender:
             if not req.points.computed:
                 req.loop_cpu_ns = time.thread_time_ns() - req.loop_cpu_ns
             req.points.mark("computed")
-        self._pump(req)
+        self.dispatch.pump(req)
 
     def _abort(self, transfer_id: str, reason: str) -> None:
         self.ownership.drop_parked(transfer_id)
@@ -189,11 +191,11 @@ class StreamSender:
             return
         for dest in req.dests.values():
             if not dest.done:
-                self._stop_dest(req, dest, Abort(transfer_id, f"prefill aborted: {reason}"))
+                self.dispatch.stop_dest(req, dest, Abort(transfer_id, f"prefill aborted: {reason}"))
         # Nothing new is posted; writes already reading the source blocks finish first, so the blocks are only
         # handed back (finished) once nobody reads them, and decode hears of it only once nothing more lands.
         req.all_computed, req.failed, req.expected = True, True, set()
-        self._check_finished(req, ok=False)
+        self.dispatch.check_finished(req, ok=False)
 
     # ---- what decode ranks send (each acts only on what its connection owns: connector.engine.ownership) -------
     async def _on_message(self, conn: ControlConnection, msg: Message) -> None:
@@ -222,11 +224,11 @@ class StreamSender:
             else:
                 self.ownership.park(conn, peer, msg, time.monotonic())
         except InputError as exc:
-            await self._send_quiet(conn, self._answer(peer, msg, exc))
+            await self.dispatch.send_quiet(conn, self._answer(peer, msg, exc))
             return
-        await self._send_quiet(conn, RegisterAck(tid))
+        await self.dispatch.send_quiet(conn, RegisterAck(tid))
         if serve:
-            self._pump(req)
+            self.dispatch.pump(req)
 
     def _answer(self, peer: PeerInfo, reg: Register, refused: InputError | None) -> RegisterAck | RegisterError:
         if refused is None:
@@ -245,15 +247,15 @@ class StreamSender:
             self.stats.capability_refusals += bool(verdict.unproven)
             log.warning("ignoring abort of %s from decode %s: %s", shown(tid), key, verdict.unproven or
                         f"the transfer belongs to decode engine {verdict.foreign_owner!r}")
-            await self._send_quiet(conn, stopped)
+            await self.dispatch.send_quiet(conn, stopped)
             return
         log.info("transfer %s: decode %s aborted: %s", shown(tid), key, shown_text(msg.reason))
         if verdict.destination is None:
-            await self._send_quiet(conn, stopped)  # nothing was ever written there
+            await self.dispatch.send_quiet(conn, stopped)  # nothing was ever written there
         else:
-            self._stop_dest(verdict.request, verdict.destination, stopped)
+            self.dispatch.stop_dest(verdict.request, verdict.destination, stopped)
         if verdict.fails_request:
-            self._check_finished(verdict.request, ok=False)
+            self.dispatch.check_finished(verdict.request, ok=False)
         elif verdict.gives_up:
             self._inbox.drain()  # a start already queued by the framework thread counts as started
             self.ownership.give_up(tid, key[0], time.monotonic(), nonces=conn.nonces, proof=msg.proof)
@@ -265,7 +267,7 @@ class StreamSender:
         for req, dest in self.ownership.connection_closed(conn, peer.key):
             log.warning("transfer %s: decode %s went away (%s); dropping it", req.transfer_id, dest.key,
                         conn.close_reason)
-            self._check_finished(req, ok=False)
+            self.dispatch.check_finished(req, ok=False)
         if self.writer.staged is not None:
             self.writer.staged.connection_closed(conn)
 
@@ -291,178 +293,6 @@ class StreamSender:
             log.warning("transfer %s: %s; its KV is kept %g s more (not the %g s lease) in case another decode "
                         "registers it", shown(tid), why, self.config.given_up_keep_s, self.config.lease_s)
 
-    # ---- writes ----------------------------------------------------------------------------------------------
-    def _pump(self, req: SendRequest) -> None:
-        for dest in req.dests.values():
-            if dest.done:
-                continue
-            if not dest.peer.agent:  # its first registration served here: load its agent, then pump again
-                self._load_agent(dest.peer, dest.conn)
-                continue
-            # Whatever is ready goes out in ONE write per destination: a per-layer write while layers trickle in
-            # during compute, few large writes when the sweep or a late registration releases many layers at
-            # once (a NIXL request has a fixed cost, so fewer and larger is faster). At most two writes per
-            # destination are in flight; layers that become ready meanwhile batch up behind them.
-            if dest.batches_in_flight >= self.config.max_writes_per_destination:
-                continue
-            # Decode may want fewer tokens than the prompt (vLLM recomputes the last prompt token locally).
-            end = dest.register.num_tokens
-            batch = [(layer, min(req.ready_tokens.get(layer, 0), end)) for layer in dest.layer_routes
-                     if layer not in dest.writing
-                     and min(req.ready_tokens.get(layer, 0), end) > max(dest.sent_tokens.get(layer, 0),
-                                                                         dest.register.first_token)]
-            if batch:
-                dest.writing.update(layer for layer, _ in batch)
-                dest.batches_in_flight += 1
-                self._tasks.spawn(self._write_batch(req, dest, batch))
-            self._maybe_complete(req, dest)
-        self._note_streaming(req)
-        self._check_finished(req)  # e.g. all computed now, and every destination already done or dropped
-
-    def _load_agent(self, peer: PeerInfo, conn: ControlConnection) -> None:
-        if peer.loading is None:  # load its agent (once), then pump every request that writes there
-            self._tasks.spawn(self._agent_for(peer, conn))
-
-    async def _agent_for(self, peer: PeerInfo, conn: ControlConnection) -> None:
-        if await self._table.serve_agent(peer, conn):
-            for req in [r for r in self.requests.values() if any(d.peer is peer for d in r.dests.values())]:
-                self._pump(req)
-
-    def _note_streaming(self, req: SendRequest) -> None:
-        """Whether `req`'s layer hooks must wake the loop: it still computes and some decode rank waits for it."""
-        if not req.all_computed and any(not d.done for d in req.dests.values()):
-            self._inbox.stream(req.transfer_id)
-        else:
-            self._inbox.unstream(req.transfer_id)
-
-    async def _write_batch(self, req: SendRequest, dest: Destination, batch: list[tuple[int, int]]) -> None:
-        req.first_write_at = req.first_write_at or time.time()
-        req.points.mark("first_post")
-        req.points.mark("last_post", first=False)
-        during_compute = not req.all_computed
-        layers = [layer for layer, _ in batch]
-        generation = req.generation
-        by_pool = self.writer.pool_bytes(req, dest, batch)  # before sent_tokens moves on: the spans this WRITE moves
-        dest.peer.write_started()  # its agent stays loaded until this is done
-        try:
-            descs = await self.writer.write(req, dest, batch, lambda ok, why: self._chunk_answered(req, dest, ok, why))
-        except Exception as exc:  # noqa: BLE001 - one destination fails, the rest go on
-            self._dest_failed(req, dest, f"WRITE of layers {fold_ranges(layers)} failed: {exc}")
-            if isinstance(exc, WriteAbandoned):  # NIXL still reads the source blocks (and writes decode's): the
-                await wait_out(exc.settled)  # batch stays in flight, the blocks held, Abort unsent, till it ends
-            return
-        finally:
-            dest.peer.write_done()
-            dest.writing.difference_update(layers)
-            dest.batches_in_flight -= 1
-            if dest.done:  # aborted or failed meanwhile: this may have been the last reader of the blocks
-                self._flush_notice(dest)
-                self._check_finished(req)
-        req.points.mark("last_write", first=False)
-        if generation == req.generation:  # else a restart made what this WRITE read stale: send it again
-            for layer, ready in batch:
-                dest.sent_tokens[layer] = ready
-        dest.bytes_written += descs.nbytes
-        for pool, nbytes in by_pool.items():
-            dest.bytes_by_pool[pool] = dest.bytes_by_pool.get(pool, 0) + nbytes
-            self.stats.add_pool_bytes(pool, nbytes)
-        dest.descriptors += len(descs)
-        self.stats.bytes_sent += descs.nbytes
-        if during_compute:
-            self.stats.bytes_sent_during_compute += descs.nbytes
-        self.stats.descriptors += len(descs)
-        self.stats.writes += 1
-        if self.requests.get(req.transfer_id) is req:
-            self._pump(req)
-
-    def _chunk_answered(self, req: SendRequest, dest: Destination, ok: bool, why: str) -> None:
-        """Decode's answer to a staged chunk (connector.engine.staging): a refusal fails this destination."""
-        if not ok and not dest.done and self.requests.get(req.transfer_id) is req:
-            self._dest_failed(req, dest, f"decode did not take a staged chunk: {why}")
-        elif not ok:  # stopped meanwhile (an abort: chunks in flight are dropped), or a refusal after Complete
-            log.info("transfer %s: decode %s did not take a staged chunk: %s", req.transfer_id, dest.key, why)
-        self._check_finished(req, ok=ok)
-
-    def _dest_failed(self, req: SendRequest, dest: Destination, why: str) -> None:
-        log.error("transfer %s to decode %s: %s", req.transfer_id, dest.key, why)
-        if not dest.done:
-            self._stop_dest(req, dest, Abort(req.transfer_id, f"prefill: {why}"))
-        if req.expected is not None:
-            req.expected.discard(dest.key)
-        self._check_finished(req, ok=False)
-
-    def _stop_dest(self, req: SendRequest, dest: Destination, notice: Any) -> None:
-        """No new WRITE to `dest`; tell it `notice` once the ones in flight have completed."""
-        dest.done = True
-        dest.notice = notice
-        self._flush_notice(dest)
-
-    def _flush_notice(self, dest: Destination) -> None:
-        if dest.notice is not None and not dest.batches_in_flight:
-            notice, dest.notice = dest.notice, None
-            self._tasks.spawn(self._send_quiet(dest.conn, notice))
-
-    def _maybe_complete(self, req: SendRequest, dest: Destination) -> None:
-        if dest.done or not req.all_computed or dest.writing:
-            return
-        end = dest.register.num_tokens
-        if end > dest.register.first_token and any(dest.sent_tokens.get(layer, 0) < end for layer in dest.layer_routes):
-            return
-        dest.done = True
-        msg = Complete(req.transfer_id, *self.me.rank, dest.bytes_written, dest.descriptors,
-                       dest.staged_chunks, dict(dest.bytes_by_pool))
-        self._tasks.spawn(self._complete(req, dest, msg))
-
-    async def _complete(self, req: SendRequest, dest: Destination, msg: Complete) -> None:
-        if dest.register.checksum:  # decode verifies (kv_checksum): the digests go first, on the same connection
-            try:
-                pieces = await asyncio.to_thread(self.writer.checksums, req, dest)
-            except Exception as exc:  # noqa: BLE001 - any failure to digest fails this destination, named
-                log.error("transfer %s to decode %s: kv_checksum could not digest the blocks sent: %s",
-                          req.transfer_id, dest.key, exc)
-                await self._send_quiet(dest.conn, Abort(req.transfer_id, f"prefill: kv_checksum failed: {exc}"))
-                req.expected.discard(dest.key)
-                self._check_finished(req, ok=False)
-                return
-            for piece in pieces:
-                await self._send_quiet(dest.conn, piece)
-        await self._send_quiet(dest.conn, msg)
-        req.expected.discard(dest.key)
-        self._check_finished(req)
-
-    def _check_finished(self, req: SendRequest, ok: bool = True) -> None:
-        req.failed |= not ok
-        # Staged chunks decode has not answered yet keep the request: a refusal must still fail it.
-        if req.expected is not None and not req.expected and req.all_computed \
-                and all(d.done and not d.batches_in_flight and not self.writer.unanswered(d, req.transfer_id)
-                        for d in req.dests.values()):
-            self._release(req, ok=not req.failed,
-                          why="some decode ranks failed" if req.failed else "all decode ranks completed")
-
-    def _release(self, req: SendRequest, ok: bool, why: str) -> None:
-        self._inbox.unstream(req.transfer_id)
-        if not self.ownership.release(req, time.monotonic(), FinishedInfo(ok, req.first_write_at)):
-            return
-        if ok:
-            self.stats.sends_ok += 1
-        else:
-            self.stats.sends_failed += 1
-        log.debug("transfer %s released: %s", req.transfer_id, why)
-        # (a failed transfer's stages say nothing of the path: its failure is logged on its own)
-        close(log, "prefill", req.transfer_id, req.points, "released", self.config.log_timeline,
-              self.stats if ok else None, rank=list(self.me.rank), ok=ok, tokens=req.num_tokens,
-              loop_cpu_ms=round(req.loop_cpu_ns / 1e6, 3) if req.points.computed else None)
-        if not req.finished.done():
-            req.finished.set_result(ok)
-        if self.on_finished is not None:
-            self.on_finished(req.transfer_id, ok)
-
-    async def _send_quiet(self, conn: ControlConnection, msg: Any) -> None:
-        try:
-            await conn.send(msg)
-        except Exception as exc:  # noqa: BLE001 - the peer is gone; its close callback handles the rest
-            log.warning("could not send %s to %s: %s", type(msg).__name__, conn.address, exc)
-
     async def _lease_loop(self) -> None:
         while True:
             await asyncio.sleep(1.0)
@@ -476,19 +306,19 @@ class StreamSender:
             if req.all_computed and now > req.lease_deadline and req.given_up_by is not None and not req.dests:
                 log.log(*given_up_note(req, self.config.given_up_keep_s))
                 req.expected = set()
-                self._check_finished(req, ok=False)
+                self.dispatch.check_finished(req, ok=False)
             elif req.all_computed and now > req.lease_deadline:
                 log.warning("%s", lease_expiry_note(req, self.config.lease_s, self._last_refusal))
                 for dest in req.dests.values():
                     if not dest.done:
-                        self._stop_dest(req, dest, Abort(req.transfer_id, "prefill lease expired"))
+                        self.dispatch.stop_dest(req, dest, Abort(req.transfer_id, "prefill lease expired"))
                 req.expected, req.failed = set(), True
                 self.stats.sends_expired += 1
-                self._check_finished(req, ok=False)  # released once no WRITE is in flight
+                self.dispatch.check_finished(req, ok=False)  # released once no WRITE is in flight
         for tid, parked in self.ownership.expired_waits(now):
             why = f"prefill rank {self.me.rank} never started {tid!r} within {self.config.lease_s:.0f} s"
             for p in parked:
-                self._tasks.spawn(self._send_quiet(p.conn, RegisterError(tid, why)))
+                self._tasks.spawn(self.dispatch.send_quiet(p.conn, RegisterError(tid, why)))
         self.ownership.forget_old(now)
         self._trim.after(self.ownership.parked_bytes_dropped, self._tasks.spawn)  # their memory goes back
 
