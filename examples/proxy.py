@@ -29,7 +29,7 @@ up; --no-startup-checks skips it) and refuses to start, naming the flag and the 
 answers HTTP (an engine's API port given as side channel), or when a 16-token PD request through each prefill DP
 rank and to each decode does not move KV (prefill's answer must confirm the KV kept for that rank, and decode's
 /metrics count it received, prefill's sent: swapped --prefill/--decode, wrong dp/tp/pp). The probe costs prefill one
-refused-handshake WARNING line per DP rank, which quotes the check (it sends a Reject, not a Hello). With vLLM's
+INFO line per DP rank, which quotes the check (it sends a Reject, not a Hello: a probe, not a refused peer). With vLLM's
 --api-key, the checks need the key in the router's VLLM_API_KEY.
 
 Several instances of each kind: the prefill DP ranks of all instances are taken by fewest requests in flight
