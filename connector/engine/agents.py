@@ -27,8 +27,9 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from connector.core.errors import PeerRefused, TransportError
 from connector.transport.base import KVTransport
@@ -51,6 +52,10 @@ SLOW_LOAD_S = 1.0
 @dataclass(eq=False)
 class _Agent:
     metadata: bytes
+    host: str = ""
+    """The source address of the connection it was last acquired for."""
+    owner: str = ""
+    """The engine it was loaded for (engine_name)."""
     busy: bool = True
     """On a live connection (or being loaded for one)."""
     served: bool = False
@@ -68,13 +73,13 @@ class LoadedAgents:
     """Which decode agents the transport has loaded, which are on a live connection, and which may be unloaded."""
 
     def __init__(self, transport: KVTransport, max_agents: int, unloads_per_hour: int,
-                 load_timeout_s: float = LOAD_TIMEOUT_S) -> None:
+                 load_timeout_s: float = LOAD_TIMEOUT_S, max_per_host: int = 64) -> None:
         self.transport, self.max_agents, self.unloads_per_hour = transport, max_agents, unloads_per_hour
-        self.load_timeout_s = load_timeout_s
+        self.load_timeout_s, self.max_per_host = load_timeout_s, max_per_host
         self._agents: OrderedDict[str, _Agent] = OrderedDict()
         """Loaded agents by name, least recently used first."""
-        self._unloads: deque[float] = deque()
-        """When the unloads of the last hour happened."""
+        self._unloads: dict[str, deque[float]] = {}
+        """When the unloads of the last hour happened, by the source address of the newcomer they made room for."""
         self._owners: OrderedDict[str, str] = OrderedDict()
         """Which engine (connector.protocol.auth.engine_name: its id and key) first had each agent name loaded,
         least recently loaded first (up to OWNERS_PER_AGENT x max_agents names, loaded ones or not)."""
@@ -121,11 +126,13 @@ class LoadedAgents:
         while len(self._owners) > OWNERS_PER_AGENT * self.max_agents:
             self._owners.popitem(last=False)
 
-    async def acquire(self, name: str, metadata: bytes, owner: str = "") -> str:
+    async def acquire(self, name: str, metadata: bytes, owner: str = "", host: str = "", ranks: int = 0) -> str:
         """The agent `name` (with `metadata`) for a live connection: the loaded one if its metadata is the same,
-        else loaded now (unloading another first if all are loaded). Raises PeerRefused (a limit) or whatever the
-        transport raises. The caller holds the name for one live connection (connector.engine.peers). `owner`: the
-        engine it is loaded for (engine_name); the name is bound to it from then on (`check_owner`).
+        else loaded now (unloading another first when a bound is reached: `_victim`). Raises PeerRefused (a limit)
+        or whatever the transport raises. The caller holds the name for one live connection
+        (connector.engine.peers). `owner`: the engine it is loaded for (engine_name); the name is bound to it from
+        then on (`check_owner`). `host`: the connection's source address; `ranks`: the ranks `owner` declares
+        (tp_size x pp_size; 0: unbounded), the most agents it may have loaded here.
 
         The load runs in a task of its own, off the loop: a caller that gives up (its handshake timed out,
         cancelling this) leaves it running, and the agent then stays loaded, idle, for the same decode's next
@@ -135,7 +142,7 @@ class LoadedAgents:
         if agent is not None and agent.busy:
             raise PeerRefused(f"NIXL agent {name!r} is on another live connection")
         if agent is not None and agent.metadata == metadata:
-            agent.busy = True
+            agent.busy, agent.host = True, host
             self._agents.move_to_end(name)
             if agent.loading is not None:
                 await self._wait_loaded(name, agent)
@@ -144,10 +151,10 @@ class LoadedAgents:
             return name
         if agent is not None and agent.loading is not None:
             raise PeerRefused(f"NIXL agent {name!r} is still being loaded with other metadata; retry once it is")
-        victim = name if agent is not None else await self._victim()
+        victim = name if agent is not None else await self._victim(name, owner, host, ranks)
         if victim is not None:
-            self._spend_unload(name)
-        entry = _Agent(metadata)
+            self._spend_unload(name, host)
+        entry = _Agent(metadata, host, owner)
         if victim is not None:
             del self._agents[victim]
         self._agents[name] = entry  # holds the slot while NIXL loads
@@ -183,8 +190,9 @@ class LoadedAgents:
             self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nixl-peer-load")
         try:
             if victim is not None:
-                log.info("unloading idle NIXL agent %r for %r (%d loaded: setting max_peer_agents)", victim, name,
-                         len(self._agents))
+                log.info("unloading idle NIXL agent %r for %r (%d loaded, %d from %s: settings limits.max_peer_agents, "
+                         "limits.max_agents_per_host, and its engine's ranks)", victim, name, len(self._agents),
+                         self._held_by(entry.host), entry.host or "this host")
                 await loop.run_in_executor(self._executor, self.transport.remove_peer, victim)
                 self.unloads += 1
             queued = time.monotonic()
@@ -230,12 +238,35 @@ class LoadedAgents:
         self._agents.pop(name, None)
         self._released.set()
 
-    async def _victim(self) -> str | None:
-        """None if there is room; else the idle agent to unload: one never written to first, least recently used
-        first. Raises PeerRefused when every loaded agent stays on a live connection for RELEASE_WAIT_S (a
-        connection just closed for a newcomer's fair share releases its agent a moment later)."""
+    def _held_by(self, host: str) -> int:
+        return sum(a.host == host for a in self._agents.values())
+
+    def _bounds(self, owner: str, host: str, ranks: int) -> list[tuple[Callable[[_Agent], bool], str]]:
+        """The bounds a new agent of engine `owner` from `host` would go past, each as (which loaded agents may
+        make room for it, what the bound is): its engine's ranks, its address's share, the table."""
+        bounds: list[tuple[Callable[[_Agent], bool], str]] = []
+        if ranks and (n := sum(a.owner == owner for a in self._agents.values())) >= ranks:
+            bounds.append((lambda a: a.owner == owner, f"decode engine {owner!r} declares {ranks} rank(s) "
+                                                       f"(tp_size x pp_size) and has {n} NIXL agents loaded here"))
+        if (n := self._held_by(host)) >= self.max_per_host:
+            bounds.append((lambda a: a.host == host, f"{host or 'this host'} has {n} NIXL agents loaded here "
+                                                     f"(setting limits.max_agents_per_host={self.max_per_host})"))
+        if len(self._agents) >= self.max_agents:
+            bounds.append((lambda a: True, f"{len(self._agents)} NIXL agents of decode ranks are loaded here "
+                                           f"(setting limits.max_peer_agents={self.max_agents})"))
+        return bounds
+
+    def _candidates(self, bounds: list[tuple[Callable[[_Agent], bool], str]]) -> list[tuple[str, _Agent]]:
+        return [(n, a) for n, a in self._agents.items() if _idle(a) and all(may(a) for may, _ in bounds)]
+
+    async def _victim(self, name: str, owner: str, host: str, ranks: int) -> str | None:
+        """None if a new agent of engine `owner` from `host` goes past no bound (`_bounds`); else the idle agent
+        to unload for it, one that keeps it within every bound: of the address holding the most agents first (a
+        burst from one address gives way before anyone else), then one never written to, then the least recently
+        used. Raises PeerRefused naming the bounds when no such agent stays idle for RELEASE_WAIT_S (a connection
+        just closed for a newcomer's fair share, or a rank's old connection, releases its agent a moment later)."""
         deadline = time.monotonic() + RELEASE_WAIT_S
-        while len(self._agents) >= self.max_agents and not any(_idle(a) for a in self._agents.values()) \
+        while (bounds := self._bounds(owner, host, ranks)) and not self._candidates(bounds) \
                 and time.monotonic() < deadline:
             self._released.clear()
             try:
@@ -243,28 +274,40 @@ class LoadedAgents:
                     await self._released.wait()
             except TimeoutError:
                 break
-        if len(self._agents) < self.max_agents:
+        bounds = self._bounds(owner, host, ranks)
+        if not bounds:
             return None
-        idle = [(n, a) for n, a in self._agents.items() if _idle(a)]
-        if not idle:
+        candidates = self._candidates(bounds)
+        if not candidates:
             self.refused += 1
-            raise PeerRefused(f"{len(self._agents)} NIXL agents of decode ranks are loaded here, each on a live "
-                              f"connection (setting limits.max_peer_agents={self.max_agents}); raise it if this many decode "
-                              f"ranks really feed from one prefill rank")
-        return next((n for n, a in idle if not a.served), idle[0][0])
+            raise PeerRefused(f"loading NIXL agent {name!r} needs room: {'; '.join(why for _, why in bounds)}; and "
+                              f"none of the agents that could make room is idle (each is on a live connection): "
+                              f"raise the setting if this many decode ranks really feed from one prefill rank")
+        held = Counter(a.host for a in self._agents.values())
+        order = {n: i for i, n in enumerate(self._agents)}
+        return min(candidates, key=lambda c: (-held[c[1].host], c[1].served, order[c[0]]))[0]
 
-    def _spend_unload(self, newcomer: str) -> None:
+    def _spend_unload(self, newcomer: str, host: str) -> None:
+        """Count an unload against `host`'s budget (the newcomer's address): one address spending its own never
+        refuses a decode from another."""
         now = time.monotonic()
-        while self._unloads and self._unloads[0] < now - UNLOAD_WINDOW_S:
-            self._unloads.popleft()
-        if len(self._unloads) >= self.unloads_per_hour:
+        for where in list(self._unloads):
+            spent = self._unloads[where]
+            while spent and spent[0] < now - UNLOAD_WINDOW_S:
+                spent.popleft()
+            if not spent:
+                del self._unloads[where]
+        spent = self._unloads.setdefault(host, deque())
+        if len(spent) >= self.unloads_per_hour:
             self.refused += 1
             raise PeerRefused(
                 f"loading NIXL agent {newcomer!r} needs another agent unloaded first ({len(self._agents)} are loaded, "
-                f"setting limits.max_peer_agents={self.max_agents}), and {len(self._unloads)} were unloaded within the last "
-                f"hour (setting limits.agent_unloads_per_hour={self.unloads_per_hour}: NIXL 1.5.1 leaks sockets on each "
-                f"unload); the next unload is possible in {self._unloads[0] + UNLOAD_WINDOW_S - now:.0f} s")
-        self._unloads.append(now)
+                f"{self._held_by(host)} from {host or 'this host'}: settings limits.max_peer_agents={self.max_agents}, "
+                f"limits.max_agents_per_host={self.max_per_host}), and {len(spent)} were unloaded for new agents from "
+                f"{host or 'this host'} within the last hour (setting limits.agent_unloads_per_hour="
+                f"{self.unloads_per_hour}, per source address: NIXL 1.5.1 leaks sockets on each unload); the next "
+                f"unload is possible in {spent[0] + UNLOAD_WINDOW_S - now:.0f} s")
+        spent.append(now)
 
 
 def _log_failed_load(task: asyncio.Task, name: str) -> None:

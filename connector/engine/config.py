@@ -60,10 +60,15 @@ class SenderConfig:
     max_peer_agents: int = 512
     """Decode NIXL agents loaded at once, those of live connections and idle ones kept for a reconnect
     (connector.engine.agents); a handshake that would need more is refused."""
+    max_agents_per_host: int = 64
+    """Decode NIXL agents loaded at once for connections from one source address (a decode node holds one per
+    rank and engine that prefill rank feeds); a new one beyond it replaces an idle one of that address, else it is
+    refused (connector.engine.agents). So one address cannot take the room of decodes that come later."""
     agent_unloads_per_hour: int = 64
-    """Idle decode agents unloaded to make room for new ones, at most this many in any hour: NIXL 1.5.1 leaves
-    `nixl_threads` sockets open on each unload, so this bounds how fast prefill's open files can grow
-    (connector.engine.agents); beyond it a handshake that needs an unload is refused."""
+    """Idle decode agents unloaded to make room for new ones from one source address, at most this many in any
+    hour: NIXL 1.5.1 leaves `nixl_threads` sockets open on each unload while the decode process lives, so this
+    bounds how fast an address can grow prefill's open files (connector.engine.agents); beyond it that address's
+    new agent is refused, and no other address's."""
     staging_ring_slots: int = 4
     """Staged chunks in flight per decode connection: decode's staging area for the connection is cut into this many
     slots, so the gather of one chunk, the WRITE of the next and decode's scatter of a third overlap."""

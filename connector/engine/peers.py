@@ -114,7 +114,8 @@ class PeerTable:
         self.by_key: dict[PeerKey, PeerInfo] = {}
         """Identities held by live (or closing) connections."""
         self._agents: dict[str, PeerInfo] = {}
-        self.agents = LoadedAgents(transport, config.max_peer_agents, config.agent_unloads_per_hour)
+        self.agents = LoadedAgents(transport, config.max_peer_agents, config.agent_unloads_per_hour,
+                                   max_per_host=config.max_agents_per_host)
         """The decode agents loaded on the transport (live and idle)."""
 
     def peek(self, hello: Hello) -> None:
@@ -158,14 +159,15 @@ class PeerTable:
         info.admitted = True
         return info
 
-    async def load_agent(self, info: PeerInfo) -> str:
-        """`info`'s NIXL agent, loaded now if it is not yet (one load per connection; callers share it). NIXL calls
-        can wait behind a DRAM copy in progress: they run off the loop (connector.engine.agents). Raises what the
-        load raises (PeerRefused: a limit)."""
+    async def load_agent(self, info: PeerInfo, host: str = "") -> str:
+        """`info`'s NIXL agent, loaded now if it is not yet (one load per connection; callers share it). `host`:
+        its connection's source address (the bounds per address: connector.engine.agents). NIXL calls can wait
+        behind a DRAM copy in progress: they run off the loop. Raises what the load raises (PeerRefused: a
+        limit)."""
         if info.agent:
             return info.agent
         if info.loading is None:
-            info.loading = asyncio.get_running_loop().create_task(self._load(info),
+            info.loading = asyncio.get_running_loop().create_task(self._load(info, host),
                                                                    name=f"agent of decode {info.key}")
         return await asyncio.shield(info.loading)
 
@@ -174,7 +176,7 @@ class PeerTable:
         meanwhile). A load that fails (a limit, NIXL) closes the connection saying why, which fails its
         destinations."""
         try:
-            return bool(await self.load_agent(info))
+            return bool(await self.load_agent(info, str(getattr(conn, "host", ""))))
         except Exception as exc:  # noqa: BLE001 - PeerRefused, TransportError, NIXL's own
             reason = f"prefill could not load decode {info.key}'s NIXL agent: {exc}"
             with contextlib.suppress(Exception):
@@ -183,9 +185,10 @@ class PeerTable:
             await conn.aclose(reason)
             return False
 
-    async def _load(self, info: PeerInfo) -> str:
-        name = await self.agents.acquire(info.hello.agent_name, info.hello.agent_metadata,
-                                         owner=engine_name(info.hello))
+    async def _load(self, info: PeerInfo, host: str) -> str:
+        hello = info.hello
+        name = await self.agents.acquire(hello.agent_name, hello.agent_metadata, owner=engine_name(hello), host=host,
+                                         ranks=hello.tp_size * hello.pp_size)
         if info.closing:  # its connection ended while the agent loaded: it waits, idle, for the next one
             self.agents.release(name)
             return ""

@@ -61,9 +61,12 @@ class LimitSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The memory those may hold, over all decode connections together."""
     max_peer_agents: PositiveInt = _SENDER.max_peer_agents
     """Decode NIXL agents a prefill worker keeps loaded at once (live and idle ones)."""
+    max_agents_per_host: PositiveInt = _SENDER.max_agents_per_host
+    """Of those, the most for connections from one source address (a decode node needs one per rank of each engine
+    it runs); a new one beyond it replaces an idle one of that address, else it is refused."""
     agent_unloads_per_hour: PositiveInt = _SENDER.agent_unloads_per_hour
-    """Idle decode agents a prefill worker unloads for new ones, at most, per hour (NIXL 1.5.1 leaks sockets on
-    each)."""
+    """Idle decode agents a prefill worker unloads for new ones from one source address, at most, per hour (NIXL
+    1.5.1 leaks sockets on each); one address spending it refuses no other."""
 
 
 LIMIT_KEYS = frozenset(LimitSettings.__struct_fields__)
