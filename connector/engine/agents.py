@@ -13,12 +13,18 @@ and stays loaded while its connection is down ("idle"); a decode rank reconnecti
 the same metadata gets it back with no NIXL call at all. Metadata that differs (the agent was restarted under its
 name) is loaded again, which unloads the old one first.
 
-What bounds it. At most `max_peer_agents` agents are loaded at once, idle ones included. A new agent when all are
-loaded unloads an idle one: one that never received a transfer here first (an attacker's agents never do), the
-least recently used of those, else the least recently used. Unloads are what NIXL leaks on, so at most
-`agent_unloads_per_hour` happen in any hour; beyond them, and when every loaded agent is on a live connection, the
-handshake is refused naming the setting (the side channel counts and logs it at its bounded rate). An agent is used
-only for transfers registered on its own live connection (connector.engine.peers); an idle one is never written.
+What bounds it (issue 33: a token holder that gets prefill to serve registrations under fresh agent names and
+engine keys loads an agent each time). Loaded agents, idle ones included, are bounded three ways, and a new one that
+would go past a bound unloads an idle agent that brings it back within all of them (`_victim`), else it is refused
+naming the bound: its engine (engine_name) holds at most the ranks it declares (tp_size x pp_size), so a burst of
+new names from one engine replaces its own; its source address holds at most `max_agents_per_host` (one decode
+node's ranks fit), so a burst from one address replaces its own; and at most `max_peer_agents` are loaded in all,
+where the address holding the most gives way first. Among the agents that may go: one that never received a
+transfer here first, then the least recently used. Only live connections' agents are never unloaded, so an engine
+that has gone loses its agents before a live one is refused. Unloads are what NIXL leaks on (while the decode
+process lives), so each source address may have at most `agent_unloads_per_hour` made for its newcomers in any
+hour; beyond them that address's newcomer is refused, never another address's. An agent is used only for transfers
+registered on its own live connection (connector.engine.peers); an idle one is never written.
 Asyncio, on the sender's loop; the NIXL calls run off it."""
 
 from __future__ import annotations
