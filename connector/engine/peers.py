@@ -4,8 +4,9 @@ An identity (engine id, pp, tp) and a NIXL agent name belong to one live connect
 for the first connection to end (a restarted rank reconnecting before its old connection was noticed closed) and is
 refused if it does not. A peer's NIXL agent is used for its own connection only; when that connection ends, once no
 WRITE to it is in flight, its entry goes and its agent is handed back to connector.engine.agents, which keeps it
-loaded (idle, never written) for a reconnect, within `max_peer_agents`. So nothing here grows with peers that came
-and went, and a peer reconnecting costs no NIXL load (NIXL 1.5.1 leaks sockets on each unload).
+loaded (idle, never written) for a reconnect, within its bounds (per engine, per source address, in all). So
+nothing here grows with peers that came and went, and a peer reconnecting costs no NIXL load (NIXL 1.5.1 leaks
+sockets on each unload).
 """
 
 from __future__ import annotations
