@@ -25,7 +25,7 @@ from connector.transport.control import ControlServer
 from connector.transport.side_channel import SideChannelConfig
 from connector.vllm.config import ConnectorSettings
 from tests.adversary import TOKEN, TOKENS, Relay, Target, blocks, make_scenario
-from tests.helpers import bare_side_channel
+from tests.helpers import QuietHandler, bare_side_channel
 from tests.test_security import untouched
 from tests.test_security_insiders import fake_prefill_hello
 
@@ -123,12 +123,9 @@ def test_a_token_holder_posing_as_prefill_learns_nothing_of_a_decode_that_trusts
     receiver.set_engine_key(new_engine_key())
     metadata = receiver.hello.agent_metadata
 
-    async def never(conn, msg) -> None:
-        return None
-
     async def pose() -> tuple[bytes, str]:
         key = {"no key": b"", "an untrusted key": new_engine_key(), "the trusted key, copied": new_engine_key()}[fake]
-        async with ControlServer(fake_prefill_hello(receiver), never,
+        async with ControlServer(fake_prefill_hello(receiver), QuietHandler(),
                                  bare_side_channel(auth_token=TOKEN, prefill_key=key)) as server, \
                 Relay(server.port) as relay:
             if fake == "the trusted key, copied":  # what a real prefill's Hello shows, signed with another key

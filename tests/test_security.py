@@ -20,7 +20,7 @@ from connector.sim.cluster import Cluster
 from connector.transport.control import ControlServer
 from connector.transport.client import connect
 from tests.adversary import TOKEN, TOKENS, WITH_TOKEN, Relay, Target, blocks, guess, make_scenario, send_frames
-from tests.helpers import bare_side_channel
+from tests.helpers import QuietHandler, bare_side_channel
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 RSS_SLACK = 150 * 2**20
@@ -240,10 +240,7 @@ def test_decode_checks_prefill_knows_the_token_before_sending_its_memory(open_ra
         fake = msgspec.structs.replace(receiver.hello, role="prefill", engine_id="fake-prefill", agent_name="fake",
                                        agent_metadata=b"", regions=[])
 
-        async def never(conn, msg) -> None:
-            return None
-
-        async with ControlServer(fake, never, bare_side_channel(auth_token=token)) as server, \
+        async with ControlServer(fake, QuietHandler(), bare_side_channel(auth_token=token)) as server, \
                 Relay(server.port) as relay:
             try:
                 await receiver.receive("t-fake", PrefillAddress("127.0.0.1", relay.port),

@@ -24,7 +24,7 @@ from connector.protocol.messages import Abort, Complete, Register, RegisterAck, 
 from connector.transport.control import ControlServer
 from connector.transport.client import connect
 from tests.adversary import TOKEN, TOKENS, WITH_TOKEN, Relay, blocks, make_scenario
-from tests.helpers import bare_side_channel
+from tests.helpers import QuietHandler, bare_side_channel
 from tests.test_security import (TARGET_CONFIG, assert_recovered, decode_config, mallory_hello,  # noqa: F401
                                  ranks, target, transfer, untouched)
 
@@ -306,18 +306,19 @@ def test_a_fake_prefill_cannot_complete_or_fail_a_transfer_registered_elsewhere(
     target.wait_state("victim registered", lambda s: s["parked"] == 1)
     sent = []
 
-    async def on_message(conn, msg) -> None:
-        if isinstance(msg, Register) and msg.transfer_id == "t-bait":
-            for lie in (Complete("t-real", 0, 0, 10**6, 1), Abort("t-real", "the fake says so")):
-                await conn.send(lie)
-                sent.append(lie)
-        elif isinstance(msg, Abort) and msg.transfer_id == "t-bait":  # decode gives its bait up: the fake lets go
-            await conn.send(Stopped("t-bait", 0, 0))
+    class Liar(QuietHandler):
+        async def on_message(self, conn, msg) -> None:
+            if isinstance(msg, Register) and msg.transfer_id == "t-bait":
+                for lie in (Complete("t-real", 0, 0, 10**6, 1), Abort("t-real", "the fake says so")):
+                    await conn.send(lie)
+                    sent.append(lie)
+            elif isinstance(msg, Abort) and msg.transfer_id == "t-bait":  # decode gives its bait up: the fake lets go
+                await conn.send(Stopped("t-bait", 0, 0))
 
     # The bait's timeout stays well inside the target's 6 s lease, which also bounds how long t-real waits parked
     # there: at 3 s too, the lease sometimes refused t-real first (a race, not the attack).
     async def bait() -> str:
-        async with ControlServer(fake_prefill_hello(receiver), on_message, bare_side_channel(auth_token=TOKEN)) \
+        async with ControlServer(fake_prefill_hello(receiver), Liar(), bare_side_channel(auth_token=TOKEN)) \
                 as server:
             try:
                 await receiver.receive("t-bait", PrefillAddress("127.0.0.1", server.port),
@@ -345,12 +346,9 @@ def test_a_fake_prefill_of_4096_ranks_learns_nothing_of_decodes_memory(target, o
     receiver = victim.receiver(decode_config())
     metadata = receiver.hello.agent_metadata
 
-    async def never(conn, msg) -> None:
-        return None
-
     async def fake() -> tuple[bytes, str]:
         hello = fake_prefill_hello(receiver, tp_size=4096)
-        async with ControlServer(hello, never, bare_side_channel(auth_token=TOKEN)) as server, \
+        async with ControlServer(hello, QuietHandler(), bare_side_channel(auth_token=TOKEN)) as server, \
                 Relay(server.port) as relay:
             try:
                 await receiver.receive("t-huge", PrefillAddress("127.0.0.1", relay.port),
