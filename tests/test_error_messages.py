@@ -11,7 +11,7 @@ import pytest
 
 from connector.core.errors import ControlError, FrameError, TransferFailed, Unreachable
 from connector.core.hf_config import load_model
-from connector.protocol.addressing import PrefillAddress
+from connector.engine.receiver import RecvSpec
 from connector.protocol.handshake import check_hello, layout_wire
 from connector.protocol.messages import HEADER, PROTOCOL_VERSION, check_header
 from connector.transport.control import ControlServer
@@ -92,8 +92,8 @@ def test_decode_says_cannot_reach_only_when_nothing_answered(open_rank, m3):
 
     async def attempt(port: int) -> str:
         try:
-            await receiver.receive("t1", PrefillAddress("127.0.0.1", port), blocks(decode.spec.num_blocks, 1), 0,
-                                   64, timeout=10)
+            await receiver.receive(RecvSpec("t1", f"127.0.0.1:{port}", blocks(decode.spec.num_blocks, 1), 0, 64),
+                                   timeout=10)
         except TransferFailed as exc:
             return str(exc)
         return "received"

@@ -18,7 +18,7 @@ import msgspec
 import pytest
 
 from connector.core.errors import ControlError, TransferFailed
-from connector.protocol.addressing import PrefillAddress
+from connector.engine.receiver import RecvSpec
 from connector.protocol.auth import engine_name, new_engine_key, new_transfer_secret, transfer_proof
 from connector.protocol.messages import Abort, Complete, Register, RegisterAck, RegisterError, Stopped
 from connector.transport.control import ControlServer
@@ -33,11 +33,11 @@ LEASE_TICK_S = 1.0
 """How often prefill's sender checks its leases (connector.engine.sender._lease_loop)."""
 
 
-def receive(rank, receiver, target, tid: str, seed: int, secret: str, **kw):
+def receive(rank, receiver, target, tid: str, seed: int, secret: str, after_prefill: bool = False):
     """Start a legitimate decode's receive of `tid` (proving `secret`); returns (future, its blocks)."""
     dst = blocks(rank.spec.num_blocks, seed)
-    fut = rank.loop.submit(receiver.receive(tid, PrefillAddress("127.0.0.1", target.port), dst, 0, TOKENS,
-                                            secret=secret, **kw))
+    fut = rank.loop.submit(receiver.receive(RecvSpec(tid, f"127.0.0.1:{target.port}", dst, 0, TOKENS,
+                                                     prefill_finished=after_prefill, transfer_secret=secret)))
     return fut, dst
 
 
@@ -321,8 +321,8 @@ def test_a_fake_prefill_cannot_complete_or_fail_a_transfer_registered_elsewhere(
         async with ControlServer(fake_prefill_hello(receiver), Liar(), bare_side_channel(auth_token=TOKEN)) \
                 as server:
             try:
-                await receiver.receive("t-bait", PrefillAddress("127.0.0.1", server.port),
-                                       blocks(victim.spec.num_blocks, 31), 0, TOKENS, timeout=1)
+                await receiver.receive(RecvSpec("t-bait", f"127.0.0.1:{server.port}",
+                                                blocks(victim.spec.num_blocks, 31), 0, TOKENS), timeout=1)
                 return "received"
             except TransferFailed as exc:
                 return str(exc)
@@ -351,8 +351,8 @@ def test_a_fake_prefill_of_4096_ranks_learns_nothing_of_decodes_memory(target, o
         async with ControlServer(hello, QuietHandler(), bare_side_channel(auth_token=TOKEN)) as server, \
                 Relay(server.port) as relay:
             try:
-                await receiver.receive("t-huge", PrefillAddress("127.0.0.1", relay.port),
-                                       blocks(victim.spec.num_blocks, 32), 0, TOKENS, timeout=10)
+                await receiver.receive(RecvSpec("t-huge", f"127.0.0.1:{relay.port}",
+                                                blocks(victim.spec.num_blocks, 32), 0, TOKENS), timeout=10)
                 why = "received"
             except TransferFailed as exc:
                 why = str(exc)
