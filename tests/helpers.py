@@ -114,6 +114,29 @@ def bare_side_channel(**fields: Any) -> SideChannelConfig:
 _agent_ids = itertools.count()
 
 
+class QuietHandler:
+    """A side-channel server's handler (connector.transport.control.ControlHandler) that accepts every Hello with no
+    session and ignores every message, close and refusal: a test overrides only what it looks at."""
+
+    def peek(self, hello: Hello) -> None:
+        return None
+
+    def on_hello(self, peer: Hello) -> Any:
+        return None
+
+    async def on_message(self, conn: Any, msg: Any) -> None:
+        return None
+
+    def on_closed(self, conn: Any) -> None:
+        return None
+
+    def on_refused(self, hello: Hello, reason: str, address: str, came_for: Any) -> None:
+        return None
+
+    def on_refusal(self, kind: str) -> None:
+        return None
+
+
 def agent_name(tag: str) -> str:
     """A NIXL agent name no other agent of this test run has (tag, pid, counter)."""
     return f"tt-{tag}-{os.getpid()}-{next(_agent_ids)}"
@@ -159,15 +182,15 @@ def prefill_side_channel(token: str, name: str = "probe-target") -> Iterator[tup
                   stages=[tuple(s) for s in layout.stages], layout=layout_wire(model), num_layers=model.num_layers)
     registered: list = []
 
-    async def on_hello(peer: Any) -> None:
-        registered.append(peer)
+    class Probed(QuietHandler):
+        async def on_hello(self, peer: Any) -> None:
+            registered.append(peer)
 
-    async def on_message(conn: Any, msg: Any) -> None:
-        raise AssertionError("a probe sends no message after the handshake")
+        async def on_message(self, conn: Any, msg: Any) -> None:
+            raise AssertionError("a probe sends no message after the handshake")
 
     loop = LoopThread(name).start()
-    server = ControlServer(hello, on_message, bare_side_channel(auth_token=token), port=free_ports(),
-                           on_hello=on_hello)
+    server = ControlServer(hello, Probed(), bare_side_channel(auth_token=token), port=free_ports())
     loop.run(server.start(), 10)
     try:
         yield server.port, registered

@@ -17,6 +17,7 @@ from connector.core.layout import blocks_for
 from connector.core.plan import build_plan
 from connector.core.staging_ranges import Rows
 from connector.engine.config import ReceiverConfig, SideChannelConfig
+from connector.engine.receiver import RecvSpec
 from connector.protocol.addressing import PrefillAddress
 from connector.sim.buffers import RankBuffers, pick_blocks
 from connector.sim.cluster import run_scenario
@@ -164,10 +165,10 @@ def test_bytes_changed_after_landing_fail_the_transfer_naming_the_block(prefill_
     receiver._verify = corrupt_then_verify
     addr = PrefillAddress("127.0.0.1", cluster.base_port)
     with pytest.raises(TransferFailed, match=rf"index_k layer 3 heads 0-0: decode blocks \[{victim}\] \(1 of"):
-        decode.loop.run(receiver.receive("t-sum", addr, blocks, 0, TOKENS), 30)
+        decode.loop.run(receiver.receive(RecvSpec("t-sum", str(addr), blocks, 0, TOKENS)), 30)
     receiver._verify = verify
     start_prefill(cluster, "t-sum-2")  # the next transfer, untouched, verifies
-    result = decode.loop.run(receiver.receive("t-sum-2", addr, blocks, 0, TOKENS), 30)
+    result = decode.loop.run(receiver.receive(RecvSpec("t-sum-2", str(addr), blocks, 0, TOKENS)), 30)
     assert result.checksummed_blocks > 0 and not decode.bufs.verify(blocks, 0, TOKENS)
 
 

@@ -22,7 +22,7 @@ from connector.protocol.messages import (HEADER, PROTOCOL_VERSION, Abort, Auth, 
 from connector.transport.control import ControlConnection, ControlServer
 from connector.transport.client import connect
 from connector.transport.limits import ServerLimits
-from tests.helpers import bare_side_channel
+from tests.helpers import QuietHandler, bare_side_channel
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -109,7 +109,7 @@ def test_decode_rejects_bad_frames():
         decode_frame(HEADER.pack(len(body), PROTOCOL_VERSION) + body.replace(b"error", b"wrong"))
 
 
-class App:
+class App(QuietHandler):
     """Prefill-side application: acks registrations, then reports completion; fails on request."""
 
     def __init__(self) -> None:
@@ -134,7 +134,7 @@ class App:
 
 def server(app: App, **kw) -> ControlServer:
     """A server of the bare side channel (`kw`: SideChannelConfig fields), no heartbeats unless asked."""
-    return ControlServer(hello("prefill"), app.on_message, bare_side_channel(**kw), on_hello=app.on_hello)
+    return ControlServer(hello("prefill"), app, bare_side_channel(**kw))
 
 
 async def raw_exchange(port: int, data: bytes, timeout: float = 2.0) -> tuple[bytes, float]:

@@ -11,14 +11,14 @@ import pytest
 
 from connector.core.errors import ControlError, FrameError, TransferFailed, Unreachable
 from connector.core.hf_config import load_model
-from connector.protocol.addressing import PrefillAddress
+from connector.engine.receiver import RecvSpec
 from connector.protocol.handshake import check_hello, layout_wire
 from connector.protocol.messages import HEADER, PROTOCOL_VERSION, check_header
 from connector.transport.control import ControlServer
 from connector.transport.client import connect
 from connector.transport.ports import free_ports
 from tests.adversary import blocks, make_scenario
-from tests.helpers import bare_side_channel, log_records
+from tests.helpers import QuietHandler, bare_side_channel, log_records
 from tests.test_control import hello
 
 pytestmark = [pytest.mark.timeout(120)]
@@ -57,11 +57,8 @@ def test_a_fingerprint_mismatch_says_what_differs():
 
 
 async def test_a_token_that_differs_is_named_on_both_sides():
-    async def never(conn, msg) -> None:
-        return None
-
     with log_records(SERVER_LOG) as logged:
-        async with ControlServer(hello("prefill"), never,
+        async with ControlServer(hello("prefill"), QuietHandler(),
                                  bare_side_channel(auth_token="the-prefill-token-of-32-characters")) as srv:
             with pytest.raises(ControlError, match="auth_token differs between prefill and decode: prefill's proof"):
                 await connect("127.0.0.1", srv.port, hello(),
@@ -95,8 +92,8 @@ def test_decode_says_cannot_reach_only_when_nothing_answered(open_rank, m3):
 
     async def attempt(port: int) -> str:
         try:
-            await receiver.receive("t1", PrefillAddress("127.0.0.1", port), blocks(decode.spec.num_blocks, 1), 0,
-                                   64, timeout=10)
+            await receiver.receive(RecvSpec("t1", f"127.0.0.1:{port}", blocks(decode.spec.num_blocks, 1), 0, 64),
+                                   timeout=10)
         except TransferFailed as exc:
             return str(exc)
         return "received"
@@ -108,10 +105,7 @@ def test_decode_says_cannot_reach_only_when_nothing_answered(open_rank, m3):
         prefill = msgspec.structs.replace(receiver.hello, role="prefill", engine_id="p", agent_name="p",
                                           agent_metadata=b"", regions=[])
 
-        async def never(conn, msg) -> None:
-            return None
-
-        async with ControlServer(prefill, never,
+        async with ControlServer(prefill, QuietHandler(),
                                  bare_side_channel(auth_token="the-prefill-token-of-32-characters")) as server:
             return await attempt(server.port)
 

@@ -10,7 +10,7 @@ import pytest
 
 from connector.core.errors import TransferFailed
 from connector.engine.config import ReceiverConfig, SideChannelConfig
-from connector.protocol.addressing import PrefillAddress
+from connector.engine.receiver import RecvSpec
 from connector.sim.buffers import pick_blocks
 from tests.helpers import scenario
 
@@ -35,8 +35,7 @@ def test_losing_a_prefill_rank_that_owes_this_decode_rank_nothing_fails_its_tran
     blocks = pick_blocks(TOKENS, BLOCK, decode.spec.num_blocks, seed=1)
     for rank, (_p, conn) in prefills.prefill.items():
         prefills.ask(conn, ("start", tid, TOKENS, 0), 30, rank)
-    got = decode.loop.submit(receiver.receive(tid, PrefillAddress("127.0.0.1", prefills.base_port), blocks, 0,
-                                              TOKENS))
+    got = decode.loop.submit(receiver.receive(RecvSpec(tid, f"127.0.0.1:{prefills.base_port}", blocks, 0, TOKENS)))
     deadline = time.monotonic() + 20
     while not receiver.busy["pending"]:
         assert time.monotonic() < deadline, "the receive never started"

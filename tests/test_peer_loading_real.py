@@ -12,6 +12,7 @@ import pytest
 
 from connector.engine.agents import LoadedAgents
 from connector.engine.config import ReceiverConfig, SideChannelConfig
+from connector.engine.receiver import RecvSpec
 from connector.sim import rank_process
 from connector.sim.buffers import pick_blocks
 from tests.helpers import log_records, scenario
@@ -52,7 +53,7 @@ def test_a_load_slower_than_the_handshake_timeout_still_serves_the_request(m3, c
     prefills.ask(conn, ("chunk", tid, 0, TOKENS, 0.0, "stream", "all"), 30, "prefill")  # computed: KV held
     blocks = pick_blocks(TOKENS, BLOCK, decode.spec.num_blocks, seed=1)
     with log_records("connector.engine.sources") as records:
-        result = decode.run(receiver.receive(tid, prefills.prefill_address, blocks, 0, TOKENS), 60)
+        result = decode.run(receiver.receive(RecvSpec(tid, str(prefills.prefill_address), blocks, 0, TOKENS)), 60)
     assert result.bytes_written > 0 and result.checksummed_blocks > 0, result
     retries = [r.getMessage() for r in records if "trying once more" in r.getMessage()]
     assert not retries, [r.getMessage() for r in records]  # the handshake did not wait for the load
@@ -80,7 +81,7 @@ def test_connecting_early_takes_the_slow_load_out_of_the_first_request(m3, clust
     prefills.ask(conn, ("chunk", tid, 0, TOKENS, 0.0, "stream", "all"), 30, "prefill")
     blocks = pick_blocks(TOKENS, BLOCK, decode.spec.num_blocks, seed=1)
     with log_records("connector.transport.client") as client, log_records("connector.engine.sources") as sources:
-        result = decode.run(receiver.receive(tid, prefills.prefill_address, blocks, 0, TOKENS), 60)
+        result = decode.run(receiver.receive(RecvSpec(tid, str(prefills.prefill_address), blocks, 0, TOKENS)), 60)
     assert result.checksummed_blocks > 0, result
     assert not [r for r in client + sources if "handshake" in r.getMessage()]  # no handshake in the request
     assert receiver.sources.by_address[prefills.prefill_address] is engine  # the early connections served it

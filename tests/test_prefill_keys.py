@@ -18,14 +18,14 @@ import pytest
 from connector.cli.main import main as cli
 from connector.core.errors import ConfigError, TransferFailed
 from connector.engine.config import ReceiverConfig, SenderConfig
-from connector.protocol.addressing import PrefillAddress
+from connector.engine.receiver import RecvSpec
 from connector.protocol.auth import engine_public_key, key_from_text, new_engine_key
 from connector.sim.cluster import Cluster
 from connector.transport.control import ControlServer
 from connector.transport.side_channel import SideChannelConfig
 from connector.vllm.config import ConnectorSettings
 from tests.adversary import TOKEN, TOKENS, Relay, Target, blocks, make_scenario
-from tests.helpers import bare_side_channel
+from tests.helpers import QuietHandler, bare_side_channel
 from tests.test_security import untouched
 from tests.test_security_insiders import fake_prefill_hello
 
@@ -83,7 +83,7 @@ def trusting(trusted: frozenset[bytes] = TRUSTED) -> ReceiverConfig:
 
 def transfer(target: Target, rank, receiver, tid: str, seed: int) -> None:
     dst = blocks(rank.spec.num_blocks, seed)
-    fut = rank.loop.submit(receiver.receive(tid, PrefillAddress("127.0.0.1", target.port), dst, 0, TOKENS))
+    fut = rank.loop.submit(receiver.receive(RecvSpec(tid, f"127.0.0.1:{target.port}", dst, 0, TOKENS)))
     target.compute(tid, index=seed)
     fut.result(40)
     assert rank.bufs.verify(dst, 0, TOKENS) == []
@@ -104,8 +104,8 @@ def test_a_decode_that_trusts_another_key_refuses_the_real_prefill_before_sendin
                                                                                             open_rank):
     rank = open_rank(keyed_target.cluster.sc.rank_spec("decode", (0, 0), run_id="other-key"))
     receiver = rank.receiver(trusting(frozenset({engine_public_key(new_engine_key())})))
-    fut = rank.loop.submit(receiver.receive("t-untrusted", PrefillAddress("127.0.0.1", keyed_target.port),
-                                            blocks(rank.spec.num_blocks, 5), 0, TOKENS, timeout=10))
+    fut = rank.loop.submit(receiver.receive(RecvSpec("t-untrusted", f"127.0.0.1:{keyed_target.port}",
+                                                     blocks(rank.spec.num_blocks, 5), 0, TOKENS), timeout=10))
     with pytest.raises(TransferFailed, match="is not in decode's trusted_prefill_keys"):
         fut.result(30)
     assert untouched(rank)
@@ -123,19 +123,16 @@ def test_a_token_holder_posing_as_prefill_learns_nothing_of_a_decode_that_trusts
     receiver.set_engine_key(new_engine_key())
     metadata = receiver.hello.agent_metadata
 
-    async def never(conn, msg) -> None:
-        return None
-
     async def pose() -> tuple[bytes, str]:
         key = {"no key": b"", "an untrusted key": new_engine_key(), "the trusted key, copied": new_engine_key()}[fake]
-        async with ControlServer(fake_prefill_hello(receiver), never,
+        async with ControlServer(fake_prefill_hello(receiver), QuietHandler(),
                                  bare_side_channel(auth_token=TOKEN, prefill_key=key)) as server, \
                 Relay(server.port) as relay:
             if fake == "the trusted key, copied":  # what a real prefill's Hello shows, signed with another key
                 server._hs.identity = msgspec.structs.replace(server._hs.identity, engine_key=next(iter(TRUSTED)))
             try:
-                await receiver.receive("t-bait", PrefillAddress("127.0.0.1", relay.port),
-                                       blocks(rank.spec.num_blocks, 6), 0, TOKENS, timeout=10)
+                await receiver.receive(RecvSpec("t-bait", f"127.0.0.1:{relay.port}", blocks(rank.spec.num_blocks, 6),
+                                                0, TOKENS), timeout=10)
                 why = "received"
             except TransferFailed as exc:
                 why = str(exc)
@@ -176,8 +173,8 @@ def test_a_listener_named_as_prefill_addr_reads_nothing_identifying(keyed_target
         server = await asyncio.start_server(keep, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         try:
-            await receiver.receive("t-listened-secret-id", PrefillAddress("127.0.0.1", port),
-                                   blocks(rank.spec.num_blocks, 8), 0, TOKENS, timeout=3)
+            await receiver.receive(RecvSpec("t-listened-secret-id", f"127.0.0.1:{port}",
+                                            blocks(rank.spec.num_blocks, 8), 0, TOKENS), timeout=3)
             return "received"
         except TransferFailed as exc:
             return str(exc)

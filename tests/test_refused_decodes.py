@@ -11,6 +11,7 @@ import pytest
 
 from connector.core.errors import TransferFailed
 from connector.engine.config import ReceiverConfig, SideChannelConfig
+from connector.engine.receiver import RecvSpec
 from connector.protocol.addressing import PrefillAddress
 from connector.sim.buffers import pick_blocks
 from connector.transport.ports import free_ports
@@ -37,7 +38,7 @@ def refused_by_prefill(m3, cluster, open_rank, decode_model, decode_token: str):
     blocks = pick_blocks(TOKENS, BLOCK, decode.spec.num_blocks, seed=1)
     started = time.monotonic()
     with pytest.raises(TransferFailed) as failed:
-        decode.run(receiver.receive(tid, PrefillAddress("127.0.0.1", prefills.base_port), blocks, 0, TOKENS), 30)
+        decode.run(receiver.receive(RecvSpec(tid, f"127.0.0.1:{prefills.base_port}", blocks, 0, TOKENS)), 30)
     decode_s = time.monotonic() - started
     refused_at = time.monotonic()
     finished = prefills.ask(conn, ("finish", tid), LEASE_S + 30, "prefill")

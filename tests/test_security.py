@@ -14,13 +14,13 @@ import pytest
 
 from connector.core.errors import ControlError, TransferFailed
 from connector.engine.config import ReceiverConfig, SenderConfig, SideChannelConfig
-from connector.protocol.addressing import PrefillAddress
+from connector.engine.receiver import RecvSpec
 from connector.protocol.messages import Abort, Heartbeat, Register, RegisterAck, RegisterError, Reject, Stopped
 from connector.sim.cluster import Cluster
 from connector.transport.control import ControlServer
 from connector.transport.client import connect
 from tests.adversary import TOKEN, TOKENS, WITH_TOKEN, Relay, Target, blocks, guess, make_scenario, send_frames
-from tests.helpers import bare_side_channel
+from tests.helpers import QuietHandler, bare_side_channel
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 RSS_SLACK = 150 * 2**20
@@ -69,7 +69,7 @@ def ranks(target, open_rank):
 def transfer(target: Target, rank, receiver, tid: str, seed: int, compute: bool = True) -> None:
     """A legitimate request: decode registers, prefill computes, every byte checked on decode."""
     dst = blocks(rank.spec.num_blocks, seed)
-    fut = rank.loop.submit(receiver.receive(tid, PrefillAddress("127.0.0.1", target.port), dst, 0, TOKENS))
+    fut = rank.loop.submit(receiver.receive(RecvSpec(tid, f"127.0.0.1:{target.port}", dst, 0, TOKENS)))
     if compute:
         target.compute(tid, index=seed)
     fut.result(40)
@@ -121,7 +121,7 @@ def test_transfers_belong_to_the_engine_that_registered_them(target, ranks):
     it alive with heartbeats. Now the registering engine owns it."""
     victim, receiver, mallory = ranks
     dst = blocks(victim.spec.num_blocks, 4)
-    got = victim.loop.submit(receiver.receive("t-owned", PrefillAddress("127.0.0.1", target.port), dst, 0, TOKENS))
+    got = victim.loop.submit(receiver.receive(RecvSpec("t-owned", f"127.0.0.1:{target.port}", dst, 0, TOKENS)))
     target.wait_state("victim registered", lambda s: s["parked"] == 1)
 
     async def meddle() -> list:
@@ -240,14 +240,11 @@ def test_decode_checks_prefill_knows_the_token_before_sending_its_memory(open_ra
         fake = msgspec.structs.replace(receiver.hello, role="prefill", engine_id="fake-prefill", agent_name="fake",
                                        agent_metadata=b"", regions=[])
 
-        async def never(conn, msg) -> None:
-            return None
-
-        async with ControlServer(fake, never, bare_side_channel(auth_token=token)) as server, \
+        async with ControlServer(fake, QuietHandler(), bare_side_channel(auth_token=token)) as server, \
                 Relay(server.port) as relay:
             try:
-                await receiver.receive("t-fake", PrefillAddress("127.0.0.1", relay.port),
-                                       blocks(victim.spec.num_blocks, 8), 0, TOKENS, timeout=10)
+                await receiver.receive(RecvSpec("t-fake", f"127.0.0.1:{relay.port}", blocks(victim.spec.num_blocks, 8),
+                                                0, TOKENS), timeout=10)
                 why = "received"
             except TransferFailed as exc:
                 why = str(exc)

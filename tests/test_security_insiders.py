@@ -18,13 +18,13 @@ import msgspec
 import pytest
 
 from connector.core.errors import ControlError, TransferFailed
-from connector.protocol.addressing import PrefillAddress
+from connector.engine.receiver import RecvSpec
 from connector.protocol.auth import engine_name, new_engine_key, new_transfer_secret, transfer_proof
 from connector.protocol.messages import Abort, Complete, Register, RegisterAck, RegisterError, Stopped
 from connector.transport.control import ControlServer
 from connector.transport.client import connect
 from tests.adversary import TOKEN, TOKENS, WITH_TOKEN, Relay, blocks, make_scenario
-from tests.helpers import bare_side_channel
+from tests.helpers import QuietHandler, bare_side_channel
 from tests.test_security import (TARGET_CONFIG, assert_recovered, decode_config, mallory_hello,  # noqa: F401
                                  ranks, target, transfer, untouched)
 
@@ -33,11 +33,11 @@ LEASE_TICK_S = 1.0
 """How often prefill's sender checks its leases (connector.engine.sender._lease_loop)."""
 
 
-def receive(rank, receiver, target, tid: str, seed: int, secret: str, **kw):
+def receive(rank, receiver, target, tid: str, seed: int, secret: str, after_prefill: bool = False):
     """Start a legitimate decode's receive of `tid` (proving `secret`); returns (future, its blocks)."""
     dst = blocks(rank.spec.num_blocks, seed)
-    fut = rank.loop.submit(receiver.receive(tid, PrefillAddress("127.0.0.1", target.port), dst, 0, TOKENS,
-                                            secret=secret, **kw))
+    fut = rank.loop.submit(receiver.receive(RecvSpec(tid, f"127.0.0.1:{target.port}", dst, 0, TOKENS,
+                                                     prefill_finished=after_prefill, transfer_secret=secret)))
     return fut, dst
 
 
@@ -306,22 +306,23 @@ def test_a_fake_prefill_cannot_complete_or_fail_a_transfer_registered_elsewhere(
     target.wait_state("victim registered", lambda s: s["parked"] == 1)
     sent = []
 
-    async def on_message(conn, msg) -> None:
-        if isinstance(msg, Register) and msg.transfer_id == "t-bait":
-            for lie in (Complete("t-real", 0, 0, 10**6, 1), Abort("t-real", "the fake says so")):
-                await conn.send(lie)
-                sent.append(lie)
-        elif isinstance(msg, Abort) and msg.transfer_id == "t-bait":  # decode gives its bait up: the fake lets go
-            await conn.send(Stopped("t-bait", 0, 0))
+    class Liar(QuietHandler):
+        async def on_message(self, conn, msg) -> None:
+            if isinstance(msg, Register) and msg.transfer_id == "t-bait":
+                for lie in (Complete("t-real", 0, 0, 10**6, 1), Abort("t-real", "the fake says so")):
+                    await conn.send(lie)
+                    sent.append(lie)
+            elif isinstance(msg, Abort) and msg.transfer_id == "t-bait":  # decode gives its bait up: the fake lets go
+                await conn.send(Stopped("t-bait", 0, 0))
 
     # The bait's timeout stays well inside the target's 6 s lease, which also bounds how long t-real waits parked
     # there: at 3 s too, the lease sometimes refused t-real first (a race, not the attack).
     async def bait() -> str:
-        async with ControlServer(fake_prefill_hello(receiver), on_message, bare_side_channel(auth_token=TOKEN)) \
+        async with ControlServer(fake_prefill_hello(receiver), Liar(), bare_side_channel(auth_token=TOKEN)) \
                 as server:
             try:
-                await receiver.receive("t-bait", PrefillAddress("127.0.0.1", server.port),
-                                       blocks(victim.spec.num_blocks, 31), 0, TOKENS, timeout=1)
+                await receiver.receive(RecvSpec("t-bait", f"127.0.0.1:{server.port}",
+                                                blocks(victim.spec.num_blocks, 31), 0, TOKENS), timeout=1)
                 return "received"
             except TransferFailed as exc:
                 return str(exc)
@@ -345,16 +346,13 @@ def test_a_fake_prefill_of_4096_ranks_learns_nothing_of_decodes_memory(target, o
     receiver = victim.receiver(decode_config())
     metadata = receiver.hello.agent_metadata
 
-    async def never(conn, msg) -> None:
-        return None
-
     async def fake() -> tuple[bytes, str]:
         hello = fake_prefill_hello(receiver, tp_size=4096)
-        async with ControlServer(hello, never, bare_side_channel(auth_token=TOKEN)) as server, \
+        async with ControlServer(hello, QuietHandler(), bare_side_channel(auth_token=TOKEN)) as server, \
                 Relay(server.port) as relay:
             try:
-                await receiver.receive("t-huge", PrefillAddress("127.0.0.1", relay.port),
-                                       blocks(victim.spec.num_blocks, 32), 0, TOKENS, timeout=10)
+                await receiver.receive(RecvSpec("t-huge", f"127.0.0.1:{relay.port}",
+                                                blocks(victim.spec.num_blocks, 32), 0, TOKENS), timeout=10)
                 why = "received"
             except TransferFailed as exc:
                 why = str(exc)

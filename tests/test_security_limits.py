@@ -17,8 +17,8 @@ import pytest
 
 from connector.core.errors import ConfigError, ControlError, TransferFailed
 from connector.engine.config import SenderConfig, SideChannelConfig
+from connector.engine.receiver import RecvSpec
 from connector.engine.sender_state import Parked
-from connector.protocol.addressing import PrefillAddress
 from connector.protocol.auth import lane_tag
 from connector.protocol.handshake import plan_between
 from connector.protocol.messages import HEADER, PROTOCOL_VERSION, Register, RegisterAck, RegisterError, Reject
@@ -44,7 +44,7 @@ def test_a_huge_layout_claim_is_refused_before_any_plan_while_a_transfer_streams
     holder's Auth: decode speaks second), before any plan; the transfer streaming meanwhile is byte-exact."""
     rank, receiver = victim
     dst = blocks(rank.spec.num_blocks, 11)
-    got = rank.loop.submit(receiver.receive("t-freeze", PrefillAddress("127.0.0.1", target.port), dst, 0, TOKENS))
+    got = rank.loop.submit(receiver.receive(RecvSpec("t-freeze", f"127.0.0.1:{target.port}", dst, 0, TOKENS)))
     target.compute("t-freeze", layer_ms=20.0, wait=False, index=11)  # 60 layers x 20 ms, streaming meanwhile
     claims = {"tp_size": dict(tp_size=4096), "pp_size": dict(pp_size=100_000, tp_size=1),
               "a tp the heads refuse": dict(tp_size=3)}
@@ -274,8 +274,8 @@ def test_tls_side_channel_is_byte_exact_and_refuses_the_wrong_ca(m3, open_rank):
         for ca in (str(DATA / "other-ca-cert.pem"), ""):
             other = rank.receiver(decode_config(tls_ca_file=ca))
             with pytest.raises(TransferFailed):
-                rank.run(other.receive("t-tls-bad", PrefillAddress("127.0.0.1", target.port),
-                                       blocks(rank.spec.num_blocks, 13), 0, TOKENS, timeout=10), 20)
+                rank.run(other.receive(RecvSpec("t-tls-bad", f"127.0.0.1:{target.port}",
+                                                blocks(rank.spec.num_blocks, 13), 0, TOKENS), timeout=10), 20)
             rank.run(other.aclose(), 20)
         target.wait_state("refused TLS peers gone", lambda s: s["peers"] == 0)
 

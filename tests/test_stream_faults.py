@@ -13,6 +13,7 @@ import torch
 
 from connector.core.errors import ControlError, TransferFailed
 from connector.engine.config import ReceiverConfig, SenderConfig, SideChannelConfig
+from connector.engine.receiver import RecvSpec
 from connector.protocol.addressing import PrefillAddress
 from connector.protocol.messages import Register, RegisterError
 from connector.sim.buffers import pick_blocks
@@ -74,7 +75,7 @@ def test_out_of_range_block_ids_are_refused_and_nothing_is_written(prefill_clust
     blocks[0][2] = decode.spec.num_blocks + 5
     addr = PrefillAddress("127.0.0.1", cluster.base_port)
     with pytest.raises(TransferFailed, match=rf"block ids \[{decode.spec.num_blocks + 5}\] are outside kv layer 0"):
-        decode.loop.run(receiver.receive("t-bad-blocks", addr, blocks, 0, TOKENS), 30)
+        decode.loop.run(receiver.receive(RecvSpec("t-bad-blocks", str(addr), blocks, 0, TOKENS)), 30)
     time.sleep(0.3)
     assert not any(bool(t.any()) for t in decode.bufs.tensors), "bytes were written for a refused registration"
 
@@ -122,8 +123,8 @@ def test_incompatible_fingerprint_and_garbage_frames_leave_the_server_serving(pr
     # still serving: a full transfer now works
     start_prefill(cluster, "t-after-garbage")
     blocks = pick_blocks(TOKENS, BLOCK, decode.spec.num_blocks, seed=3)
-    res = decode.loop.run(receiver.receive("t-after-garbage", PrefillAddress("127.0.0.1", cluster.base_port),
-                                           blocks, 0, TOKENS), 30)
+    res = decode.loop.run(receiver.receive(RecvSpec("t-after-garbage", f"127.0.0.1:{cluster.base_port}", blocks, 0,
+                                                    TOKENS)), 30)
     assert res.bytes_written > 0
     assert decode.bufs.verify(blocks, 0, TOKENS) == []
 
@@ -131,8 +132,8 @@ def test_incompatible_fingerprint_and_garbage_frames_leave_the_server_serving(pr
 def test_prefill_killed_mid_transfer_fails_the_receiver_within_its_timeout(prefill_cluster_and_decode):
     sc, cluster, decode, receiver = prefill_cluster_and_decode(layer_ms=100.0)
     blocks = pick_blocks(TOKENS, BLOCK, decode.spec.num_blocks, seed=4)
-    fut = decode.loop.submit(receiver.receive("t-kill-p", PrefillAddress("127.0.0.1", cluster.base_port), blocks, 0,
-                                              TOKENS))
+    fut = decode.loop.submit(receiver.receive(RecvSpec("t-kill-p", f"127.0.0.1:{cluster.base_port}", blocks, 0,
+                                                       TOKENS)))
     start_prefill(cluster, "t-kill-p", layer_ms=100.0, wait=False)  # 60 layers x 100 ms
     time.sleep(1.5)
     assert not fut.done()
@@ -180,8 +181,8 @@ def test_decode_abort_waits_until_prefill_stopped_writing(prefill_cluster_and_de
     """Staged: chunks still in flight when decode aborts are dropped by decode, not scattered."""
     sc, cluster, decode, receiver = prefill_cluster_and_decode(layer_ms=60.0, staging_mb=staging_mb)
     blocks = pick_blocks(TOKENS, BLOCK, decode.spec.num_blocks, seed=6)
-    fut = decode.loop.submit(receiver.receive("t-abort-d", PrefillAddress("127.0.0.1", cluster.base_port), blocks, 0,
-                                              TOKENS))
+    fut = decode.loop.submit(receiver.receive(RecvSpec("t-abort-d", f"127.0.0.1:{cluster.base_port}", blocks, 0,
+                                                       TOKENS)))
     start_prefill(cluster, "t-abort-d", layer_ms=60.0, wait=False)  # 60 layers x 60 ms
     time.sleep(1.5)
     assert not fut.done()
@@ -236,7 +237,7 @@ def test_prefill_restart_after_preemption_resends_from_the_new_blocks(prefill_cl
     sender = prefill.sender(SenderConfig(port=cluster.base_port + 1))
     addr = PrefillAddress("127.0.0.1", cluster.base_port + 1)
     dst = pick_blocks(TOKENS, BLOCK, decode.spec.num_blocks, seed=8)
-    fut = decode.loop.submit(receiver.receive("t-preempt", addr, dst, 0, TOKENS))
+    fut = decode.loop.submit(receiver.receive(RecvSpec("t-preempt", str(addr), dst, 0, TOKENS)))
     old = pick_blocks(TOKENS, BLOCK, prefill.spec.num_blocks, seed=9)
     sender.start_request("t-preempt", TOKENS)
     sender.begin_chunk("t-preempt", old, 32)
@@ -282,7 +283,7 @@ def test_decode_heartbeats_extend_the_lease(m3):
         sender.end_chunk("t-hb")  # finished; the lease (1 s) starts now
         dst = pick_blocks(TOKENS, BLOCK, decode.spec.num_blocks, seed=12)
         began = time.monotonic()
-        decode.loop.run(receiver.receive("t-hb", PrefillAddress("127.0.0.1", sender.port), dst, 0, TOKENS), 30)
+        decode.loop.run(receiver.receive(RecvSpec("t-hb", f"127.0.0.1:{sender.port}", dst, 0, TOKENS)), 30)
         assert time.monotonic() - began > 2.5  # the WRITEs did outlast the 1 s lease
         assert prefill.loop.run(sender.wait_finished("t-hb", 10), 15) is True
         assert decode.bufs.verify(dst, 0, TOKENS) == []
@@ -302,7 +303,7 @@ def test_sender_counts_bytes_streamed_during_compute_apart_from_the_sweep(m3):
         dst = pick_blocks(TOKENS, BLOCK, decode.spec.num_blocks, seed=22)
         sender.start_request("t-st", TOKENS)
         sender.begin_chunk("t-st", blocks, TOKENS)
-        got = decode.loop.submit(receiver.receive("t-st", PrefillAddress("127.0.0.1", port), dst, 0, TOKENS))
+        got = decode.loop.submit(receiver.receive(RecvSpec("t-st", f"127.0.0.1:{port}", dst, 0, TOKENS)))
         # (start_request is only queued for the loop: the request may not exist yet)
         wait_for(lambda: "t-st" in sender.requests and sender.requests["t-st"].dests, "decode never registered")
         prefill.bufs.fill(0, blocks, 0, TOKENS)
@@ -353,7 +354,7 @@ def test_decode_refuses_a_staged_chunk_aimed_outside_its_blocks(m3, monkeypatch)
         sender.begin_chunk("t-evil", blocks, TOKENS)
         sender.end_chunk("t-evil")
         with pytest.raises(TransferFailed, match="refused staged chunk .* outside the blocks registered"):
-            decode.loop.run(receiver.receive("t-evil", PrefillAddress("127.0.0.1", port), dst, 0, TOKENS), 30)
+            decode.loop.run(receiver.receive(RecvSpec("t-evil", f"127.0.0.1:{port}", dst, 0, TOKENS)), 30)
         assert prefill.loop.run(sender.wait_finished("t-evil", 10), 15) is False
         assert sender.stats.staged_chunks > 0
         assert not any(bool(t.any()) for t in decode.bufs.tensors), "a refused chunk wrote into decode's cache"
@@ -366,8 +367,8 @@ def test_registration_after_prefill_for_an_unknown_transfer_is_refused_at_once(m
         blocks = pick_blocks(TOKENS, BLOCK, decode.spec.num_blocks, seed=7)
         started = time.monotonic()
         with pytest.raises(TransferFailed, match="restarted since"):
-            decode.run(receiver.receive("t-gone", PrefillAddress("127.0.0.1", port), blocks, 0, TOKENS,
-                                        after_prefill=True), 30)
+            decode.run(receiver.receive(RecvSpec("t-gone", f"127.0.0.1:{port}", blocks, 0, TOKENS,
+                                                 prefill_finished=True)), 30)
         assert time.monotonic() - started < 5
         assert "t-gone" not in sender.ownership.parked
         assert not any(bool(t.any()) for t in decode.bufs.tensors)
@@ -408,7 +409,7 @@ def test_transfers_over_one_connection_leave_nothing_alive_on_it(m3):
             dst = pick_blocks(TOKENS, BLOCK, decode.spec.num_blocks, seed=1000 + i)
             got = None
             if i % 2:  # decode first: the registration waits for prefill to start the request
-                got = decode.loop.submit(receiver.receive(tid, addr, dst, 0, TOKENS))
+                got = decode.loop.submit(receiver.receive(RecvSpec(tid, str(addr), dst, 0, TOKENS)))
                 deadline = time.monotonic() + 15
                 while sender.parked_count == 0:
                     assert time.monotonic() < deadline, f"{tid} never waited for its request"
@@ -417,7 +418,7 @@ def test_transfers_over_one_connection_leave_nothing_alive_on_it(m3):
             sender.begin_chunk(tid, blocks, TOKENS)
             sender.end_chunk(tid)
             if got is None:
-                decode.run(receiver.receive(tid, addr, dst, 0, TOKENS), 30)
+                decode.run(receiver.receive(RecvSpec(tid, str(addr), dst, 0, TOKENS)), 30)
             else:
                 got.result(30)
             assert prefill.run(sender.wait_finished(tid, 10), 15) is True
@@ -449,8 +450,9 @@ def test_what_prefill_keeps_of_released_transfers_stays_within_its_bound(m3):
             sender.start_request(tid, TOKENS)
             sender.begin_chunk(tid, pick_blocks(TOKENS, BLOCK, prefill.spec.num_blocks, seed=i), TOKENS)
             sender.end_chunk(tid)
-            decode.run(receiver.receive(tid, addr, pick_blocks(TOKENS, BLOCK, decode.spec.num_blocks, seed=50 + i),
-                                        0, TOKENS), 30)
+            decode.run(receiver.receive(RecvSpec(tid, str(addr),
+                                                 pick_blocks(TOKENS, BLOCK, decode.spec.num_blocks, seed=50 + i), 0,
+                                                 TOKENS)), 30)
             assert prefill.run(sender.wait_finished(tid, 10), 15) is True
         assert len(sender.ownership.released) == 4
 
@@ -482,8 +484,9 @@ def test_an_idle_sender_keeps_no_request_alive(m3):
         sender.start_request("t-idle", TOKENS)
         sender.begin_chunk("t-idle", pick_blocks(TOKENS, BLOCK, prefill.spec.num_blocks, seed=1), TOKENS)
         sender.end_chunk("t-idle")
-        decode.run(receiver.receive("t-idle", PrefillAddress("127.0.0.1", port),
-                                    pick_blocks(TOKENS, BLOCK, decode.spec.num_blocks, seed=2), 0, TOKENS), 30)
+        decode.run(receiver.receive(RecvSpec("t-idle", f"127.0.0.1:{port}",
+                                             pick_blocks(TOKENS, BLOCK, decode.spec.num_blocks, seed=2), 0, TOKENS)),
+                   30)
         assert prefill.run(sender.wait_finished("t-idle", 10), 15) is True
         time.sleep(1.2)  # a tick of the idle sender
 

@@ -2,9 +2,10 @@
 completion from each. Framework-agnostic asyncio on the process's one event loop.
 
 The prefill engines themselves, their connections and the confirmation that a lost source stopped writing are
-connector.engine.sources' (the mirror of the sender's connector.engine.peers); this module keeps the transfers:
-what each waits for, the messages about them, and the staged chunks' scatter. Blocks are handed back only once every
-source writes nothing more into them (`_Pending.stopped`).
+connector.engine.sources' (the mirror of the sender's connector.engine.peers), the scatter of a staged chunk and its
+answer connector.engine.staging's (`StagedReader`); this module keeps the transfers: what each is asked to receive
+(`RecvSpec`), what each waits for and the messages about them. Blocks are handed back only once every source writes
+nothing more into them (`_Pending.stopped`).
 """
 
 from __future__ import annotations
@@ -12,12 +13,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import msgspec
 import numpy as np
 
 from connector.core.checksums import destination_rows, mismatch, transfer_spans
-from connector.core.errors import ConnectorError, ControlError, PeerError, StagingError, TransferFailed, Unreachable
+from connector.core.errors import ConnectorError, ControlError, PeerError, TransferFailed, Unreachable
 from connector.core.layout import Region
 from connector.core.plan import Rank
 from connector.core.staging_ranges import allowed_ranges
@@ -37,6 +39,40 @@ from connector.transport.device_copy import BlockCopier
 from connector.transport.loop import OwnedTasks
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RecvSpec:
+    """Decode: blocks to register with the prefill ranks of `prefill_addr` (`StreamReceiver.receive`). The vLLM
+    scheduler side sends one per request to every worker (connector.vllm.metadata); `error`, `aborted` and
+    `finished` are that worker's to act on."""
+
+    transfer_id: str
+    prefill_addr: str
+    block_ids: Sequence[list[int]]
+    """All blocks of the request, per KV-cache group, from token 0 (prefix hits included)."""
+    first_token: int
+    """Decode's own prefix-cache hit, in tokens: not transferred."""
+    num_tokens: int
+    """Tokens to receive up to (the last prompt token is recomputed locally)."""
+    prefill_finished: bool = False
+    """The params came from prefill's response (sequential flow): prefill already holds the KV, so a prefill that
+    does not know the transfer refuses at once instead of waiting for it to start."""
+    error: str = ""
+    """Set when the request's kv_transfer_params are unusable: the workers fail it at once (failed_recving)."""
+    aborted: bool = False
+    """Aborted before the registration went out: the workers only tell prefill, so it frees its blocks now
+    instead of after its lease."""
+    finished: bool = False
+    """With `aborted`: vLLM already finished the request (it never had blocks), so nothing is reported back."""
+    transfer_secret: str = ""
+    """kv_transfer_params' `transfer_secret`: proven to prefill in the registration, never sent."""
+
+    @property
+    def prefill(self) -> PrefillAddress:
+        """`prefill_addr` parsed (raises ConfigError): the one place it is, for the receive and the aborts alike
+        (the scheduler side checked it first: connector.vllm.requests.check_params)."""
+        return PrefillAddress.parse(self.prefill_addr)
 
 
 @dataclass(frozen=True)
@@ -234,42 +270,27 @@ class StreamReceiver:
             reply = Scattered(msg.transfer_id, msg.seq, False, f"transfer {msg.transfer_id!r} is not being received "
                                                                f"from {src} here (aborted, failed or finished)")
         else:
-            reply = await self._scatter(engine, src, pend, msg)
+            reply = await self._staged.answer(msg, src, engine.areas.get(src),
+                                              lambda: pend.allowed_ranges(self.hello.regions, self.me.null_block))
+            if not reply.ok:  # this source's share of the transfer cannot land: it fails now
+                pend.source_failed(src, TransferFailed(f"decode refused staged chunk {msg.seq} of {msg.transfer_id!r} "
+                                                       f"from prefill rank {src}: {reply.reason}"), stopped=False)
         try:
             await conn.send(reply)
         except ControlError as exc:
             log.warning("could not answer staged chunk %d of %s: %s", msg.seq, msg.transfer_id, exc)
 
-    async def _scatter(self, engine: SourceEngine, src: Rank, pend: _Pending, msg: Scatter) -> Scattered:
-        """Scatter one chunk of a transfer being received; a chunk refused or failed fails the transfer from this
-        source at once (prefill hears why in the answer, and stops)."""
-        try:
-            area = engine.areas.get(src)
-            if area is None:
-                raise StagingError(f"prefill rank {src} was given no staging area")
-            await self._staged.scatter(msg, area, pend.allowed_ranges(self.hello.regions, self.me.null_block))
-            return Scattered(msg.transfer_id, msg.seq, True)
-        except StagingError as exc:
-            log.warning("refusing staged chunk %d of %s from prefill rank %s: %s", msg.seq, msg.transfer_id, src,
-                        exc)
-            why = str(exc)
-        except Exception as exc:  # noqa: BLE001 - the copy failed: tell the sender, keep the connection
-            log.error("staged chunk %d of %s from prefill rank %s: scatter failed: %s", msg.seq, msg.transfer_id,
-                      src, exc)
-            why = f"scatter failed on decode: {exc}"
-        pend.source_failed(src, TransferFailed(f"decode refused staged chunk {msg.seq} of {msg.transfer_id!r} from "
-                                               f"prefill rank {src}: {why}"), stopped=False)
-        return Scattered(msg.transfer_id, msg.seq, False, why)
-
     # ---- transfers -------------------------------------------------------------------------------------------
-    async def receive(self, transfer_id: str, prefill: PrefillAddress, block_ids: list[list[int]],
-                      first_token: int, num_tokens: int, timeout: float | None = None,
-                      after_prefill: bool = False, checksum: bool | None = None, secret: str = "") -> ReceiveResult:
-        """Register `block_ids` (per group, from token 0) with every source and wait until all completed.
-        `after_prefill`: prefill already finished computing (the sequential flow), so a source that does not know
-        the transfer refuses at once rather than parking the registration until prefill starts it. `checksum`:
-        verify it end to end (None: `config.kv_checksum`). `secret`: the transfer's capability (kv_transfer_params'
-        `transfer_secret`), which prefill demands if its request carries one."""
+    async def receive(self, spec: RecvSpec, timeout: float | None = None,
+                      checksum: bool | None = None) -> ReceiveResult:
+        """Register `spec.block_ids` (per group, from token 0) with every source and wait until all completed.
+        `spec.prefill_finished`: prefill already finished computing (the sequential flow), so a source that does
+        not know the transfer refuses at once rather than parking the registration until prefill starts it.
+        `spec.transfer_secret`: the transfer's capability, which prefill demands if its request carries one.
+        `timeout` (None: `config.transfer_timeout_s`) and `checksum` (verify it end to end; None:
+        `config.kv_checksum`) are this call's, not the request's."""
+        transfer_id, prefill, first_token, num_tokens = (spec.transfer_id, spec.prefill, spec.first_token,
+                                                         spec.num_tokens)
         checksum = self.config.kv_checksum if checksum is None else checksum
         points = ReceivePoints()
         points.mark("registered")
@@ -290,18 +311,18 @@ class StreamReceiver:
             layers[r.src.rank].add(r.layer)
         loop = asyncio.get_running_loop()
         pend = _Pending(transfer_id, engine, {src: loop.create_future() for src in layers},
-                        {src: loop.create_future() for src in layers}, block_ids=[list(g) for g in block_ids],
-                        secret=secret)
+                        {src: loop.create_future() for src in layers}, block_ids=[list(g) for g in spec.block_ids],
+                        secret=spec.transfer_secret)
         self._pending[transfer_id] = pend
         try:
             async with asyncio.timeout(timeout or self.config.transfer_timeout_s):
                 for src, conn in engine.conns.items():
                     offset, nbytes = engine.areas.get(src, (0, 0))
                     pend.registered.add(src)  # before the send: its answer may be read before send() returns
-                    await conn.send(Register(transfer_id, *self.me.rank, block_ids, first_token,
+                    await conn.send(Register(transfer_id, *self.me.rank, pend.block_ids, first_token,
                                              num_tokens, layers=sorted(layers[src]),
                                              staging_offset=offset, staging_bytes=nbytes,
-                                             after_prefill=after_prefill, checksum=checksum,
+                                             after_prefill=spec.prefill_finished, checksum=checksum,
                                              proof=pend.proof(conn)))
                 done = await asyncio.gather(*pend.completes.values())
                 points.mark("landed")

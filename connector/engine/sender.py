@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 from connector.core.descriptors import blocks_moved
 from connector.core.errors import CapabilityError, InputError
@@ -86,10 +86,8 @@ class StreamSender:
     # ---- lifetime -------------------------------------------------------------------------------------------
     async def start(self) -> int:
         """Start the side-channel server; returns the bound port."""
-        self._server = ControlServer(self.hello, self._on_message, self.config.side_channel, host=self.config.host,
-                                     port=self.config.port, on_hello=self._table.admit, peek=self._table.peek,
-                                     on_closed=self._connection_closed, on_refused=self._handshake_refused,
-                                     on_refusal=self._count_refusal)
+        self._server = ControlServer(self.hello, self, self.config.side_channel, host=self.config.host,
+                                     port=self.config.port)
         await self._server.start()
         self._tasks.spawn(self._lease_loop())
         self._tasks.spawn(self._inbox.run())
@@ -197,8 +195,15 @@ class StreamSender:
         req.all_computed, req.failed, req.expected = True, True, set()
         self.dispatch.check_finished(req, ok=False)
 
-    # ---- what decode ranks send (each acts only on what its connection owns: connector.engine.ownership) -------
-    async def _on_message(self, conn: ControlConnection, msg: Message) -> None:
+    # ---- the side channel's handler (connector.transport.control.ControlHandler): what decode ranks send, each
+    # acting only on what its connection owns (connector.engine.ownership) -----------------------------------------
+    def peek(self, hello: Hello) -> None:
+        self._table.peek(hello)
+
+    def on_hello(self, peer: Hello) -> Awaitable[PeerInfo]:
+        return self._table.admit(peer)
+
+    async def on_message(self, conn: ControlConnection, msg: Message) -> None:
         """Decode rank -> this rank, in order, one method per message."""
         peer: PeerInfo = conn.session
         match msg:
@@ -260,7 +265,7 @@ class StreamSender:
             self._inbox.drain()  # a start already queued by the framework thread counts as started
             self.ownership.give_up(tid, key[0], time.monotonic(), nonces=conn.nonces, proof=msg.proof)
 
-    def _connection_closed(self, conn: ControlConnection) -> None:
+    def on_closed(self, conn: ControlConnection) -> None:
         """A decode connection closed (the server calls this once per connection): everything that ran on it ends
         here, its destinations dropped, its staged chunks unanswered, its waiting registrations forgotten."""
         peer: PeerInfo = conn.session
@@ -271,12 +276,12 @@ class StreamSender:
         if self.writer.staged is not None:
             self.writer.staged.connection_closed(conn)
 
-    def _count_refusal(self, kind: str) -> None:
+    def on_refusal(self, kind: str) -> None:
         """Metrics; a router's start-up probe (connector.core.errors.Probed) is not a refused peer."""
         self.stats.connections_refused += kind != "probe"
         self.stats.auth_failures += kind == "auth"
 
-    def _handshake_refused(self, hello: Hello, reason: str, address: str, came_for: Callable[[str], bool]) -> None:
+    def on_refused(self, hello: Hello, reason: str, address: str, came_for: Callable[[str], bool]) -> None:
         """A handshake failed here: the transfer the peer came for (`hello.for_transfer`, or one `came_for` matches:
         a decode that refused our Hello names it as a digest) is given up now (ownership.refused), not at the lease."""
         who = (f"{hello.role} engine {shown(hello.engine_id, quote=True)} rank ({hello.pp_rank},{hello.tp_rank}) "

@@ -11,7 +11,8 @@ scatter of chunk i-1 overlap. Decode learns that a chunk landed from that one me
 the sender's final account of the request (a refused chunk fails it).
 
 Receiver (`StagedReader`): the areas of this rank's staging buffer, and the scatter of a chunk from its area after
-checking that every row lies inside the blocks registered for its transfer (nothing is written otherwise).
+checking that every row lies inside the blocks registered for its transfer (nothing is written otherwise), with
+the answer (`Scattered`) that says how it went.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from connector.core.errors import StagedWriteError, StagingError, WriteAbandoned
+from connector.core.plan import Rank
 from connector.core.untrusted import shown, shown_text
 from connector.core.staging_ranges import (Extents, Rows, Segment, check_destinations, chunk_destinations,
                                            chunk_segments)
@@ -303,6 +305,27 @@ class StagedReader:
                                f"({total} B) or does not lie inside this connection's {area[1]}-B staging area")
         check_destinations(*chunk_destinations(rows), allowed)
         await _finish_thread(self.copier.scatter, rows, self.me.staging_addr + area[0] + msg.slot_offset)
+
+    async def answer(self, msg: Scatter, src: Rank, area: tuple[int, int] | None,
+                     allowed: Callable[[], tuple[np.ndarray, np.ndarray]]) -> Scattered:
+        """Scatter chunk `msg` of a transfer being received from prefill rank `src` (its connection's `area`, None if
+        it was given none; `allowed()`: the transfer's byte ranges, asked only once the area is known) and say how
+        it went. A chunk refused or failed is not written; the answer says why, and the caller fails the transfer
+        from `src` (prefill hears it in the answer, and stops)."""
+        try:
+            if area is None:
+                raise StagingError(f"prefill rank {src} was given no staging area")
+            await self.scatter(msg, area, allowed())
+            return Scattered(msg.transfer_id, msg.seq, True)
+        except StagingError as exc:
+            log.warning("refusing staged chunk %d of %s from prefill rank %s: %s", msg.seq, msg.transfer_id, src,
+                        exc)
+            why = str(exc)
+        except Exception as exc:  # noqa: BLE001 - the copy failed: tell the sender, keep the connection
+            log.error("staged chunk %d of %s from prefill rank %s: scatter failed: %s", msg.seq, msg.transfer_id,
+                      src, exc)
+            why = f"scatter failed on decode: {exc}"
+        return Scattered(msg.transfer_id, msg.seq, False, why)
 
 
 def _checked_rows(r: StagedRows) -> Rows:

@@ -267,13 +267,13 @@ class DecodeCommands:
             g += range(n)
         return ("ok",)
 
-    async def _timed_receive(self, *args: Any, **kwargs: Any) -> tuple[Any, float]:
-        result = await self.receiver.receive(*args, **kwargs)
+    async def _timed_receive(self, spec: Any, checksum: bool | None) -> tuple[Any, float]:
+        result = await self.receiver.receive(spec, checksum=checksum)
         return result, time.time()
 
     def receive(self, tid: str, tokens: int, first_token: int, address: str, index: int,
                 checksum: bool | None = None) -> tuple:
-        from connector.protocol.addressing import PrefillAddress  # noqa: PLC0415
+        from connector.engine.receiver import RecvSpec  # noqa: PLC0415
 
         block_ids = pick_request_blocks(self.spec, tokens, seed=5000 + index * 7 + self.spec.rank[1])
         for g, ids in enumerate(block_ids):
@@ -283,8 +283,7 @@ class DecodeCommands:
         self.rank.bufs.zero_blocks(block_ids)
         self.requests[tid] = (block_ids, first_token, tokens)
         self.pending[tid] = self.rank.loop.submit(
-            self._timed_receive(tid, PrefillAddress.parse(address), block_ids, first_token, tokens,
-                                checksum=checksum))
+            self._timed_receive(RecvSpec(tid, address, tuple(block_ids), first_token, tokens), checksum=checksum))
         return ("registering", block_ids)
 
     def collect(self, tid: str) -> tuple:

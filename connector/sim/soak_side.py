@@ -229,6 +229,7 @@ class DecodeSide(_Side):
             self.rank.run(self.receiver.sources.drop(engine, "soak: peer churn"), 30)
 
     def result(self) -> tuple:
+        from connector.engine.receiver import RecvSpec  # noqa: PLC0415
         from connector.sim.rank_process import pick_request_blocks  # noqa: PLC0415
 
         plan = self.plan
@@ -241,8 +242,8 @@ class DecodeSide(_Side):
             blocks = pick_request_blocks(self.spec, plan.tokens, seed=1_000_003 + i)
             self.rank.bufs.zero_blocks(blocks)
             try:
-                got = self.rank.run(self.receiver.receive(tid, self.address, blocks, 0, plan.tokens),
-                                    plan.timeout_s + 5)
+                spec = RecvSpec(tid, str(self.address), tuple(blocks), 0, plan.tokens)
+                got = self.rank.run(self.receiver.receive(spec), plan.timeout_s + 5)
                 if got.bytes_written != self.pattern.nbytes:
                     self.fail(i, f"{got.bytes_written} B written, expected {self.pattern.nbytes}")
                 elif i % plan.verify_every == 0:

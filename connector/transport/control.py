@@ -15,7 +15,7 @@ import inspect
 import logging
 import ssl
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Protocol
 
 from connector.core.errors import AuthFailed, ControlError, FrameError, PeerGaveUp, Probed, Unanswered
 from connector.core.untrusted import shown, shown_text
@@ -23,25 +23,17 @@ from connector.protocol.auth import key_fingerprint, with_memory
 from connector.protocol.messages import (DEFAULT_MAX_FRAME_BYTES, Auth, Error, Heartbeat, Hello, Message, Register,
                                          RegisterError, Reject, Welcome, encode_frame)
 from connector.transport.admission import AdmissionGuard, Pending
-from connector.transport.handshake import (Attempt, PeekHook, ServerHandshake, end_session, format_addr, is_loopback,
+from connector.transport.handshake import (Attempt, ServerHandshake, end_session, format_addr, is_loopback,
                                            read_frame)
 from connector.transport.limits import RateLimiter
 from connector.transport.refusals import RefusalLog
 from connector.transport.side_channel import SideChannelConfig
 from connector.transport.tls import PausedUntilTLS
 
-__all__ = ["ControlConnection", "ControlServer", "SideChannelConfig", "format_addr", "read_frame"]
+__all__ = ["ControlConnection", "ControlHandler", "ControlServer", "SideChannelConfig", "format_addr", "read_frame"]
 
 log = logging.getLogger(__name__)
 
-MessageHandler = Callable[["ControlConnection", Message], Awaitable[None]]
-HelloHook = Callable[[Hello], Any]
-"""Called with a peer's authenticated Hello (memory included); raise to refuse it. What it returns (or awaits to)
-becomes `conn.session`; if that has an `aclose()`, the server awaits it once the connection has ended; if its
-`evictable` is true, the connection may be closed for a newcomer's fair share (connector.transport.admission)."""
-RefusedHook = Callable[[Hello, str, str, Callable[[str], bool]], None]
-"""Called with a refused peer's Hello (not authenticated: its opening, or who its Auth claimed to be), the reason,
-the peer's address, and whether it connected for a transfer id (connector.transport.handshake.Attempt.came_for)."""
 MAX_QUEUED = 1024
 """Messages read from a peer and not yet handled; beyond it the reader waits (TCP slows the peer down)."""
 
@@ -233,6 +225,34 @@ class ControlConnection:
                 await self._writer.drain()
 
 
+class ControlHandler(Protocol):
+    """What a `ControlServer` asks of its owner (connector.engine.sender.StreamSender on prefill), one object rather
+    than a callback per event, so the server's side of the conversation is named in one place."""
+
+    def peek(self, hello: Hello) -> None:
+        """Cheap checks of a peer's first Hello, before anything is answered; raise to refuse it."""
+
+    def on_hello(self, peer: Hello) -> Any:
+        """The peer's authenticated Hello (memory included); raise to refuse it. What it returns (or awaits to)
+        becomes `conn.session`; if that has an `aclose()`, the server awaits it once the connection has ended; if
+        its `evictable` is true, the connection may be closed for a newcomer's fair share
+        (connector.transport.admission)."""
+
+    def on_message(self, conn: ControlConnection, msg: Message) -> Awaitable[None]:
+        """One message after the handshake, awaited in order; raising answers RegisterError or Error."""
+
+    def on_closed(self, conn: ControlConnection) -> None:
+        """A handshaken connection closed (once, from the loop): the one cleanup of everything that ran on it."""
+
+    def on_refused(self, hello: Hello, reason: str, address: str, came_for: Callable[[str], bool]) -> None:
+        """A handshake failed after the peer's first Hello (not authenticated: its opening, or who its Auth claimed
+        to be) was read: the reason, the peer's address, and whether it connected for a transfer id
+        (connector.transport.handshake.Attempt.came_for)."""
+
+    def on_refusal(self, kind: str) -> None:
+        """A connection was refused or failed, counted by `kind` (connector.transport.refusals): metrics."""
+
+
 class ControlServer:
     """Accepts side-channel connections. Use as `async with ControlServer(...) as server:`; `server.port` is the
     bound port (useful with port=0).
@@ -243,34 +263,33 @@ class ControlServer:
     (connector.transport.admission: newcomers evict the oldest; known identities have their own lane), and its deadline:
     authenticated within `limits.handshake_deadline_s` of accept (or `handshake_timeout_s`, if shorter), TLS included.
     The handshake (connector.protocol.messages) reads frames of at most `limits.handshake_frame_bytes`: the peer's Hello
-    is checked against `hello` (version, role, fingerprint) and by `peek` (cheap checks), answered with our identity, a
-    nonce and, with `auth_token`, our proof; its Auth must carry a valid proof. Then `on_hello` gets the peer's Hello
-    with its memory (raise to reject, the message is the reason), and the server answers Welcome and awaits
-    `on_message(conn, msg)` for each further message, in order. A handler exception is logged and answered with
-    RegisterError (for Register) or Error; the connection stays up. `on_closed(conn)` runs once per handshaken
-    connection, soon after it closed (from the loop, never inside the code that closed it): the one cleanup of
-    everything that ran on it, rather than a callback per use hooked on `conn.closed`. `on_refused(hello, reason,
-    address)` runs for each handshake that failed after the peer's first Hello was read (that Hello is not
-    authenticated). Each refused or failed connection is counted by kind and logged at a bounded rate (`refusals`,
-    connector.transport.refusals); `on_refusal(kind)` is called for each (the engine's metrics)."""
+    is checked against `hello` (version, role, fingerprint) and by `handler.peek` (cheap checks), answered with our
+    identity, a nonce and, with `auth_token`, our proof; its Auth must carry a valid proof. Then `handler.on_hello`
+    gets the peer's Hello with its memory (raise to reject, the message is the reason), and the server answers Welcome
+    and awaits `handler.on_message(conn, msg)` for each further message, in order. A handler exception is logged and
+    answered with RegisterError (for Register) or Error; the connection stays up. `handler.on_closed(conn)` runs once
+    per handshaken connection, soon after it closed (from the loop, never inside the code that closed it): the one
+    cleanup of everything that ran on it, rather than a callback per use hooked on `conn.closed`.
+    `handler.on_refused(hello, reason, address, came_for)` runs for each handshake that failed after the peer's first
+    Hello was read (that Hello is not authenticated). Each refused or failed connection is counted by kind and logged
+    at a bounded rate (`refusals`, connector.transport.refusals); `handler.on_refusal(kind)` is called for each (the
+    engine's metrics)."""
 
-    def __init__(self, hello: Hello, on_message: MessageHandler, config: SideChannelConfig = SideChannelConfig(), *,
-                 host: str = "127.0.0.1", port: int = 0, on_hello: HelloHook | None = None,
-                 peek: PeekHook | None = None, on_closed: Callable[[ControlConnection], None] | None = None,
-                 on_refused: RefusedHook | None = None, on_refusal: Callable[[str], None] | None = None) -> None:
+    def __init__(self, hello: Hello, handler: ControlHandler, config: SideChannelConfig = SideChannelConfig(), *,
+                 host: str = "127.0.0.1", port: int = 0) -> None:
         self.hello = hello
         self.host = host
         self.port = port
         """The bound port once started."""
-        self._on_message, self._auth_token, self._on_hello = on_message, config.auth_token, on_hello
-        self._on_closed, self._on_refused = on_closed, on_refused
+        self.handler, self._auth_token = handler, config.auth_token
         self._handshake_timeout_s = config.handshake_timeout_s
         self.limits = config.limits
         self.guard = AdmissionGuard(self.limits)
-        self.refusals = RefusalLog(log, self.limits.refusal_log_interval_s, on_refusal)
+        self.refusals = RefusalLog(log, self.limits.refusal_log_interval_s, handler.on_refusal)
         """Refused and failed connections by kind, and how many lines they were logged in."""
         self._preauth_s = min(self.limits.handshake_deadline_s, self._handshake_timeout_s)
-        self._hs = ServerHandshake(hello, config.auth_token, self.limits, self.guard, peek, config.prefill_key)
+        self._hs = ServerHandshake(hello, config.auth_token, self.limits, self.guard, handler.peek,
+                                   config.prefill_key)
         self._ssl = config.server_ssl()
         self._conn_kwargs = dict(max_frame_bytes=self.limits.max_frame_bytes,
                                  heartbeat_interval_s=config.heartbeat_interval_s, dead_after_s=config.dead_after_s,
@@ -388,7 +407,7 @@ class ControlServer:
             self.guard.authenticated(entry)
             peer = with_memory(first, auth)
             try:
-                session = self._on_hello(peer) if self._on_hello is not None else None
+                session = self.handler.on_hello(peer)
                 if inspect.isawaitable(session):
                     session = await session
             except Exception as exc:
@@ -433,9 +452,9 @@ class ControlServer:
             await end_session(session)
             self.refusals.note(kind, "closing %s: %s", addr, reason,
                                level=logging.INFO if kind == "probe" else logging.WARNING)
-            if attempt.first is not None and self._on_refused is not None:
+            if attempt.first is not None:
                 try:
-                    self._on_refused(attempt.first, reason, addr, attempt.came_for)
+                    self.handler.on_refused(attempt.first, reason, addr, attempt.came_for)
                 except Exception:  # noqa: BLE001 - the hook's failure must not keep the server from going on
                     log.exception("on_refused for %s failed", addr)
             if reply is not None:
@@ -451,14 +470,13 @@ class ControlServer:
         log.info("control handshake with %s: %s engine %s pp%d/tp%d", addr, peer.role, shown(peer.engine_id),
                  peer.pp_rank, peer.tp_rank)
         conn = ControlConnection(reader, writer, peer, session=session, nonces=attempt.nonces, **self._conn_kwargs)
-        if self._on_closed is not None:
-            conn.closed.add_done_callback(lambda _f: self._on_closed(conn))
+        conn.closed.add_done_callback(lambda _f: self.handler.on_closed(conn))
         return conn
 
     async def _serve(self, conn: ControlConnection) -> None:
         async for msg in conn:
             try:
-                await self._on_message(conn, msg)
+                await self.handler.on_message(conn, msg)
             except Exception as exc:
                 log.exception("handler for %s from %s failed", type(msg).__name__, conn.address)
                 reason = f"{type(msg).__name__} handler failed: {exc!r}"

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
 
+from connector.engine.receiver import RecvSpec  # noqa: F401 - re-exported (what StreamReceiver.receive takes)
+
 
 @dataclass(frozen=True)
 class SendSpec:
@@ -21,32 +23,6 @@ class SendSpec:
     """First step of this request on the workers."""
     transfer_secret: str = ""
     """The transfer's capability: only a decode that proves it is served ('' = an open transfer)."""
-
-
-@dataclass(frozen=True)
-class RecvSpec:
-    """Decode: blocks to register with the prefill ranks of `prefill_addr`."""
-
-    transfer_id: str
-    prefill_addr: str
-    block_ids: tuple[list[int], ...]
-    """All blocks of the request, per KV-cache group, from token 0 (prefix hits included)."""
-    first_token: int
-    """Decode's own prefix-cache hit, in tokens: not transferred."""
-    num_tokens: int
-    """Tokens to receive up to (the last prompt token is recomputed locally)."""
-    prefill_finished: bool = False
-    """The params came from prefill's response (sequential flow): prefill already holds the KV, so a prefill that
-    does not know the transfer refuses at once instead of waiting for it to start."""
-    error: str = ""
-    """Set when the request's kv_transfer_params are unusable: the workers fail it at once (failed_recving)."""
-    aborted: bool = False
-    """Aborted before the registration went out: the workers only tell prefill, so it frees its blocks now
-    instead of after its lease."""
-    finished: bool = False
-    """With `aborted`: vLLM already finished the request (it never had blocks), so nothing is reported back."""
-    transfer_secret: str = ""
-    """kv_transfer_params' `transfer_secret`: proven to prefill in the registration, never sent."""
 
 
 @dataclass

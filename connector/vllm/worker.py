@@ -19,11 +19,11 @@ from connector.core.describe import describe_model
 from connector.core.untrusted import shown, shown_text
 from connector.core.layout import POOLS, ModelLayout, ParallelLayout, RankLayout
 from connector.engine.rank import LocalRank
-from connector.engine.receiver import ReceiveResult, StreamReceiver
+from connector.engine.receiver import ReceiveResult, RecvSpec, StreamReceiver
 from connector.engine.sender import StreamSender
 from connector.engine.stats import StatsDelta
 from connector.engine.timeline import close
-from connector.protocol.addressing import PrefillAddress, engine_base_port, side_channel_port
+from connector.protocol.addressing import engine_base_port, side_channel_port
 from connector.transport.loop import LoopThread
 from connector.transport.nixl import Transport
 from connector.vllm import layer_signals
@@ -231,11 +231,10 @@ class WorkerSide:
             for req_id, spec in meta.recvs.items():
                 self._start_receive(req_id, spec)
 
-    def _start_receive(self, req_id: str, spec: Any) -> None:
+    def _start_receive(self, req_id: str, spec: RecvSpec) -> None:
         if spec.finished:  # vLLM is done with it: only prefill has to hear, and vLLM must hear nothing more
             self.loop.spawn(self.receiver.abort_unregistered(
-                spec.transfer_id, PrefillAddress.parse(spec.prefill_addr),
-                "request ended on decode before it registered", spec.transfer_secret),
+                spec.transfer_id, spec.prefill, "request ended on decode before it registered", spec.transfer_secret),
                 f"abort of unregistered transfer {spec.transfer_id}")
             return
         if spec.aborted:
@@ -243,14 +242,11 @@ class WorkerSide:
         if spec.error:
             self._failed[req_id] = spec.error
             return
-        addr = PrefillAddress.parse(spec.prefill_addr)
         if spec.aborted:
             fut = self.loop.submit(self.receiver.abort_unregistered(
-                spec.transfer_id, addr, "request aborted on decode before it registered", spec.transfer_secret))
+                spec.transfer_id, spec.prefill, "request aborted on decode before it registered", spec.transfer_secret))
         else:
-            fut = self.loop.submit(self.receiver.receive(
-                spec.transfer_id, addr, [list(g) for g in spec.block_ids], spec.first_token, spec.num_tokens,
-                after_prefill=spec.prefill_finished, secret=spec.transfer_secret))
+            fut = self.loop.submit(self.receiver.receive(spec))
         self._receiving[req_id] = fut
         fut.add_done_callback(lambda _fut: self._wake.wake())  # the next step collects it: no need to wait for it
 

@@ -9,17 +9,8 @@ wait for a concurrent copy, so none of them may run on the loop. The agent is cr
 mode, which makes this sharing safe (see `glue.make_agent`). Control calls (`register`, `add_peer`,
 `remove_peer`) are synchronous and may wait briefly for in-progress posts; make them off the hot path.
 
-Unloaded peers' sockets (issue 33). NIXL 1.5.1 closes a removed peer's UCX endpoints in flush mode (its
-nixlUcxEp::closeImpl: ucp_ep_close_nbx with no flags; UCP_EP_CLOSE_FLAG_FORCE only for an endpoint that already
-failed), and UCX then keeps every endpoint the peer connected back to (all of them, once wireup completed) until
-the worker is destroyed or the peer fails (ucp_ep_disconnected in UCX's src/ucp/core/ucp_ep.c: "Endpoints which
-have remote connection are destroyed only when the worker is destroyed"). Over TCP that is one socket per UCX worker
-(1 + nixl_threads) per unload, held while the peer lives; nothing in NIXL 1.5.1's API closes them sooner. When the
-peer goes, UCX closes them, but only on a worker that is progressed: NIXL's progress thread progresses its shared
-worker, while each thread-pool worker is progressed only while its thread runs a chunk of a WRITE of 1,024
-descriptors or more. So `unload_sweep_s` after the first unload a WRITE to this agent itself, of
-1,024 * nixl_threads one-byte descriptors, runs through those threads: their workers close what the departed
-peers left (tools/nixl_unload_leak.py measures it; tests/test_nixl_unload_leak.py).
+Its parts: the write path (`writer.py`), the unload sweep that closes the sockets NIXL keeps for unloaded
+peers (`sweep.py`, issue 33), the polling thread and the live xfer handles (`poller.py`).
 """
 
 from __future__ import annotations
@@ -28,18 +19,17 @@ import asyncio
 import concurrent.futures
 import logging
 import os
-import threading
 import time
 from typing import Any, Sequence
 
 import numpy as np
 
-from connector.core.errors import TransportError, WriteAbandoned
-from connector.transport.loop import wait_out
-from connector.transport.nixl.glue import (as_descs, make_agent, memory_region, metadata_agent_name, nixl_errors,
-                                         pair_check)
-from connector.transport.nixl.poller import Poller, Xfer
-from connector.transport.nixl.settings import ByteGate, TransportConfig, TransportStats, WriteTiming
+from connector.core.errors import TransportError
+from connector.transport.nixl.glue import make_agent, memory_region, metadata_agent_name, nixl_errors
+from connector.transport.nixl.poller import Handles, Poller
+from connector.transport.nixl.settings import TransportConfig, TransportStats, WriteTiming
+from connector.transport.nixl.sweep import UnloadSweep
+from connector.transport.nixl.writer import Writer
 
 log = logging.getLogger(__name__)
 
@@ -54,29 +44,15 @@ class Transport:
         self._errors: tuple[type[BaseException], ...] = ()
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._poller: Poller | None = None
-        self._gate = ByteGate(config.max_inflight_bytes, self.stats)
-        self._throttle = None
-        if config.posts_per_second is not None:
-            from asyncio_throttle import Throttler  # noqa: PLC0415
-
-            pps = float(config.posts_per_second)
-            burst = max(1, int(pps * 0.1))  # windows of ~100 ms: smooth, without per-post sleeps
-            self._throttle = Throttler(rate_limit=burst, period=burst / pps, retry_interval=min(0.01, 0.5 / pps))
         self._peers: set[str] = set()
         self._peer_metadata: dict[str, bytes] = {}
-        self._failed_peers: set[str] = set()
-        """Peers whose NIXL connection ended in an error: the next WRITE to one connects again first (a failed UCX
-        endpoint fails every later request at once). Guarded by `_peer_lock`."""
-        self._peer_lock = threading.Lock()
         self._regs: list[tuple[Any, Any]] = []  # (nixlRegDList, the object kept alive while registered)
-        self._hlock = threading.Lock()
-        self._handles: set[Any] = set()
-        """Xfer handles not yet released (any thread); `_release` is the only way out of this set."""
+        self.handles = Handles(config.name)
+        """Xfer handles not yet released (any thread): the writes', the sweeps' and the poller's."""
         self._closing = False
         self._close_fut: asyncio.Future[None] | None = None
-        self._sweeper: asyncio.Task[None] | None = None
-        self._sweep_buf: np.ndarray | None = None
-        """Registered scratch memory of the sweeps' self-WRITEs (first half written to the second)."""
+        self._writer = Writer(self)
+        self._sweep = UnloadSweep(self)
 
     # ---------------------------------------------------------------- lifetime
     async def open(self) -> "Transport":
@@ -97,10 +73,10 @@ class Transport:
             self._executor.shutdown(wait=False)
             self._closing = True
             raise TransportError(f"could not create NIXL agent {cfg.name!r} with the UCX backend: {exc}") from exc
-        self._poller = Poller(self._agent, self._errors, self._release, cfg.name)
+        self._poller = Poller(self._agent, self._errors, self.handles.release, cfg.name)
         self._poller.start()
         if cfg.unload_sweep_s is not None and cfg.nixl_threads > 0:
-            self._sweeper = loop.create_task(self._sweep_loop(cfg.unload_sweep_s), name=f"nixl-sweep-{cfg.name}")
+            self._sweep.start(self._executor, cfg.unload_sweep_s)
         _note_ucx_exposure()
         return self
 
@@ -119,9 +95,7 @@ class Transport:
         self._close_fut = asyncio.get_running_loop().create_future()
         self._closing = True
         try:
-            if self._sweeper is not None:
-                self._sweeper.cancel()
-                await asyncio.gather(self._sweeper, return_exceptions=True)
+            await self._sweep.aclose()
             await asyncio.to_thread(self._teardown)
         finally:
             self._close_fut.set_result(None)
@@ -132,15 +106,10 @@ class Transport:
         if self._poller is not None:
             self._poller.stop()
             self._poller.join(timeout=30)
-        with self._hlock:
-            left = list(self._handles)
-        for h in left:  # the poller has stopped: whatever is still here gets its last try
-            self._release(h)
-        with self._hlock:
-            stuck, self._handles = self._handles, set()
+        stuck = self.handles.release_all()  # the poller has stopped: whatever is still here gets its last try
         if stuck:  # the agent's destructor, which runs next, releases what NIXL still holds
             log.warning("transport %s: %d xfer handle(s) could not be released before close", self.config.name,
-                        len(stuck))
+                        stuck)
         agent = self._agent
         if agent is not None:
             for peer in list(self._peers):
@@ -230,72 +199,17 @@ class Transport:
             return
         self._peers.discard(peer)
         self._peer_metadata.pop(peer, None)
-        with self._peer_lock:
-            self._failed_peers.discard(peer)
+        self._writer.forget(peer)
         try:
             self._live_agent().remove_remote_agent(peer)
         except self._errors as exc:
             log.warning("transport %s: removing peer %r: %s", self.config.name, peer, exc)
         self.stats.unloads += 1
 
-    # ---------------------------------------------------------------- unloaded peers' sockets (module docstring)
-    async def _sweep_loop(self, interval_s: float) -> None:
-        """Every `interval_s`, once some peer was unloaded: `sweep_workers` on a post thread. Until close."""
-        loop = asyncio.get_running_loop()
-        while not self._closing:
-            await asyncio.sleep(interval_s)
-            if self.stats.unloads == 0 or self._closing or self._executor is None:
-                continue
-            try:
-                await loop.run_in_executor(self._executor, self.sweep_workers)
-            except RuntimeError:  # executor shut down: closing
-                return
-            except Exception as exc:  # noqa: BLE001 - a failed sweep is retried next time; never ends the loop
-                log.warning("transport %s: sweeping NIXL's UCX workers failed: %r", self.config.name, exc)
-
     def sweep_workers(self, timeout_s: float = 10.0) -> bool:
-        """Progress the UCX workers of NIXL's thread pool (`nixl_threads`), so that they close the endpoints, and
-        sockets, of unloaded peers that have gone: a WRITE from this agent to itself of 1,024 one-byte descriptors
-        per thread (NIXL's split_batch_size), which NIXL splits into one chunk per thread. Which thread takes which
-        chunk is NIXL's choice, so one sweep may miss a worker that the next reaches. Synchronous; any thread but
-        the event loop's. Returns whether the WRITE completed within `timeout_s` (one still running is released
-        at close)."""
-        agent = self._live_agent()
-        n = 1024 * self.config.nixl_threads
-        if n == 0:
-            return True
-        if self._sweep_buf is None:
-            buf = np.zeros(2 * n, dtype=np.uint8)
-            self.register(buf)
-            self._sweep_buf = buf
-        base = self._sweep_buf.ctypes.data
-        src = np.empty((n, 3), dtype=np.uint64)
-        src[:, 0] = base + np.arange(n, dtype=np.uint64)
-        src[:, 1] = 1
-        src[:, 2] = 0
-        dst = src.copy()
-        dst[:, 0] += n
-        handle = agent.initialize_xfer("WRITE", agent.get_xfer_descs(src, "DRAM"), agent.get_xfer_descs(dst, "DRAM"),
-                                       self.config.name)
-        with self._hlock:
-            self._handles.add(handle)
-        try:
-            state = agent.transfer(handle)
-        except BaseException:
-            self._release(handle)
-            raise
-        deadline = time.monotonic() + timeout_s
-        while state == "PROC" and time.monotonic() < deadline and not self._closing:
-            time.sleep(0.001)
-            state = agent.check_xfer_state(handle)
-        if state == "PROC":  # never release a running transfer (poller.py): _teardown does, at close
-            log.warning("transport %s: a sweep of NIXL's UCX workers did not complete in %g s", self.config.name,
-                        timeout_s)
-            return False
-        self._release(handle)
-        if state == "DONE":
-            self.stats.sweeps += 1
-        return state == "DONE"
+        """One unload sweep now (connector.transport.nixl.sweep): whether it completed within `timeout_s`.
+        Synchronous; any thread but the event loop's."""
+        return self._sweep.sweep(timeout_s)
 
     def _check_peer(self, peer: str) -> Any:
         agent = self._live_agent()
@@ -307,176 +221,21 @@ class Transport:
     # ---------------------------------------------------------------- data path
     @property
     def inflight_bytes(self) -> int:
-        return self._gate.inflight
+        return self._writer.gate.inflight
 
     @property
     def open_handles(self) -> int:
         """Xfer handles created and not yet released (for tests)."""
-        return len(self._handles)
+        return len(self.handles)
 
     async def write(self, peer: str, local: Sequence[tuple[int, int]] | np.ndarray,
                     remote: Sequence[tuple[int, int]] | np.ndarray, *, mem_type: str = "DRAM",
                     local_device: int = 0, remote_device: int = 0, timeout: float = 30.0) -> WriteTiming:
         """WRITE local[i] -> remote[i] on `peer` (pairs of (addr, nbytes), or Nx2/Nx3 integer arrays). Returns, with
-        its timing, when the transfer is complete.
-        ValueError (nothing posted) on mismatched descriptors; TransportError on failure, timeout, unknown peer;
-        WriteAbandoned (a TransportError) when it timed out while NIXL still runs it: the memory on both sides stays
-        in use until its `settled` future is done. `timeout` covers admission, throttling, posting and completion.
-        Cancelled while NIXL runs it, the cancellation is raised once NIXL has ended it (it cannot be stopped, and
-        whoever cancelled must not reuse the memory before): within tcp_user_timeout_s on a dead link, or at close."""
-        if mem_type not in ("DRAM", "VRAM"):
-            raise ValueError(f"mem_type must be 'DRAM' or 'VRAM', not {mem_type!r}")
-        ld = as_descs(local, local_device)
-        rd = as_descs(remote, remote_device)
-        nbytes = pair_check(ld, rd)
-        agent = self._check_peer(peer)
-        if ld.shape[0] == 0:
-            return WriteTiming(0.0, 0.0)
-        what = (f"WRITE of {ld.shape[0]} descriptor(s) / {nbytes} B ({mem_type}) from {self.config.name!r} "
-                f"to peer {peer!r}")
-        xfer = Xfer(asyncio.get_running_loop())
-        try:
-            async with asyncio.timeout(timeout):
-                await self._gate.acquire(nbytes)
-                try:
-                    state, timing = await self._post_and_wait(agent, peer, ld, rd, mem_type, what, xfer)
-                finally:
-                    self._gate.release(nbytes)
-        except TimeoutError:
-            self.stats.timeouts += 1
-            self._raise_if_abandoned(xfer, f"{what} timed out after {timeout:g} s")
-            raise TransportError(f"{what} timed out after {timeout:g} s before it was posted; the peer may be dead "
-                                 "or stuck (check it, or raise `timeout` for very large writes)") from None
-        except asyncio.CancelledError:
-            if self._still_running(xfer):
-                await wait_out(xfer.future)
-            raise
-        if state != "DONE":
-            self.stats.errors += 1
-            raise TransportError(f"{what} failed with state {state}; the peer may have died or the link to it "
-                                 "failed -- the next WRITE to it connects again")
-        self.stats.bytes_written += nbytes
-        return timing
-
-    def _still_running(self, xfer: Xfer) -> bool:
-        """Given up on (timeout, cancel) while NIXL may still move its bytes: counted as abandoned."""
-        if xfer.abandoned and not xfer.future.done():
-            self.stats.abandoned += 1
-            return True
-        return False
-
-    def _raise_if_abandoned(self, xfer: Xfer, why: str) -> None:
-        """After a timeout: if NIXL may still move this WRITE's bytes, say so, with the future to wait for."""
-        if self._still_running(xfer):
-            raise WriteAbandoned(
-                f"{why}; NIXL still runs it, so its memory on both sides stays in use until it ends (over a cut TCP "
-                f"link within tcp_user_timeout_s={self.config.tcp_user_timeout_s})", settled=xfer.future) from None
-
-    async def _post_and_wait(self, agent: Any, peer: str, ld: np.ndarray, rd: np.ndarray, mem_type: str,
-                             what: str, xfer: Xfer) -> tuple[str, WriteTiming]:
-        if self._throttle is not None:
-            await self._throttle.acquire()
-        assert self._executor is not None
-        try:
-            cf = self._executor.submit(self._post, agent, peer, ld, rd, mem_type, xfer)
-        except RuntimeError:  # executor shut down: aclose() is running
-            raise TransportError(f"{what}: transport is closing") from None
-        xfer.future.add_done_callback(lambda f: self._note_outcome(peer, xfer, int(ld.shape[0])))
-        try:
-            # shield: a timeout or cancel must not cancel the future, which also tells when the memory is free
-            state = await asyncio.shield(xfer.future)
-        except asyncio.CancelledError:
-            xfer.abandoned = True  # not started: never posted; posted: the poller drives it to its end
-            if cf.cancel() and not xfer.future.done():
-                xfer.future.set_result("not posted")
-            raise
-        except _Closed:
-            raise TransportError(f"{what}: transport closed before it was posted") from None
-        except self._errors as exc:
-            self.stats.errors += 1
-            raise TransportError(f"{what} could not be posted: {exc!r}; the peer may have died or its metadata is "
-                                 "stale -- re-handshake (remove_peer + add_peer with fresh metadata)") from exc
-        return state, WriteTiming(xfer.post_s, time.perf_counter() - xfer.started)
-
-    def _note_outcome(self, peer: str, xfer: Xfer, descriptors: int) -> None:
-        """A WRITE ended (on the loop). One that failed leaves its UCX endpoint failed: connect again next time."""
-        if xfer.handle is not None:
-            self.stats.posts += 1
-            self.stats.descriptors += descriptors
-        fut = xfer.future
-        failed = fut.cancelled() or fut.exception() is not None or fut.result() not in ("DONE", "not posted")
-        if failed and peer in self._peers:
-            with self._peer_lock:
-                self._failed_peers.add(peer)
-
-    def _post(self, agent: Any, peer: str, ld: np.ndarray, rd: np.ndarray, mem_type: str, xfer: Xfer) -> None:
-        """Post worker thread: build descriptor lists, create and post the request. DONE/ERR: released here and
-        resolved. PROC: handed to the poller, which resolves `xfer.future` and releases the handle."""
-        try:
-            state = self._post_xfer(agent, peer, ld, rd, mem_type, xfer)
-        except BaseException as exc:  # noqa: BLE001 - goes to the waiter
-            xfer.fail(exc)
-            return
-        if state != "PROC":
-            xfer.resolve(state)
-
-    def _post_xfer(self, agent: Any, peer: str, ld: np.ndarray, rd: np.ndarray, mem_type: str, xfer: Xfer) -> str:
-        if self._closing or xfer.abandoned:
-            raise _Closed()
-        xfer.started = time.perf_counter()
-        self._reconnect_if_failed(agent, peer)
-        local = agent.get_xfer_descs(ld, mem_type)
-        remote = agent.get_xfer_descs(rd, mem_type)
-        handle = agent.initialize_xfer("WRITE", local, remote, peer)
-        with self._hlock:
-            self._handles.add(handle)
-        xfer.handle = handle
-        try:
-            state = agent.transfer(handle)
-        except BaseException:
-            self._release(handle)
-            raise
-        xfer.post_s = time.perf_counter() - xfer.started
-        if state == "PROC" and self._poller is not None and not self._closing:
-            self._poller.add(xfer)
-            return state
-        self._release(handle)
-        return "ERR (transport closing)" if state == "PROC" else state
-
-    def _reconnect_if_failed(self, agent: Any, peer: str) -> None:
-        """(post thread) A peer whose last WRITE failed: drop its failed endpoint and load its metadata again, so
-        this WRITE gets a fresh connection. Safe for the memory: UCX ended every request of a failed endpoint."""
-        with self._peer_lock:
-            if peer not in self._failed_peers:
-                return
-            self._failed_peers.discard(peer)
-            metadata = self._peer_metadata.get(peer)
-            try:
-                agent.remove_remote_agent(peer)
-                self.stats.unloads += 1
-                if metadata is not None:
-                    agent.add_remote_agent(metadata)
-            except self._errors as exc:
-                self._failed_peers.add(peer)
-                raise TransportError(f"transport {self.config.name!r}: connecting again to peer {peer!r} after its "
-                                     f"connection failed: {exc!r}; is it alive and reachable?") from exc
-            self.stats.reconnects += 1
-        log.info("transport %s: connected again to peer %s after a failed WRITE", self.config.name, peer)
-
-    def _release(self, handle: Any) -> None:
-        """The one place an xfer handle is released (any thread), so it is released once: taken out of the live
-        set first, so a second call finds nothing to do. Only for transfers NIXL has ended (or at close): see
-        poller.py for why a running one is never released. A release NIXL refuses is retried at close."""
-        with self._hlock:
-            if handle not in self._handles:
-                return
-            self._handles.discard(handle)
-        try:
-            handle.release()
-        except Exception as exc:  # noqa: BLE001 - stays live, retried at close
-            log.warning("transport %s: xfer handle release failed (%s); will retry at close", self.config.name, exc)
-            with self._hlock:
-                self._handles.add(handle)
+        its timing, when the transfer is complete (connector.transport.nixl.writer.Writer.write says what it
+        raises and how a timeout or a cancel ends)."""
+        return await self._writer.write(peer, local, remote, mem_type=mem_type, local_device=local_device,
+                                        remote_device=remote_device, timeout=timeout)
 
 
 def _note_ucx_exposure() -> None:
@@ -486,7 +245,3 @@ def _note_ucx_exposure() -> None:
         log.warning("UCX_NET_DEVICES is not set: this process's NIXL agent (UCX) listens on every network interface "
                     "of this host and advertises them to its peers; set UCX_NET_DEVICES to the interface(s) the "
                     "KV transfers should use (e.g. mlx5_0:1, or lo on one machine)")
-
-
-class _Closed(Exception):
-    """Internal: the transport closed before a queued post ran."""

@@ -1,4 +1,4 @@
-"""The Transport's NIXL polling thread: drives posted transfers to completion.
+"""The Transport's NIXL polling thread, which drives posted transfers to completion, and its live xfer handles.
 
 Why a thread and not an event-loop task: every NIXL call that touches the UCX worker (getXferStatus,
 releaseXferReq, getNotifs) waits on the worker lock while another thread's DRAM post runs its CMA copy inside
@@ -56,8 +56,8 @@ class Xfer:
 class Poller(threading.Thread):
     """Drives posted transfers to completion: polls the state of each pending one (50 us backoff to 1 ms while any
     is pending) and sleeps until the next `add` when none is. Every handle it was given goes to `release` (the
-    Transport's, the one owner of handle release) once NIXL reports it finished, never before, also when its
-    writer gave up: releasing a transfer NIXL still runs does not stop it (UCX's cancel does not apply to RMA).
+    Transport's `Handles`, the one way a handle is released) once NIXL reports it finished, never before, also
+    when its writer gave up: releasing a transfer NIXL still runs does not stop it (UCX's cancel does not apply to RMA).
     Measured across a cut veth with UCX over TCP: a WRITE released while stuck went on reading its source after
     the link came back and landed 194 MB of newer content on the target. A transfer over a dead TCP link ends
     with an error once UCX's TCP_USER_TIMEOUT (TransportConfig.tcp_user_timeout_s) expires."""
@@ -124,3 +124,46 @@ class Poller(threading.Thread):
             with self._lock:
                 self._pending = [x for x in self._pending if x not in done]
         return bool(self._pending)
+
+
+class Handles:
+    """The xfer handles a Transport created and has not released yet (any thread). `release` is the one way out,
+    so each is released once; only for transfers NIXL has ended (or at close): see `Poller` for why a running one
+    is never released."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._lock = threading.Lock()
+        self._live: set[Any] = set()
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def add(self, handle: Any) -> None:
+        with self._lock:
+            self._live.add(handle)
+
+    def release(self, handle: Any) -> None:
+        """Taken out of the live set first, so a second call finds nothing to do. A release NIXL refuses is
+        retried at close (`release_all`)."""
+        with self._lock:
+            if handle not in self._live:
+                return
+            self._live.discard(handle)
+        try:
+            handle.release()
+        except Exception as exc:  # noqa: BLE001 - stays live, retried at close
+            log.warning("transport %s: xfer handle release failed (%s); will retry at close", self.name, exc)
+            with self._lock:
+                self._live.add(handle)
+
+    def release_all(self) -> int:
+        """At close, once the poller stopped: whatever is still here gets its last try. Returns how many could not
+        be released; they are forgotten (the agent's destructor releases what NIXL still holds)."""
+        with self._lock:
+            left = list(self._live)
+        for handle in left:
+            self.release(handle)
+        with self._lock:
+            stuck, self._live = self._live, set()
+        return len(stuck)
