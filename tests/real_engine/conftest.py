@@ -56,8 +56,9 @@ as the bench that starts engines of its own, run before any pool)."""
 
 
 def pool_order(item) -> int:
+    """The last pool fixture the test uses (dp_router uses other_archs' pool: its tests run after that pool's own)."""
     names = getattr(item, "fixturenames", ())
-    return next((i + 1 for i, name in enumerate(POOL_FIXTURES) if name in names), 0)
+    return max((i + 1 for i, name in enumerate(POOL_FIXTURES) if name in names), default=0)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -381,8 +382,11 @@ def other_archs(pools):
 
 
 @pytest.fixture
-def dp_router(pools):
-    """A DP2 prefill and a decode of the tiny Llama (tests.real_engine.test_real_dp_router.DpPair)."""
-    from tests.real_engine.test_real_dp_router import DpPair
+def dp_router(other_archs):
+    """The other-archs pool's DP2 prefill and GPT-NeoX decode, with routers of the test's own
+    (tests.real_engine.test_real_dp_router.DpView): no pool of its own to start."""
+    from tests.real_engine.test_real_dp_router import DpView
 
-    return pools.use("dp-router", DpPair)
+    view = DpView(other_archs)
+    yield view
+    view.stop()

@@ -2,7 +2,8 @@
 in front of a prefill started with `--data-parallel-size 2` (vLLM's own load balancer, two engine cores behind one
 API server, each with its own side channel). The router picks the DP rank, pins the prefill leg to it with vLLM's
 X-data-parallel-rank header and tells decode that rank's side channel: every request is token-equal to decode
-alone, whichever rank served it, and both ranks serve some. One engine pair, a few short requests."""
+alone, whichever rank served it, and both ranks serve some. The engines are the other-archs pool's DP prefill and
+its GPT-NeoX decode (tests.real_engine.arch_engines); a few short requests."""
 
 from __future__ import annotations
 
@@ -13,40 +14,25 @@ from pathlib import Path
 import pytest
 
 from connector.pd.client import RequestFailed, complete, completion_body, prompt_ids
-from connector.pd.model import TinyLlama
-from connector.pd.servers import ServerSpec, VllmServer, sparse_kv_config, start_all
-from connector.transport.ports import free_ports
-from tests.real_engine.conftest import (CHUNK_TOKENS, MACHINE_STALL_S, STARVED_SIDE_CHANNEL, Prefill, Proxy,
-                                        RouterPool, fresh_salt)
+from connector.pd.servers import VllmServer
+from tests.real_engine.arch_engines import DP_SIZE
+from tests.real_engine.conftest import MACHINE_STALL_S, Proxy, RouterPool, fresh_salt
 from tests.real_engine.test_real_pd import wait_for
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(900)]
 
-DP_SIZE = 2
-KV_CACHE_BYTES = 64 << 20
 
+class DpView(RouterPool):
+    """The other-archs pool's prefill with --data-parallel-size 2 (the GPT-NeoX model, side channels side_port and
+    side_port + 1) and its GPT-NeoX decode (tests.real_engine.arch_engines): one pool start serves the DP tests of
+    both files. Its routers are its own; the servers are the pool's (it stops them)."""
 
-class DpPair(RouterPool):
-    """prefill: the tiny Llama with --data-parallel-size 2 (side channels side_port and side_port + 1); decode."""
-
-    def __init__(self, root: Path, python: Path) -> None:
-        self.log_dir = root / "logs"
-        model = TinyLlama().write(root / "tiny-llama")
-        side = free_ports(DP_SIZE)
-        self.prefill = Prefill(VllmServer(ServerSpec(
-            "prefill-dp2", model, free_ports(), max_num_batched_tokens=CHUNK_TOKENS, kv_cache_bytes=KV_CACHE_BYTES,
-            kv_transfer_config=sparse_kv_config("kv_producer", side_channel_port=side, **STARVED_SIDE_CHANNEL),
-            extra_args=("--data-parallel-size", str(DP_SIZE), "--data-parallel-rpc-port", str(free_ports()))),
-            str(python), self.log_dir), side)
-        self.decode = VllmServer(ServerSpec(
-            "decode", model, free_ports(), kv_cache_bytes=KV_CACHE_BYTES,
-            kv_transfer_config=sparse_kv_config("kv_consumer", failure_policy="fail", **STARVED_SIDE_CHANNEL)),
-            str(python), self.log_dir)
-        self.servers = [self.prefill.server, self.decode]
+    def __init__(self, pool) -> None:
+        self.log_dir = pool.log_dir
+        self.prefill = pool.dp_prefill
+        self.decode = pool.pairs["gpt_neox"].decode
+        self.servers = []
         self.proxies: list[Proxy] = []
-
-    def start(self) -> None:
-        start_all(self.servers, timeout_s=600 + MACHINE_STALL_S)
 
     def router(self, *args: str) -> Proxy:
         return self.shared("proxy.py", list(args))
