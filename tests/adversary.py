@@ -7,9 +7,10 @@ well as a real peer does; what it lacks is the token, or the right to what it as
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import msgspec
 
@@ -30,6 +31,16 @@ TOKENS, BLOCK = 64, 16
 def make_scenario(model: ModelLayout, **kw: Any) -> Scenario:
     kw.setdefault("auth_token", TOKEN)
     return scenario(model, tokens=TOKENS, block_size=BLOCK, timeout_s=30.0, **kw)
+
+
+@contextlib.contextmanager
+def spawned_target(model: ModelLayout, config: Any) -> Iterator["Target"]:
+    """A real prefill rank in its own process, with SenderConfig `config` (the attacks' target), ended on exit."""
+    from connector.sim.env import apply_env
+
+    apply_env()  # before NIXL and torch's allocator see the environment
+    with Cluster(make_scenario(model, sender_config=config), spawn=("prefill",)) as cluster:
+        yield Target(cluster)
 
 
 def rss_bytes(pid: int) -> int:
@@ -172,10 +183,11 @@ def auth_frame(hello: Hello, proof: bytes = b"") -> bytes:
 
 class Relay:
     """A TCP relay between a client and the target that keeps every byte each way (what an eavesdropper on the
-    network gets). Use as `async with Relay(port) as relay:` on a loop; connect to `relay.port`."""
+    network gets). Use as `async with Relay(port) as relay:` on a loop; connect to `relay.port`. `source`: the
+    loopback address its connections to the target come from (the side channel sees them come from there)."""
 
-    def __init__(self, target_port: int) -> None:
-        self.target_port = target_port
+    def __init__(self, target_port: int, source: str | None = None) -> None:
+        self.target_port, self.source = target_port, source
         self.to_server = bytearray()
         self.to_client = bytearray()
         self.first_client_bytes: list[bytes] = []
@@ -185,11 +197,18 @@ class Relay:
         self.port = 0
 
     async def __aenter__(self) -> "Relay":
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def start(self) -> "Relay":
+        """(Where one `async with` cannot span the relay's life: a test running many loops' worth of steps.)"""
         self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
         self.port = self._server.sockets[0].getsockname()[1]
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
+    async def aclose(self) -> None:
         self._server.close()
         for task in list(self._tasks):
             task.cancel()
@@ -197,7 +216,8 @@ class Relay:
             await asyncio.wait(list(self._tasks), timeout=5)
 
     async def _handle(self, creader: asyncio.StreamReader, cwriter: asyncio.StreamWriter) -> None:
-        sreader, swriter = await asyncio.open_connection("127.0.0.1", self.target_port)
+        sreader, swriter = await asyncio.open_connection(
+            "127.0.0.1", self.target_port, local_addr=(self.source, 0) if self.source else None)
         sent = bytearray()
         self.first_client_bytes.append(b"")
         index = len(self.first_client_bytes) - 1

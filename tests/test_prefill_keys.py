@@ -20,11 +20,10 @@ from connector.core.errors import ConfigError, TransferFailed
 from connector.engine.config import ReceiverConfig, SenderConfig
 from connector.engine.receiver import RecvSpec
 from connector.protocol.auth import engine_public_key, key_from_text, new_engine_key
-from connector.sim.cluster import Cluster
 from connector.transport.control import ControlServer
 from connector.transport.side_channel import SideChannelConfig
 from connector.vllm.config import ConnectorSettings
-from tests.adversary import TOKEN, TOKENS, Relay, Target, blocks, make_scenario
+from tests.adversary import TOKEN, TOKENS, Relay, Target, blocks, spawned_target
 from tests.helpers import QuietHandler, bare_side_channel
 from tests.test_security import untouched
 from tests.test_security_insiders import fake_prefill_hello
@@ -69,12 +68,9 @@ def test_a_bad_key_setting_is_named(tmp_path, extra, message):
 @pytest.fixture(scope="module")
 def keyed_target(m3):
     """One real prefill process signing its handshakes with PREFILL_KEY (token set as well)."""
-    from connector.sim.env import apply_env
-
-    apply_env()
     config = SenderConfig(lease_s=10.0, side_channel=SideChannelConfig(auth_token=TOKEN, prefill_key=PREFILL_KEY))
-    with Cluster(make_scenario(m3, sender_config=config), spawn=("prefill",)) as cluster:
-        yield Target(cluster)
+    with spawned_target(m3, config) as target:
+        yield target
 
 
 def trusting(trusted: frozenset[bytes] = TRUSTED) -> ReceiverConfig:

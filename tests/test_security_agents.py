@@ -11,7 +11,6 @@ NIXL (tests/test_security_fds.py's way)."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import time
 
@@ -24,9 +23,8 @@ from connector.engine.agents import LoadedAgents
 from connector.engine.config import SenderConfig, SideChannelConfig
 from connector.protocol.auth import engine_public_key, new_engine_key, new_transfer_secret, transfer_proof
 from connector.protocol.messages import Register, RegisterAck
-from connector.sim.cluster import Cluster
 from connector.transport.client import connect
-from tests.adversary import ATTACKER_HOST, TOKEN, TOKENS, WITH_TOKEN, Target, blocks, make_scenario
+from tests.adversary import ATTACKER_HOST, TOKEN, TOKENS, WITH_TOKEN, Relay, blocks, spawned_target
 from tests.test_security import decode_config, transfer
 from tests.test_security_fds import SOCKETS_PER_AGENT, fds, minted
 
@@ -110,7 +108,7 @@ async def test_one_address_spending_its_unload_budget_refuses_no_other(quick):
                                           r"limits.agent_unloads_per_hour=2, per source address"):
         await idle(agents, "a4", "A")
     await idle(agents, "b0", "B")  # room: no unload
-    await idle(agents, "b1", "B")  # the table is full: B's newcomer takes room of A (which holds the most) on B's budget
+    await idle(agents, "b1", "B")  # the table is full: B's newcomer takes A's room (A holds the most), on B's budget
     assert t.removed == ["a0", "a1", "a2"] and agents.loaded == 3
     await idle(agents, "c0", "C")  # and C's that of B (which holds the most now), on C's
     assert t.removed == ["a0", "a1", "a2", "b0"] and agents.unloads == 4
@@ -143,47 +141,11 @@ BURST = MAX_AGENTS + UNLOADS
 @pytest.fixture(scope="module")
 def target(m3):
     """A prefill rank with small agent bounds: 3 in all, 2 per address, 1 unload an hour (per address)."""
-    from connector.sim.env import apply_env
-
-    apply_env()
     config = SenderConfig(lease_s=60.0, write_timeout_s=30.0, max_peer_agents=MAX_AGENTS,
                           max_agents_per_host=PER_HOST, agent_unloads_per_hour=UNLOADS,
                           side_channel=SideChannelConfig(auth_token=TOKEN))
-    with Cluster(make_scenario(m3, sender_config=config), spawn=("prefill",)) as cluster:
-        yield Target(cluster)
-
-
-class FromAddress:
-    """A TCP relay (on the loop it is started on) through which connections reach `port` from `source`, another
-    loopback address: the side channel sees them come from there."""
-
-    def __init__(self, port: int, source: str = ATTACKER_HOST) -> None:
-        self.target_port, self.source, self.port = port, source, 0
-        self._server: asyncio.Server | None = None
-
-    async def start(self) -> int:
-        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-        return self.port
-
-    async def aclose(self) -> None:
-        if self._server is not None:
-            self._server.close()
-
-    async def _relay(self, creader: asyncio.StreamReader, cwriter: asyncio.StreamWriter) -> None:
-        sreader, swriter = await asyncio.open_connection("127.0.0.1", self.target_port, local_addr=(self.source, 0))
-
-        async def pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            try:
-                while data := await reader.read(65536):
-                    writer.write(data)
-                    await writer.drain()
-            except (ConnectionError, OSError):
-                pass
-            finally:
-                writer.close()
-
-        await asyncio.gather(pump(creader, swriter), pump(sreader, cwriter))
+    with spawned_target(m3, config) as target:
+        yield target
 
 
 def test_a_burst_of_served_agents_from_one_address_cannot_keep_a_new_decode_out(target, open_rank):
@@ -195,7 +157,7 @@ def test_a_burst_of_served_agents_from_one_address_cannot_keep_a_new_decode_out(
     stay bounded."""
     mallory = open_rank(target.cluster.sc.rank_spec("decode", (0, 0), run_id="burst"))
     base = mallory.receiver(decode_config()).hello
-    relay = FromAddress(target.port)
+    relay = Relay(target.port, source=ATTACKER_HOST)
     mallory.run(relay.start(), 10)
     target.wait_state("no peers left", lambda s: s["peers"] == s["connections"] == 0, timeout_s=30)
     before, fds0 = target.state(), fds(target.pid)
@@ -229,8 +191,9 @@ def test_a_burst_of_served_agents_from_one_address_cannot_keep_a_new_decode_out(
         outcomes.append(mallory.run(outcome(conn), 30))
         target.finished(tid)
     after = target.wait_state("burst over", lambda s: s["peers"] == s["connections"] == 0, timeout_s=30)
-    print(f"\nburst of {BURST} in {time.monotonic() - began:.1f} s: {outcomes}\nagents {before['agents_loaded']} -> {after['agents_loaded']}, unloads "
-          f"{before['agent_unloads']} -> {after['agent_unloads']}, fds {fds0} -> {fds(target.pid)}")
+    print(f"\nburst of {BURST} in {time.monotonic() - began:.1f} s: {outcomes}\nagents {before['agents_loaded']} -> "
+          f"{after['agents_loaded']}, unloads {before['agent_unloads']} -> {after['agent_unloads']}, fds {fds0} -> "
+          f"{fds(target.pid)}")
     assert outcomes[:PER_HOST + UNLOADS] == ["served"] * (PER_HOST + UNLOADS), outcomes
     assert all(f"limits.agent_unloads_per_hour={UNLOADS}, per source address" in o
                for o in outcomes[PER_HOST + UNLOADS:]), outcomes

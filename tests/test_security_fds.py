@@ -17,10 +17,9 @@ from connector.core.errors import ControlError
 from connector.protocol.auth import engine_public_key, new_engine_key
 from connector.protocol.messages import Register, RegisterAck
 from connector.engine.config import SenderConfig, SideChannelConfig
-from connector.sim.cluster import Cluster
 from connector.transport.client import connect
 from connector.transport.nixl import TransportConfig
-from tests.adversary import TOKEN, TOKENS, WITH_TOKEN, Target, blocks, make_scenario
+from tests.adversary import TOKEN, TOKENS, WITH_TOKEN, Target, blocks, spawned_target
 from tests.test_security import RSS_SLACK, decode_config, transfer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -49,14 +48,11 @@ def fds(pid: int) -> int:
 def target(m3):
     """A prefill rank whose limits are small enough to reach: 16 agents, 3 unloads an hour, 32 MiB of waiting
     registrations in all."""
-    from connector.sim.env import apply_env
-
-    apply_env()
     config = SenderConfig(lease_s=60.0, write_timeout_s=30.0, max_peer_agents=MAX_AGENTS,
                           agent_unloads_per_hour=UNLOADS, max_parked_bytes=PARKED_BYTES,
                           side_channel=SideChannelConfig(auth_token=TOKEN))
-    with Cluster(make_scenario(m3, sender_config=config), spawn=("prefill",)) as cluster:
-        yield Target(cluster)
+    with spawned_target(m3, config) as target:
+        yield target
 
 
 def settle(target: Target, what: str) -> dict:
