@@ -45,8 +45,7 @@ def test_a_fingerprint_mismatch_says_what_differs():
         check_hello(peer, own)
     text = str(err.value)
     assert f"fingerprint mismatch: peer has {m3.fingerprint()}, this side has {qwen.fingerprint()}" in text
-    for part in ("has 60 layers, prefill", " 36 (a different model", "block size: peer 64, this side 128",
-                 "Serve the same model"):
+    for part in ("has 60 layers, prefill", " 36 (a different model", "Serve the same model"):
         assert part in text, (part, text)
     fp8 = load_model("qwen3-8b", "fp8")
     peer = msgspec.structs.replace(peer, fingerprint=fp8.fingerprint(), layout=layout_wire(fp8),

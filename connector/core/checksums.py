@@ -12,6 +12,7 @@ the transfer fills it only partly, is not covered (`transfer_spans`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -56,7 +57,11 @@ def transfer_spans(layer_routes: Mapping[int, Sequence[Route]], first_token: int
 def region_rows(region: Region, block_ids: np.ndarray, heads: tuple[int, int]) -> tuple[Rows, ...]:
     """The rows of `heads` in blocks `block_ids` of `region`, one Rows per part."""
     offset, nbytes = head_span(region, heads)
-    return tuple(Rows(region.base_addr + p * region.part_stride + offset, region.block_stride, nbytes, block_ids)
+    stride = region.block_stride
+    if region.sub_blocks > 1:  # a view in sub-blocks: rows at a stride both the blocks' and the sub-blocks' divide
+        k, stride = region.sub_blocks, math.gcd(region.block_stride, region.sub_stride)
+        block_ids = (block_ids // k * region.block_stride + block_ids % k * region.sub_stride) // stride
+    return tuple(Rows(region.base_addr + p * region.part_stride + offset, stride, nbytes, block_ids)
                  for p in range(region.num_parts))
 
 

@@ -140,13 +140,21 @@ def head_span(region: Region, heads: tuple[int, int]) -> tuple[int, int]:
                               f"of {region.heads[0]}-{region.heads[1] - 1} cannot be cut out of a block: use the HND "
                               f"KV-cache layout when prefill and decode TP sizes differ")
     per_head = region.bytes_per_head_per_block
-    return (first - region.heads[0]) * per_head, (end - first) * per_head
+    if region.head_stride and end - first > 1:
+        raise DescriptorError(f"{region.pool} layer {region.layer}: heads {first}-{end - 1} of a block cut into "
+                              f"smaller blocks are not contiguous: move them head by head (block_views.split_routes)")
+    return (first - region.heads[0]) * (region.head_stride or per_head), (end - first) * per_head
 
 
 def block_addresses(region: Region, block_ids: np.ndarray, offset: int) -> np.ndarray:
     """Address of `offset` inside each block of each part, part-major: shape (num_parts * len(block_ids),)."""
     parts = np.arange(region.num_parts, dtype=np.int64)[:, None] * region.part_stride
-    addrs = region.base_addr + parts + block_ids[None, :] * region.block_stride + offset
+    if region.sub_blocks > 1:  # a view in sub-blocks (connector.core.block_views)
+        k = region.sub_blocks
+        block_ids = block_ids // k * region.block_stride + block_ids % k * region.sub_stride
+        addrs = region.base_addr + parts + block_ids[None, :] + offset
+    else:
+        addrs = region.base_addr + parts + block_ids[None, :] * region.block_stride + offset
     return addrs.reshape(-1).astype(np.uint64)
 
 
@@ -187,7 +195,8 @@ def route_descriptors(src: Region, dst: Region, src_blocks: Sequence[int] | np.n
 def geometry(region: Region) -> tuple:
     """Everything about a region but its address: regions with equal geometry can be computed together."""
     return (region.pool, region.num_blocks, region.bytes_per_block, region.block_stride, region.num_parts,
-            region.part_stride, region.heads, region.head_major, region.group)
+            region.part_stride, region.heads, region.head_major, region.group, region.sub_blocks, region.sub_stride,
+            region.head_stride)
 
 
 def layers_descriptors(srcs: Sequence[Region], dsts: Sequence[Region], src_blocks: Sequence[int] | np.ndarray,

@@ -79,10 +79,16 @@ class PoolSpec:
         those keep the fingerprints they always had)."""
         if (self.block_size, self.bytes_per_block_per_head, self.per_request, self.same_tp) == (0, 0, False, False):
             return []
-        # A per-request state's block size is vLLM's bookkeeping (a Mamba block is sized to line up with the
-        # attention pages, so it follows the TP size); its bytes are what count.
-        return [0 if self.per_request else self.block_size, self.bytes_per_block_per_head, self.per_request,
-                self.same_tp]
+        return [self.fixed_block_size, self.bytes_per_block_per_head, self.per_request, self.same_tp]
+
+    @property
+    def fixed_block_size(self) -> int:
+        """The block size both sides must share (part of the fingerprint): a compressed or padded cache's, which
+        cannot be cut into smaller blocks; 0 where the two sides may differ. A plain per-token cache's blocks are
+        cut where the sizes differ (connector.core.block_views), and a per-request state's block size is vLLM's
+        bookkeeping (a Mamba block is sized to line up with the attention pages, so it follows the TP size): its
+        bytes are what count."""
+        return 0 if self.per_request or not self.bytes_per_block_per_head else self.block_size
 
 
 @dataclass(frozen=True)
@@ -122,7 +128,7 @@ class ModelLayout:
                 if not p.same_tp else
                 # Each TP rank's own copy, whose size follows the TP size: only the same TP size pairs (the plan
                 # refuses others by name), and the regions' block bytes are compared per route.
-                [list(p.layers), p.num_parts, 0 if p.per_request else p.block_size, p.per_request, p.same_tp]
+                [list(p.layers), p.num_parts, p.fixed_block_size, p.per_request, p.same_tp]
                 for p in (self.pools[n] for n in self.pool_names)
             },
         }
@@ -307,6 +313,14 @@ class Region(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     scratch_blocks: int = 0
     """Per-request state: speculative scratch blocks vLLM keeps after the running state (a Mamba spec's
     num_speculative_blocks); the state is the last block before them (vLLM's clip_ssm_state_blocks)."""
+    sub_blocks: int = 1
+    """A local view only (connector.core.block_views), never on the wire: each block of the memory is this many
+    blocks of the region, block id `v` being sub-block `v % sub_blocks` of block `v // sub_blocks`."""
+    sub_stride: int = 0
+    """View: bytes from one sub-block to the next inside a block (of one head, where `head_stride` is set)."""
+    head_stride: int = 0
+    """View: bytes from one head's rows to the next head's inside a block; 0: they follow each other (a head's
+    `bytes_per_head_per_block`), so several heads' rows are contiguous."""
 
     @property
     def key(self) -> tuple[str, int]:
@@ -315,3 +329,7 @@ class Region(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     @property
     def bytes_per_head_per_block(self) -> int:
         return self.bytes_per_block // (self.heads[1] - self.heads[0])
+
+    @property
+    def is_view(self) -> bool:
+        return (self.sub_blocks, self.sub_stride, self.head_stride) != (1, 0, 0)

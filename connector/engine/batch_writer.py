@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Mapping, Sequence
 
 from connector.core.checksums import source_rows, transfer_spans
 from connector.core.descriptors import (Descriptors, LayerDescriptors, batch_descriptors, batch_pool_bytes,
                                         span_descriptors)
-from connector.core.layout import blocks_for
+from connector.core.layout import Region, blocks_for
 from connector.core.staging_ranges import batch_segments
 from connector.engine.config import SenderConfig
 from connector.engine.rank import LocalRank
@@ -48,6 +48,20 @@ class BatchTimes:
     answers: int = 0
 
 
+@dataclass(frozen=True)
+class Pair:
+    """One prefill rank -> one decode rank, for one request: what its descriptors, byte counts and rows are built
+    from (BatchWriter.pair)."""
+
+    src: Mapping[tuple[str, int], Region]
+    dst: Mapping[tuple[str, int], Region]
+    src_ids: Sequence[Sequence[int]]
+    dst_ids: Sequence[Sequence[int]]
+    unit: int
+    """Tokens a span counts in."""
+    full_block_size: int
+
+
 @dataclass
 class BatchWriter:
     me: LocalRank
@@ -69,13 +83,27 @@ class BatchWriter:
     def stage_below_bytes(self) -> int:
         return self.config.stage_below_bytes or (4 << 20 if self.me.mem_type == "VRAM" else 64 << 10)
 
+    def pair(self, req: SendRequest, dest: Destination) -> Pair:
+        """What a batch to `dest` moves in: both sides' regions, block ids and the span unit, in sub-blocks where
+        the two sides' block sizes differ (connector.core.block_views; the expanded ids are kept per request)."""
+        views = dest.peer.accepted.views
+        if views is None:
+            return Pair(self.me.by_key, dest.peer.accepted.regions, req.block_ids, dest.register.groups,
+                        self.me.block_size, self.me.full_block_size)
+        if dest.expanded is None or dest.expanded[0] is not req.block_ids:
+            dest.expanded = (req.block_ids, views.src.expand(req.block_ids, self.me.null_block),
+                             views.dst.expand(dest.register.groups, dest.peer.hello.null_block))
+        return Pair(views.src.regions, views.dst.regions, dest.expanded[1], dest.expanded[2], views.unit,
+                    views.full_block_size)
+
     def descriptors(self, req: SendRequest, dest: Destination, batch: list[tuple[int, int]]) -> Descriptors:
         spans = self._spans(dest, batch)
         cached = self._by_layer(req, dest, spans)
         if cached is not None:
             return cached.take(layer for layer, _ in batch)
-        return batch_descriptors(self.me.by_key, dest.peer.accepted.regions, dest.layer_routes, spans,
-                                 req.block_ids, dest.register.groups, self._nulls(dest), self.me.block_size)
+        p = self.pair(req, dest)
+        return batch_descriptors(p.src, p.dst, dest.layer_routes, spans, p.src_ids, p.dst_ids, self._nulls(dest),
+                                 p.unit)
 
     def pool_bytes(self, req: SendRequest, dest: Destination, batch: list[tuple[int, int]]) -> dict[str, int]:
         """What `descriptors` of the same batch move, per pool."""
@@ -83,8 +111,8 @@ class BatchWriter:
         cached = self._by_layer(req, dest, spans)
         if cached is not None:
             return cached.pool_bytes(layer for layer, _ in batch)
-        return batch_pool_bytes(self.me.by_key, dest.peer.accepted.regions, dest.layer_routes, spans,
-                                dest.register.groups, dest.peer.hello.null_block, self.me.block_size)
+        p = self.pair(req, dest)
+        return batch_pool_bytes(p.src, p.dst, dest.layer_routes, spans, p.dst_ids, dest.peer.hello.null_block, p.unit)
 
     def _by_layer(self, req: SendRequest, dest: Destination,
                   spans: list[tuple[int, int, int, bool]]) -> LayerDescriptors | None:
@@ -98,9 +126,9 @@ class BatchWriter:
         hit = dest.by_layer
         if hit is not None and hit[0] == key and hit[1] is req.block_ids:
             return hit[2]
-        built = span_descriptors(self.me.by_key, dest.peer.accepted.regions, dest.layer_routes, key[0], key[1],
-                                 req.block_ids, dest.register.groups, self._nulls(dest), final=key[2],
-                                 unit=self.me.block_size)
+        p = self.pair(req, dest)
+        built = span_descriptors(p.src, p.dst, dest.layer_routes, key[0], key[1], p.src_ids, p.dst_ids,
+                                 self._nulls(dest), final=key[2], unit=p.unit)
         dest.by_layer = (key, req.block_ids, built)
         return built
 
@@ -112,7 +140,9 @@ class BatchWriter:
         """Each layer from its first unsent token's block (a block sent partly filled is sent again from its start
         once more tokens are in it) to the block of its last ready token; final once that is the last token decode
         wants (a per-request state, a ring or a Mamba state, moves then, whole)."""
-        bs, first, end = self.me.block_size, dest.register.first_token, dest.register.num_tokens
+        views = dest.peer.accepted.views
+        bs = views.unit if views is not None else self.me.block_size
+        first, end = dest.register.first_token, dest.register.num_tokens
         return [(layer, max(dest.sent_tokens.get(layer, 0), first) // bs, blocks_for(ready, bs), ready >= end)
                 for layer, ready in batch]
 
@@ -122,11 +152,9 @@ class BatchWriter:
         Blocking (reads the KV caches): call it from a worker thread, after every WRITE to `dest` completed."""
         if self.copier is None:
             self.copier = BlockCopier(f"cuda:{self.me.device_id}" if self.me.mem_type == "VRAM" else "cpu")
-        reg = dest.register
-        spans = transfer_spans(dest.layer_routes, reg.first_token, reg.num_tokens, self.me.block_size,
-                               self.me.full_block_size)
-        rows = source_rows(self.me.by_key, dest.peer.accepted.regions, dest.layer_routes, spans, req.block_ids,
-                           reg.groups, self._nulls(dest), self.me.block_size)
+        reg, p = dest.register, self.pair(req, dest)
+        spans = transfer_spans(dest.layer_routes, reg.first_token, reg.num_tokens, p.unit, p.full_block_size)
+        rows = source_rows(p.src, p.dst, dest.layer_routes, spans, p.src_ids, p.dst_ids, self._nulls(dest), p.unit)
         pieces: list[list[RouteDigests]] = [[]]
         size = 0
         for r in rows:
@@ -153,7 +181,9 @@ class BatchWriter:
         if self.config.record_timeline:
             self.timeline.setdefault(req.transfer_id, []).append(times)
         hello, reg = dest.peer.accepted.hello, dest.register
-        if self.staged is not None and self.staged.usable(dest.conn, reg, hello.staging_addr) \
+        # (staging gathers whole blocks' rows: a pair whose block sizes differ writes directly)
+        if self.staged is not None and dest.peer.accepted.views is None \
+                and self.staged.usable(dest.conn, reg, hello.staging_addr) \
                 and len(descs) >= self.config.stage_min_descriptors \
                 and descs.nbytes < len(descs) * self.stage_below_bytes():
             segments = batch_segments(self.me.by_key, dest.peer.accepted.regions, dest.layer_routes,

@@ -152,7 +152,9 @@ class PeerTable:
         try:
             plan = await self.plans.plan_for(hello)
             info.accepted = accept_peer(hello, self.own, self.model, plan)
-            info.layer_routes = plan.layer_routes(self.rank, info.key[1:])
+            routes = plan.layer_routes(self.rank, info.key[1:])
+            views = info.accepted.views  # (block sizes that differ: a cut pool's routes go head by head)
+            info.layer_routes = views.routes(routes) if views is not None else routes
         except BaseException:
             self._forget(info)
             info.released.set()

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+from connector.core.block_views import pool_block_sizes
 from connector.core.descriptors import NO_NULL_BLOCK
 from connector.core.errors import ConfigError
 from connector.core.layout import ModelLayout, ParallelLayout, Region, full_block_size
@@ -87,4 +88,5 @@ class LocalRank:
                      block_size=self.block_size, agent_name=transport.name, agent_metadata=transport.metadata,
                      regions=list(self.regions), stages=[tuple(s) for s in self.parallel.stages],
                      staging_addr=self.staging_addr, staging_device=self.staging_device,
-                     staging_bytes=self.staging_bytes, null_block=self.null_block)
+                     staging_bytes=self.staging_bytes, null_block=self.null_block,
+                     pool_block_sizes=sorted(pool_block_sizes(self.regions, self.block_size).items()))

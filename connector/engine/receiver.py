@@ -365,9 +365,15 @@ class StreamReceiver:
         checked = 0
         for src in sorted(pend.completes):
             routes = pend.engine.plan.layer_routes(src, self.me.rank)
-            spans = transfer_spans(routes, first_token, num_tokens, self.me.block_size, self.me.full_block_size)
-            rows = destination_rows(self.me.by_key, routes, spans, pend.block_ids, self.me.null_block,
-                                    self.me.block_size)
+            regions, block_ids, unit, whole = self.me.by_key, pend.block_ids, self.me.block_size, \
+                self.me.full_block_size
+            views = pend.engine.views.get(src)
+            if views is not None:  # block sizes that differ: rows in sub-blocks, as prefill digests them
+                routes, regions, unit, whole = views.routes(routes), views.dst.regions, views.unit, \
+                    views.full_block_size
+                block_ids = views.dst.expand(pend.block_ids, self.me.null_block)
+            spans = transfer_spans(routes, first_token, num_tokens, unit, whole)
+            rows = destination_rows(regions, routes, spans, block_ids, self.me.null_block, unit)
             problem = mismatch(src, rows, [self._copier.digests(r.parts) for r in rows], pend.digests.get(src, {}))
             if problem:
                 return problem, checked

@@ -48,6 +48,9 @@ class Destination:
     by_layer: Any = None
     """(span key, the request's block-id lists, LayerDescriptors): this chunk's descriptors for every layer, built
     with the first batch (connector.engine.batch_writer)."""
+    expanded: Any = None
+    """Where the two sides' block sizes differ: (the request's block-id lists, prefill's and decode's ids in
+    sub-blocks) (connector.engine.batch_writer.BatchWriter.pair)."""
 
 
 @dataclass
@@ -170,9 +173,11 @@ def check_registration(reg: Register, peer: PeerInfo, rank: tuple[int, int], sta
                                 f"the connection of rank {key[1:]}: a rank registers only its own blocks")
     if reg.num_tokens <= 0:
         raise RegistrationError(f"registration of {tid!r} asks for {reg.num_tokens} tokens")
-    if not (0 <= reg.first_token <= reg.num_tokens) or reg.first_token % block_size:
+    views = peer.accepted.views
+    unit = views.unit if views is not None else block_size  # (the smaller side's blocks, where sizes differ)
+    if not (0 <= reg.first_token <= reg.num_tokens) or reg.first_token % unit:
         raise RegistrationError(f"first_token {reg.first_token} must be a multiple of the block size "
-                                f"{block_size} within 0..{reg.num_tokens}")
+                                f"{unit} within 0..{reg.num_tokens}")
     # Every decode rank registers with every prefill rank, also where the plan routes nothing between them
     # (e.g. replicated MLA pools come from one prefill TP rank): such a rank completes at once, so it never
     # holds its blocks waiting for a registration that would not come.
@@ -198,7 +203,7 @@ def check_registration(reg: Register, peer: PeerInfo, rank: tuple[int, int], sta
         region = regions[(r.pool, r.layer)]
         regions_of_group[region.group] = region
         need[region.group] = (1 + region.scratch_blocks, True) if region.per_request else \
-            (blocks_for(reg.num_tokens, region.block_size or block_size), False)
+            (blocks_for(reg.num_tokens, region.block_size or peer.hello.block_size), False)
     for g, (blocks_needed, per_request) in sorted(need.items()):
         if g >= len(groups):
             raise RegistrationError(f"registration of {tid!r} has {len(groups)} block-id group(s) but "

@@ -26,6 +26,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Awaitable, Protocol
 
+from connector.core.block_views import PairViews
 from connector.core.errors import ControlError, LayoutError
 from connector.core.layout import ModelLayout
 from connector.core.plan import Rank, TransferPlan
@@ -53,6 +54,9 @@ class SourceEngine:
     readers: list[asyncio.Task] = field(default_factory=list)
     areas: dict[Rank, tuple[int, int]] = field(default_factory=dict)
     """(offset, bytes) of the staging area per prefill rank connection (absent: that rank writes directly)."""
+    views: dict[Rank, PairViews | None] = field(default_factory=dict)
+    """Per prefill rank, where its block sizes differ from this rank's: the views that cut the larger blocks
+    (connector.core.block_views; what kv_checksum digests here)."""
 
     def port_of(self, src: Rank) -> int:
         return self.address.port_of(src, self.plan.prefill.tp)
@@ -157,7 +161,7 @@ class SourceTable:
         if layout_key(conn.peer) != layout_key(first.peer):
             raise LayoutError(f"{where} describes another prefill layout than rank (0, 0) does: all ranks of one "
                               f"prefill engine must run the same configuration")
-        accept_peer(conn.peer, self.hello, self.model, engine.plan)
+        engine.views[src] = accept_peer(conn.peer, self.hello, self.model, engine.plan).views
 
     async def drop(self, engine: SourceEngine, reason: str) -> None:
         """Stop talking to that prefill engine: its readers are cancelled and awaited (all but the caller, when a

@@ -1,12 +1,14 @@
 """Checks on a peer's Hello before it is accepted: protocol version, role, model fingerprint and nonce
 (`check_hello`, when the connection opens; the proofs are connector.protocol.auth); `check_peer_layout`: sizes that
 can be this model's, before any plan is built; then `accept_peer`: its block size, the transfer plan between the two
-sides, and (for a decode rank) a region table that is exactly what the plan says that rank holds. Pure."""
+sides, for a decode rank a region table that is exactly what the plan says that rank holds, and where the two sides'
+block sizes differ, the views that cut the larger blocks (connector.core.block_views). Pure."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from connector.core.block_views import PairViews, pair_views, pool_block_sizes
 from connector.core.errors import ControlError, LayoutError
 from connector.core.describe import layout_difference
 from connector.core.layout import POOLS, ModelLayout, ParallelLayout, PoolSpec, RankLayout, Region, check_tp
@@ -32,6 +34,9 @@ class AcceptedPeer:
     """The plan between the peer's engine and ours."""
     regions: dict[tuple[str, int], Region]
     """The peer's regions by (pool, global layer)."""
+    views: PairViews | None = None
+    """Where the two sides' block sizes differ: both sides' regions in blocks of the smaller size
+    (connector.core.block_views); None: the regions move as they are."""
 
     @property
     def key(self) -> PeerKey:
@@ -44,19 +49,43 @@ class AcceptedPeer:
 
 
 def accept_peer(peer: Hello, own: Hello, model: ModelLayout, plan: TransferPlan | None = None) -> AcceptedPeer:
-    """Check a peer rank's Hello against this rank's `own` before a byte moves: the same block size, the plan
+    """Check a peer rank's Hello against this rank's `own` before a byte moves: block sizes that can pair, the plan
     between the two layouts (built here from both Hellos unless `plan`, already built for the same pair of layouts,
     is given: the engines pass one from their plan cache, built off the event loop), and for a decode rank a region
     table holding exactly the layers and heads the plan gives it (a prefill rank sends no regions: decode never
     addresses prefill's memory). Raises LayoutError naming the first mismatch."""
     who = f"{peer.role} rank ({peer.pp_rank},{peer.tp_rank}) of engine {peer.engine_id}"
-    if peer.block_size != own.block_size:
-        raise LayoutError(f"{who} uses block size {peer.block_size}, this {own.role} rank {own.block_size}: start "
-                          f"both sides with the same block size")
     if plan is None:
         plan = plan_between(peer, own, model)
     regions = check_peer_regions(peer, plan, peer.role) if peer.role == "decode" else {}
-    return AcceptedPeer(peer, plan, regions)
+    return AcceptedPeer(peer, plan, regions, views_between(peer, own, model, regions, who))
+
+
+def block_sizes_of(hello: Hello, model: ModelLayout) -> dict[str, int]:
+    """Tokens per block of each paged pool of a rank: from its regions where it sent them (what is addressed),
+    else from what its Hello declares (a prefill rank sends no regions). Raises LayoutError for a pool the model
+    does not have or one with two sizes."""
+    if hello.regions:
+        return pool_block_sizes(hello.regions, hello.block_size)
+    sizes = dict(hello.pool_block_sizes)
+    unknown = sorted(set(sizes) - set(model.pools))
+    if unknown or len(sizes) != len(hello.pool_block_sizes):
+        raise LayoutError(f"{hello.role} {hello.engine_id} declares block sizes for pools {unknown[:8] or 'twice'} "
+                          f"that the model does not have: the model configs differ")
+    return sizes
+
+
+def views_between(peer: Hello, own: Hello, model: ModelLayout, peer_regions: dict[tuple[str, int], Region],
+                  who: str) -> PairViews | None:
+    """Both sides' regions in blocks of the smaller size where their block sizes differ (None where none does)."""
+    theirs, mine = block_sizes_of(peer, model), block_sizes_of(own, model)
+    if peer.role == "decode":  # this side is prefill: it holds both sides' regions
+        src, dst = {r.key: r for r in own.regions}, peer_regions
+        sizes, units, nulls = (mine, theirs), (own.block_size, peer.block_size), (own.null_block, peer.null_block)
+    else:
+        src, dst = {}, {r.key: r for r in own.regions}
+        sizes, units, nulls = (theirs, mine), (peer.block_size, own.block_size), (peer.null_block, own.null_block)
+    return pair_views(src, dst, *sizes, units, model.pools, nulls, who)
 
 
 def plan_between(peer: Hello, own: Hello, model: ModelLayout) -> TransferPlan:
@@ -75,9 +104,8 @@ def check_peer_layout(peer: Hello, own: Hello, model: ModelLayout, max_peer_rank
     """Refuse sizes that cannot be this model's, or that exceed `max_peer_ranks`, before any plan is built (a plan
     costs time in proportion to the peer's ranks). Raises LayoutError naming the field and the limit."""
     who = f"{peer.role} {peer.engine_id} rank ({peer.pp_rank},{peer.tp_rank})"
-    if peer.block_size != own.block_size:
-        raise LayoutError(f"{who} uses block size {peer.block_size}, this {own.role} rank {own.block_size}: start "
-                          f"both sides with the same block size")
+    if not peer.block_size:
+        raise LayoutError(f"{who} claims a block size of 0 tokens")
     if not 1 <= peer.pp_size <= model.num_layers:
         raise LayoutError(f"{who} claims pp_size={peer.pp_size}; this model has {model.num_layers} layers")
     if not 1 <= peer.tp_size or peer.tp_size * peer.pp_size > max_peer_ranks:
@@ -123,6 +151,8 @@ def check_peer_regions(hello: Hello, plan: TransferPlan, side: str) -> dict[tupl
             raise LayoutError(f"{who} has no {pool} for layers {sorted(want - have)} that its layout holds: "
                               f"the model configs differ")
         for layer in want:
+            if regions[(pool, layer)].is_view:
+                raise LayoutError(f"{who} sent {pool} layer {layer} as a view in sub-blocks: views are local only")
             if regions[(pool, layer)].heads != lay.heads(pool):
                 raise LayoutError(f"{who} holds heads {regions[(pool, layer)].heads} of {pool} layer {layer}, "
                                   f"expected {lay.heads(pool)} for tp={plan.rank_layout(side, (0, 0)).parallel.tp}")
@@ -148,8 +178,6 @@ def check_hello(peer: Hello, own: Hello) -> None:
     check_opening(peer, own)
     if peer.fingerprint != own.fingerprint:
         what = [f"the two sides run models with different KV caches: {layout_mismatch(peer, own)}"]
-        if peer.block_size != own.block_size:
-            what.append(f"block size: peer {peer.block_size}, this side {own.block_size}")
         raise ControlError(f"model/layout fingerprint mismatch: peer has {peer.fingerprint}, this side has "
                            f"{own.fingerprint}: {'; '.join(what)}. Serve the same model (config.json, --dtype, "
                            f"--kv-cache-dtype, --block-size) on prefill and decode")

@@ -42,7 +42,7 @@ from connector.core.errors import FrameError
 from connector.core.layout import Region
 from connector.core.untrusted import ID_PATTERN, shown_text
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 """Wire protocol version; a frame or Hello with any other version is rejected.
 
 History (one line per version; bump it for any change an older peer would misread):
@@ -90,6 +90,9 @@ History (one line per version; bump it for any change an older peer would misrea
      who it is (engine id, ranks, agent name, engine key, the transfer it connects for) goes in Auth.hello, after
      prefill's proofs; the engine key signs the transcript and that identity. A decode that refuses prefill's
      Hello names the transfer it came for only as `Reject.transfer_hint`, bound to the connection's nonces.
+  9  The two sides' block sizes may differ (one a multiple of the other, per cache): Hello.pool_block_sizes says
+     each paged pool's, and prefill cuts the larger blocks into sub-blocks of the smaller (connector.core.
+     block_views). A version-8 peer would refuse the pair, or send a prefill no block sizes to cut by.
 """
 DEFAULT_MAX_FRAME_BYTES = 4 * 1024 * 1024
 """Largest body a receiver accepts after the handshake unless configured otherwise. The largest real messages are
@@ -196,6 +199,10 @@ class Hello(msgspec.Struct, frozen=True, tag="hello", tag_field="type"):
     null_block: Annotated[int, Meta(ge=-1)] = -1
     """The block id this rank keeps empty (vLLM's null block 0, where a sliding window left tokens behind): decode's
     is not written, prefill's is never read; -1: none."""
+    pool_block_sizes: Annotated[list[tuple[PoolName, Annotated[int, Meta(ge=1)]]], Meta(max_length=MAX_POOLS)] = []
+    """Tokens per block of each paged pool of this rank (connector.core.block_views.pool_block_sizes): the two sides
+    may differ where one is a multiple of the other. A decode rank's regions say the same; a prefill rank sends no
+    regions, so decode reads its sizes here."""
     engine_key: Annotated[bytes, Meta(max_length=32)] = b""
     """Decode: the Ed25519 public key every rank of its engine shares (b"": none). Proven by Auth's
     `engine_signature`; part of the identity prefill knows the engine by (connector.protocol.auth.engine_name).
