@@ -91,3 +91,18 @@ def test_staged_chunks_through_small_slots_are_byte_exact(m3_index_v, prefill, d
     assert staged.staged_chunks > 4
     # (bytes differ by the resent partly filled blocks, which depend on timing, not on staging)
     assert staged.bytes >= direct.bytes * 0.9
+
+
+@pytest.mark.parametrize("sizes", [(16, 64), (64, 16)], ids=["16->64", "64->16"])
+def test_different_block_sizes_move_byte_exact(m3_index_v, sizes):
+    """Prefill and decode with different block sizes: the larger blocks are cut into sub-blocks of the smaller
+    (connector.core.block_views), in both directions, across TP and PP splits, a decode prefix hit in a prefill
+    block, two chunks, and kv_checksum; a staging buffer is offered but a cut pair writes directly."""
+    dense = run_scenario(scenario(load_model("qwen3-8b"), "tp=2,pp=1", "tp=1,pp=1", tokens=150, block_size=sizes[0],
+                                  decode_block_size=sizes[1], staging_mb=8, kv_checksum=True))
+    sparse = run_scenario(scenario(m3_index_v, "tp=1,pp=2", "tp=2,pp=1", tokens=150, block_size=sizes[0],
+                                   decode_block_size=sizes[1], prefix_tokens=16, chunks=2, staging_mb=0,
+                                   kv_checksum=True))
+    for r in (dense, sparse):
+        assert r.verified, r.problems
+        assert r.bytes > 0 and r.staged_chunks == 0 and r.checksummed_blocks > 0

@@ -34,6 +34,7 @@ class Scenario:
     decode: ParallelLayout
     tokens: int = 1024
     block_size: int = 16
+    decode_block_size: int = 0         # decode ranks' block size (0: block_size): one a multiple of the other
     layer_ms: float = 0.0
     mode: str = "stream"               # stream: layer_ready after each layer; bulk: only the end-of-chunk sweep
     device: str = "cpu"
@@ -66,12 +67,14 @@ class Scenario:
     @property
     def num_blocks(self) -> int:
         """Blocks per pool of each simulated cache: room for every request twice over, so blocks can be random."""
-        return blocks_for(self.tokens, self.block_size) * self.requests * 2 + 8
+        return blocks_for(self.tokens, min(self.block_size, self.decode_block_size or self.block_size)) \
+            * self.requests * 2 + 8
 
     def rank_spec(self, side: Literal["prefill", "decode"], rank: Rank, base_port: int = 0,
                   run_id: str = "sim") -> RankSpec:
         return RankSpec(side=side, rank=rank, model=self.model, prefill=self.prefill, decode=self.decode,
-                        block_size=self.block_size, num_blocks=self.num_blocks, device=self.device,
+                        block_size=self.decode_block_size or self.block_size if side == "decode" else self.block_size,
+                        num_blocks=self.num_blocks, device=self.device,
                         run_blocks=self.run_blocks, staging_mb=self.staging, base_port=base_port, run_id=run_id,
                         timeout_s=self.timeout_s, log_level=logging.getLogger().level or logging.WARNING,
                         placement=self.prefill_node if side == "prefill" else self.decode_node,

@@ -219,9 +219,19 @@ class PrefillCommands:
         seconds = nbytes = count = 0
         for (_engine, *dst), peer in self.sender.peers.items():
             layer_routes = peer.accepted.plan.layer_routes(self.spec.rank, tuple(dst))
-            dst_ids = [list(range(n)) for _ in src_blocks] if coalesced else dst_blocks[tuple(dst)]
-            descs = batch_descriptors(self.sender.me.by_key, peer.accepted.regions, layer_routes,
-                                      [(layer, 0, n) for layer in layer_routes], src_blocks, dst_ids)
+            n_dst = blocks_for(tokens, peer.hello.block_size)
+            dst_ids = [list(range(n_dst)) for _ in src_blocks] if coalesced else dst_blocks[tuple(dst)]
+            src_regions, dst_regions, src_ids, unit = self.sender.me.by_key, peer.accepted.regions, src_blocks, \
+                self.spec.block_size
+            views = peer.accepted.views
+            if views is not None:  # block sizes that differ: as the sender moves them, in sub-blocks
+                layer_routes, src_regions, dst_regions, unit = views.routes(layer_routes), views.src.regions, \
+                    views.dst.regions, views.unit
+                src_ids = views.src.expand(src_blocks, self.sender.me.null_block)
+                dst_ids = views.dst.expand(dst_ids, peer.hello.null_block)
+            descs = batch_descriptors(src_regions, dst_regions, layer_routes,
+                                      [(layer, 0, blocks_for(tokens, unit)) for layer in layer_routes], src_ids,
+                                      dst_ids, unit=unit)
             if piece_bytes:
                 descs = split_pieces(descs, piece_bytes)
             local, remote = descs.arrays()
