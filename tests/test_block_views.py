@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -154,6 +155,9 @@ def test_what_cannot_be_cut_is_refused_by_name():
     with pytest.raises(LayoutError, match="kv has blocks of 64 tokens on this side and 24 on decode: one must be a "
                                           "multiple of the other"):
         pair_views(src, dst, {"kv": 64}, {"kv": 24}, (64, 24), plain, (0, 0), "decode")
+    with pytest.raises(LayoutError, match="blocks of 16384 tokens on this side and 16 on decode: at most 64"):
+        pair_views({k: msgspec.structs.replace(r, block_size=16384) for k, r in src.items()}, dst, {"kv": 16384},
+                   {"kv": 16}, (16384, 16), plain, (0, 0), "decode")
     nhd = {r.key: r for r in (Side(16, 4, False).region(layer) for layer in LAYERS)}
     with pytest.raises(LayoutError, match="kv layer 0 is HND on prefill and NHD on decode"):
         pair_views(src, nhd, {"kv": 64}, {"kv": 16}, (64, 16), plain, (0, 0), "decode")

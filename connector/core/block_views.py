@@ -31,6 +31,9 @@ from connector.core.layout import Region
 from connector.core.plan import Route
 
 RegionKey = tuple[str, int]
+MAX_SUB_BLOCKS = 64
+"""The largest ratio of the two sides' block sizes (16 and 1024 tokens): a request's block ids are expanded this
+many times over, and the block sizes come from the peer (untrusted)."""
 
 
 def pool_block_sizes(regions: Iterable[Region], default: int) -> dict[str, int]:
@@ -109,6 +112,9 @@ def views_for(regions: Mapping[RegionKey, Region], mine: Mapping[str, int], thei
             out[key] = r if r.block_size else msgspec.structs.replace(r, block_size=size)
             continue
         k = size // other
+        if k > MAX_SUB_BLOCKS:
+            raise LayoutError(f"{key[0]} has blocks of {size} tokens on this side and {other} on {who}: at most "
+                              f"{MAX_SUB_BLOCKS} of the smaller make one of the larger; set --block-size closer")
         heads = r.heads[1] - r.heads[0]
         if r.bytes_per_block % (k * heads) or r.bytes_per_block // heads % k:
             raise LayoutError(f"{key[0]} layer {key[1]}: a block of {size} tokens holds {r.bytes_per_block} B over "
