@@ -69,9 +69,11 @@ def block_sizes_of(hello: Hello, model: ModelLayout) -> dict[str, int]:
         return pool_block_sizes(hello.regions, hello.block_size)
     sizes = dict(hello.pool_block_sizes)
     unknown = sorted(set(sizes) - set(model.pools))
-    if unknown or len(sizes) != len(hello.pool_block_sizes):
-        raise LayoutError(f"{hello.role} {hello.engine_id} declares block sizes for pools {unknown[:8] or 'twice'} "
-                          f"that the model does not have: the model configs differ")
+    if unknown:
+        raise LayoutError(f"{hello.role} {hello.engine_id} declares block sizes for pools {unknown[:8]} that the "
+                          f"model does not have: the model configs differ")
+    if len(sizes) != len(hello.pool_block_sizes):
+        raise LayoutError(f"{hello.role} {hello.engine_id} declares a block size twice for one pool: a broken peer")
     return sizes
 
 
