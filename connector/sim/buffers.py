@@ -94,7 +94,7 @@ class RankBuffers:
                     base_addr=buf.tensor.data_ptr() + slot * parts * nb * bytes_per_block,
                     num_blocks=nb, bytes_per_block=bytes_per_block, block_stride=bytes_per_block,
                     heads=buf.heads, num_parts=parts, part_stride=nb * bytes_per_block,
-                    device_id=self.device.index or 0, group=POOL_GROUP[buf.pool], token_rows=True))
+                    device_id=self.device.index or 0, group=POOL_GROUP[buf.pool], token_layout=((1, row),)))
         return out
 
     def _index(self, block_ids: list[int], t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
