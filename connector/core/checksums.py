@@ -18,6 +18,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from connector.core.block_views import view_runs
 from connector.core.descriptors import NO_NULL_BLOCK, group_range, head_span, live_pairs, span_parts
 from connector.core.layout import Region
 from connector.core.plan import Rank, Route
@@ -55,14 +56,22 @@ def transfer_spans(layer_routes: Mapping[int, Sequence[Route]], first_token: int
 
 
 def region_rows(region: Region, block_ids: np.ndarray, heads: tuple[int, int]) -> tuple[Rows, ...]:
-    """The rows of `heads` in blocks `block_ids` of `region`, one Rows per part."""
+    """The rows of `heads` in blocks `block_ids` of `region`, one Rows per part (per part and run of a view in
+    sub-blocks, in the order `descriptors.pieces` lists them, which both sides share)."""
     offset, nbytes = head_span(region, heads)
-    stride = region.block_stride
-    if region.sub_blocks > 1:  # a view in sub-blocks: rows at a stride both the blocks' and the sub-blocks' divide
-        k, stride = region.sub_blocks, math.gcd(region.block_stride, region.sub_stride)
-        block_ids = (block_ids // k * region.block_stride + block_ids % k * region.sub_stride) // stride
-    return tuple(Rows(region.base_addr + p * region.part_stride + offset, stride, nbytes, block_ids)
-                 for p in range(region.num_parts))
+    if not region.is_view:
+        return tuple(Rows(region.base_addr + p * region.part_stride + offset, region.block_stride, nbytes, block_ids)
+                     for p in range(region.num_parts))
+    out = []
+    k = region.sub_blocks
+    for p in range(region.num_parts):
+        for runs in view_runs(region):
+            # rows at a stride that both the blocks' and the sub-blocks' steps divide
+            stride = math.gcd(region.block_stride, runs.nbytes)
+            ids = (block_ids // k * region.block_stride + block_ids % k * runs.nbytes) // stride
+            base = region.base_addr + p * region.part_stride + offset
+            out.extend(Rows(base + int(run), stride, runs.nbytes, ids) for run in runs.offsets)
+    return tuple(out)
 
 
 def source_rows(src_regions: Mapping[tuple[str, int], Region], dst_regions: Mapping[tuple[str, int], Region],

@@ -13,6 +13,7 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
+from connector.core.block_views import view_runs
 from connector.core.errors import DescriptorError
 from connector.core.layout import Region
 from connector.core.plan import Route
@@ -147,15 +148,41 @@ def head_span(region: Region, heads: tuple[int, int]) -> tuple[int, int]:
 
 
 def block_addresses(region: Region, block_ids: np.ndarray, offset: int) -> np.ndarray:
-    """Address of `offset` inside each block of each part, part-major: shape (num_parts * len(block_ids),)."""
+    """Address of `offset` inside each block of each part, part-major: shape (num_parts * len(block_ids),). Not
+    for a view (`pieces`)."""
     parts = np.arange(region.num_parts, dtype=np.int64)[:, None] * region.part_stride
-    if region.sub_blocks > 1:  # a view in sub-blocks (connector.core.block_views)
-        k = region.sub_blocks
-        block_ids = block_ids // k * region.block_stride + block_ids % k * region.sub_stride
-        addrs = region.base_addr + parts + block_ids[None, :] + offset
-    else:
-        addrs = region.base_addr + parts + block_ids[None, :] * region.block_stride + offset
+    addrs = region.base_addr + parts + block_ids[None, :] * region.block_stride + offset
     return addrs.reshape(-1).astype(np.uint64)
+
+
+def pieces(region: Region, block_ids: np.ndarray, heads: tuple[int, int]) -> list[tuple[np.ndarray, int]]:
+    """What `heads` of blocks `block_ids` are in memory: (address of each piece, bytes per piece), per set of pieces
+    of one size. A region that is not a view is one piece per (part, block); a view in sub-blocks
+    (connector.core.block_views) is, per segment of its token layout, one piece per (part, block, run)."""
+    offset, nbytes = head_span(region, heads)
+    if not region.is_view:
+        return [(block_addresses(region, block_ids, offset), nbytes)]
+    k = region.sub_blocks
+    parts = np.arange(region.num_parts, dtype=np.int64)[:, None] * region.part_stride
+    starts = region.base_addr + parts + (block_ids // k * region.block_stride + offset)[None, :]
+    out = []
+    for runs in view_runs(region):
+        addrs = (starts + block_ids % k * runs.nbytes)[:, :, None] + runs.offsets[None, None, :]
+        out.append((addrs.reshape(-1).astype(np.uint64), runs.nbytes))
+    return out
+
+
+def paired_pieces(src: Region, dst: Region, s_ids: np.ndarray, d_ids: np.ndarray,
+                  heads: tuple[int, int]) -> list[tuple[np.ndarray, np.ndarray, int]]:
+    """`pieces` of both sides, relative to each region's base address, paired: (source offsets, destination
+    offsets, bytes per piece) per set. A view pairs only with a view of the same token layout."""
+    s_sets, d_sets = pieces(src, s_ids, heads), pieces(dst, d_ids, heads)
+    if [(a.size, n) for a, n in s_sets] != [(a.size, n) for a, n in d_sets]:
+        raise DescriptorError(f"{src.pool} layer {src.layer}: prefill's blocks move as {len(s_sets)} set(s) of pieces "
+                              f"and decode's as {len(d_sets)} of other sizes: their token layouts or block sizes "
+                              f"differ (connector.core.block_views)")
+    return [(sa - np.uint64(src.base_addr), da - np.uint64(dst.base_addr), n)
+            for (sa, n), (da, _) in zip(s_sets, d_sets)]
 
 
 def check_route(src: Region, dst: Region, src_blocks: Sequence[int] | np.ndarray,
@@ -186,17 +213,19 @@ def route_descriptors(src: Region, dst: Region, src_blocks: Sequence[int] | np.n
     """Descriptors that copy `heads` of src block src_blocks[i] into dst block dst_blocks[i], every part.
 
     Runs contiguous on both sides are coalesced: the result has one descriptor per run, not per block."""
-    s_ids, d_ids, s_off, d_off, nbytes = check_route(src, dst, src_blocks, dst_blocks, heads)
+    s_ids, d_ids, _, _, _ = check_route(src, dst, src_blocks, dst_blocks, heads)
     if s_ids.size == 0:
         return EMPTY
-    return coalesce(block_addresses(src, s_ids, s_off), block_addresses(dst, d_ids, d_off), nbytes)
+    s_base, d_base = np.uint64(src.base_addr), np.uint64(dst.base_addr)
+    return Descriptors.concat([coalesce(s_base + s_rel, d_base + d_rel, nbytes)
+                               for s_rel, d_rel, nbytes in paired_pieces(src, dst, s_ids, d_ids, heads)])
 
 
 def geometry(region: Region) -> tuple:
     """Everything about a region but its address: regions with equal geometry can be computed together."""
     return (region.pool, region.num_blocks, region.bytes_per_block, region.block_stride, region.num_parts,
-            region.part_stride, region.heads, region.head_major, region.group, region.sub_blocks, region.sub_stride,
-            region.head_stride)
+            region.part_stride, region.heads, region.head_major, region.group, region.sub_blocks, region.head_stride,
+            region.token_layout, region.block_size)
 
 
 def layers_descriptors(srcs: Sequence[Region], dsts: Sequence[Region], src_blocks: Sequence[int] | np.ndarray,
@@ -210,14 +239,11 @@ def layers_descriptors(srcs: Sequence[Region], dsts: Sequence[Region], src_block
         return first
     if any(geometry(r) != geometry(srcs[0]) for r in srcs) or any(geometry(r) != geometry(dsts[0]) for r in dsts):
         return Descriptors.concat([route_descriptors(a, b, src_blocks, dst_blocks, heads) for a, b in zip(srcs, dsts)])
-    s_off, length = head_span(srcs[0], heads)
-    d_off, _ = head_span(dsts[0], heads)
     s_ids, d_ids = np.asarray(src_blocks, dtype=np.int64), np.asarray(dst_blocks, dtype=np.int64)
-    s_rel = block_addresses(srcs[0], s_ids, s_off) - np.uint64(srcs[0].base_addr)
-    d_rel = block_addresses(dsts[0], d_ids, d_off) - np.uint64(dsts[0].base_addr)
     s_base = np.array([r.base_addr for r in srcs], dtype=np.uint64)[:, None]
     d_base = np.array([r.base_addr for r in dsts], dtype=np.uint64)[:, None]
-    return coalesce((s_base + s_rel).reshape(-1), (d_base + d_rel).reshape(-1), length)
+    return Descriptors.concat([coalesce((s_base + s_rel).reshape(-1), (d_base + d_rel).reshape(-1), nbytes)
+                               for s_rel, d_rel, nbytes in paired_pieces(srcs[0], dsts[0], s_ids, d_ids, heads)])
 
 
 def batch_descriptors(src_regions: Mapping[tuple[str, int], Region], dst_regions: Mapping[tuple[str, int], Region],
@@ -309,18 +335,16 @@ def span_descriptors(src_regions: Mapping[tuple[str, int], Region], dst_regions:
             pool_bytes[r.layer].setdefault(r.pool, 0)
         if s_ids.size == 0:
             continue
-        s_off, length = head_span(srcs[0], heads)
-        d_off, _ = head_span(dsts[0], heads)
-        s_rel = block_addresses(srcs[0], s_ids, s_off) - np.uint64(srcs[0].base_addr)
-        d_rel = block_addresses(dsts[0], d_ids, d_off) - np.uint64(dsts[0].base_addr)
         s_base = np.array([r.base_addr for r in srcs], dtype=np.uint64)[:, None]
         d_base = np.array([r.base_addr for r in dsts], dtype=np.uint64)[:, None]
-        descs, rows = _coalesce_rows((s_base + s_rel).reshape(-1), (d_base + d_rel).reshape(-1), length, s_rel.size)
-        parts.append(descs)
-        layer_of.append(np.array([r.layer for r in srcs], dtype=np.int64)[rows])
-        per_layer = length * s_rel.size
-        for r in srcs:
-            pool_bytes[r.layer][r.pool] = pool_bytes[r.layer].get(r.pool, 0) + per_layer
+        layers = np.array([r.layer for r in srcs], dtype=np.int64)
+        for s_rel, d_rel, length in paired_pieces(srcs[0], dsts[0], s_ids, d_ids, heads):
+            descs, rows = _coalesce_rows((s_base + s_rel).reshape(-1), (d_base + d_rel).reshape(-1), length,
+                                         s_rel.size)
+            parts.append(descs)
+            layer_of.append(layers[rows])
+            for r in srcs:
+                pool_bytes[r.layer][r.pool] = pool_bytes[r.layer].get(r.pool, 0) + length * s_rel.size
     if not parts:
         return LayerDescriptors(EMPTY, {layer: (0, 0) for layer in layer_routes}, pool_bytes)
     layers = np.concatenate(layer_of)

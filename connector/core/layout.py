@@ -321,14 +321,13 @@ class Region(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     K dimension-first, then V: `((head_dim, elem), (1, head_dim * elem))` (cpu_attn.py:411-416, 474-476). Empty:
     unknown, so the block cannot be cut into sub-blocks of fewer tokens (connector.core.block_views); vLLM's tensors
     do not show it, so the connector asks the backend's own cache-update kernel (connector.vllm.token_layout)."""
-    sub_blocks: int = 1
-    """A local view only (connector.core.block_views), never on the wire: each block of the memory is this many
-    blocks of the region, block id `v` being sub-block `v % sub_blocks` of block `v // sub_blocks`."""
-    sub_stride: int = 0
-    """View: bytes from one sub-block to the next inside a block (of one head, where `head_stride` is set)."""
+    sub_blocks: int = 0
+    """A local view only (connector.core.block_views), never on the wire; 0: not a view. A view moves its blocks
+    run by run of `token_layout`, and each block of the memory is this many blocks of the view (1 on the side whose
+    blocks are the smaller), block id `v` being sub-block `v % sub_blocks` of block `v // sub_blocks`."""
     head_stride: int = 0
-    """View: bytes from one head's rows to the next head's inside a block; 0: they follow each other (a head's
-    `bytes_per_head_per_block`), so several heads' rows are contiguous."""
+    """View: bytes from one head's slab to the next head's inside a block where a slab is one head (head-major, several
+    heads); 0: the slab is the whole block."""
 
     @property
     def key(self) -> tuple[str, int]:
@@ -340,4 +339,11 @@ class Region(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     @property
     def is_view(self) -> bool:
-        return (self.sub_blocks, self.sub_stride, self.head_stride) != (1, 0, 0)
+        return self.sub_blocks != 0
+
+    @property
+    def slab_bytes(self) -> int:
+        """Bytes of the slab `token_layout` describes: one head of a block where the region is head-major with
+        several heads, else the whole block (one part)."""
+        heads = self.heads[1] - self.heads[0]
+        return self.bytes_per_block // heads if self.head_major and heads > 1 else self.bytes_per_block

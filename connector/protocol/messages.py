@@ -42,7 +42,7 @@ from connector.core.errors import FrameError
 from connector.core.layout import Region
 from connector.core.untrusted import ID_PATTERN, shown_text
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 """Wire protocol version; a frame or Hello with any other version is rejected.
 
 History (one line per version; bump it for any change an older peer would misread):
@@ -93,6 +93,9 @@ History (one line per version; bump it for any change an older peer would misrea
   9  The two sides' block sizes may differ (one a multiple of the other, per cache): Hello.pool_block_sizes says
      each paged pool's, and prefill cuts the larger blocks into sub-blocks of the smaller (connector.core.
      block_views). A version-8 peer would refuse the pair, or send a prefill no block sizes to cut by.
+ 10  Region.token_layout (how tokens lie inside a block, as the rank's attention backend writes them: runs of token
+     rows per head) replaces token_rows; prefill cuts blocks only where both sides state the same layout. A
+     version-9 peer would send a field this side refuses.
 """
 DEFAULT_MAX_FRAME_BYTES = 4 * 1024 * 1024
 """Largest body a receiver accepts after the handshake unless configured otherwise. The largest real messages are
