@@ -125,3 +125,21 @@ def test_a_request_for_the_other_role_is_warned_and_counted(model_dir, role, par
     assert "(1 such request(s) so far, counted in vllm:sparse_kv_role_mismatches_total)" in warnings[0]
     assert counted == 3
     assert SparseKVConnectorStats(data={"role_mismatches": 3}).reduce()["role_mismatches"] == 3
+
+
+def test_an_encoder_decoder_model_is_refused_while_the_vllm_config_is_built(tmp_path, monkeypatch):
+    # Its cross-attention cache is the encoder's output, which the connector refuses (connector.vllm.specs) once the
+    # weights are loaded; the model's config already says so, so the refusal comes before anything loads.
+    from transformers import WhisperConfig
+
+    WhisperConfig(d_model=64, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
+                  encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=1000, max_source_positions=64,
+                  max_target_positions=448, architectures=["WhisperForConditionalGeneration"]).save_pretrained(tmp_path)
+    monkeypatch.setattr(early, "_checked", {})
+    with log_records("connector.vllm.early") as logged, pytest.raises(ValueError) as err:
+        H.make_vllm_config(tmp_path, kv_role="kv_producer", max_model_len=448)
+    assert "Value error, SparseKVConnector: " in str(err.value)  # (pydantic shortens the message it shows)
+    assert [r.getMessage() for r in logged if r.levelno >= logging.WARNING] == [
+        f"SparseKVConnector: {tmp_path} (WhisperForConditionalGeneration) is an encoder-decoder model: its "
+        f"cross-attention cache (vLLM's CrossAttentionSpec) holds the encoder's output, not prefill/decode state, "
+        f"and SparseKVConnector does not move it: serve this model without --kv-transfer-config"]

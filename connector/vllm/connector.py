@@ -13,7 +13,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                  SupportsHMA)
 
 from connector.vllm.config import ConnectorSettings
-from connector.vllm.early import check_role, check_transfer_config, configs_in_callers
+from connector.vllm.early import check_found, check_role, check_transfer_config, configs_in_callers
 from connector.vllm.idle_hold import pacer
 from connector.vllm.metadata import SparseKVMetadata
 from connector.vllm.scheduler import SchedulerSide, state_backoff
@@ -73,8 +73,7 @@ class SparseKVConnector(KVConnectorBase_V1, SupportsHMA):
         # as prefill (PIECEWISE is correct on both sides, only slower on decode). vLLM asks this while it builds the
         # VllmConfig, before anything loads: check the configuration here too (connector.vllm.early).
         found = configs_in_callers(sys._getframe(1), extra_config)
-        if found.ktc is not None:
-            check_transfer_config(found.ktc, found.vllm_config if found.engine_start else None)
+        check_found(found)
         return getattr(found.ktc, "kv_role", None) != "kv_consumer"
 
     @classmethod

@@ -103,36 +103,79 @@ def configs_in_callers(frame: FrameType | None, extra_config: Any = None) -> Fou
 
 def check_on_lookup(frame: FrameType | None) -> None:
     """Called as vLLM looks the class up: check the KVTransferConfig found in the callers (nothing when none is)."""
-    found = configs_in_callers(frame)
-    if found.ktc is not None:
-        check_transfer_config(found.ktc, found.vllm_config if found.engine_start else None)
+    check_found(configs_in_callers(frame))
 
 
-def check_transfer_config(ktc: Any, starting: Any = None) -> ConnectorSettings | None:
-    """Check `ktc` once per process (see the module docstring); raises ConfigError, logged as one line.
-    `starting`: the VllmConfig of an engine about to start here (its side-channel ports are probed too)."""
-    key = json.dumps([ktc.kv_role, ktc.kv_connector_extra_config, starting is not None], sort_keys=True,
-                     default=str)
+def check_found(found: Found) -> None:
+    """Check what a lookup's callers hold: the KVTransferConfig, and the model of the VllmConfig being built."""
+    if found.ktc is None:
+        return
+    check_transfer_config(found.ktc, found.vllm_config if found.engine_start else None)
+    if found.vllm_config is not None:
+        _once(["model", _model_name(found.vllm_config)], lambda: check_model(found.vllm_config))
+
+
+def _once(key: Any, check: Any) -> None:
+    """Run `check` once per process for `key`; a ConfigError it raises is logged as one line and raised again
+    (and again for the same key)."""
+    key = json.dumps(key, sort_keys=True, default=str)  # (a dict of settings keys its config)
     if key in _checked:
         if _checked[key] is not None:
             raise _checked[key]
-        return None
+        return
     try:
-        check_role(ktc.kv_role)
-        settings = ConnectorSettings.from_extra_config(ktc.kv_connector_extra_config)
-        settings.check_trust(ktc.kv_role)
-        settings.token()
-        settings.prefill_key()
-        settings.trusted_keys()
-        if starting is not None and role_halves(ktc.kv_role)[0]:  # it listens: kv_producer or kv_both
-            check_ports_free(settings, starting.parallel_config)
+        check()
     except ConfigError as exc:
         _checked[key] = exc
         adopt_vllm_logging()  # the entry point may have imported us before vLLM set up its log handlers
         log.error("%s", exc)
         raise
     _checked[key] = None
-    return settings
+
+
+def _model_name(vllm_config: Any) -> str:
+    model = getattr(vllm_config, "model_config", None)
+    archs = getattr(getattr(model, "hf_config", None), "architectures", None) or ["?"]
+    return f"{getattr(model, 'model', '?')} ({', '.join(map(str, archs))})"
+
+
+def check_model(vllm_config: Any) -> None:
+    """Refuse, from the model's config alone (before vLLM builds or loads the model), a model whose state the
+    connector cannot move: the same refusals connector.vllm.specs gives a layer's KV-cache spec after the weights
+    load (an encoder's caches), made minutes earlier. Everything else is decided from vLLM's specs."""
+    model = getattr(vllm_config, "model_config", None)
+    if model is None:
+        return
+    if getattr(model, "is_encoder_decoder", False):
+        raise ConfigError(f"SparseKVConnector: {_model_name(vllm_config)} is an encoder-decoder model: its "
+                          f"cross-attention cache (vLLM's CrossAttentionSpec) holds the encoder's output, not "
+                          f"prefill/decode state, and SparseKVConnector does not move it: serve this model without "
+                          f"--kv-transfer-config")
+    if getattr(model, "runner_type", "generate") == "pooling":
+        raise ConfigError(f"SparseKVConnector: {_model_name(vllm_config)} runs as a pooling model: it generates "
+                          f"no tokens, so a decode instance has nothing to continue: serve it without "
+                          f"--kv-transfer-config")
+
+
+def check_transfer_config(ktc: Any, starting: Any = None) -> ConnectorSettings | None:
+    """Check `ktc` once per process (see the module docstring); raises ConfigError, logged as one line.
+    `starting`: the VllmConfig of an engine about to start here (its side-channel ports are probed too). Returns
+    the settings the first time a config is checked, else None."""
+    settings: list[ConnectorSettings] = []
+
+    def check() -> None:
+        check_role(ktc.kv_role)
+        got = ConnectorSettings.from_extra_config(ktc.kv_connector_extra_config)
+        got.check_trust(ktc.kv_role)
+        got.token()
+        got.prefill_key()
+        got.trusted_keys()
+        if starting is not None and role_halves(ktc.kv_role)[0]:  # it listens: kv_producer or kv_both
+            check_ports_free(got, starting.parallel_config)
+        settings.append(got)
+
+    _once([ktc.kv_role, ktc.kv_connector_extra_config, starting is not None], check)
+    return settings[0] if settings else None
 
 
 def check_ports_free(settings: ConnectorSettings, parallel_config: Any) -> None:
