@@ -3,12 +3,18 @@ KVCacheConfig vLLM gives the connector), and where each block of it lives, from 
 
 from __future__ import annotations
 
+import logging
+from typing import Callable
+
+import msgspec
 import torch
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from connector.core.errors import LayoutError
 from connector.core.layout import ModelLayout, RankLayout, Region
 from connector.vllm.specs import CacheFacts, stage_caches
+
+log = logging.getLogger(__name__)
 
 
 def classify_layers(kv_cache_config: KVCacheConfig, total_kv_heads: int = 1, draft: frozenset[str] = frozenset(),
@@ -67,6 +73,30 @@ def region_of(info: CacheFacts, tensor: torch.Tensor, rank: RankLayout, num_bloc
                   overshoot_tokens=info.overshoot_tokens)
 
 
+LayoutOf = Callable[[str, torch.Tensor, Region], tuple[tuple[tuple[int, int], ...], str]]
+"""(layer name, its tensor, its region) -> (how its backend lays tokens out in a block, or () and why not)."""
+
+
+def with_token_layout(region: Region, name: str, tensor: torch.Tensor, rank: RankLayout,
+                      layout_of: LayoutOf | None) -> Region:
+    """`region` with the token layout `layout_of` finds, for a plain per-token cache (the only kind that may be cut
+    into sub-blocks) whose tensor holds its blocks in dim 0, where the layout covers a slab of the block exactly."""
+    spec = rank.model.pools[region.pool]
+    if layout_of is None or spec.per_request or spec.bytes_per_block_per_head or region.num_parts != 1 \
+            or tensor.shape[0] != region.num_blocks:
+        return region
+    layout, _ = layout_of(name, tensor, region)
+    if not layout:
+        return region
+    covered = sum(runs * nbytes for runs, nbytes in layout) * region.block_size
+    if covered != region.slab_bytes:
+        log.warning("SparseKVConnector: %s: its backend's token layout %s covers %d B of a %d B slab of a block; "
+                    "left unknown (different block sizes are refused for it)", name, layout, covered,
+                    region.slab_bytes)
+        return region
+    return msgspec.structs.replace(region, token_layout=layout)
+
+
 def _head_major(block: torch.Tensor, n_heads: int, block_size: int) -> bool:
     """In one block of one part, is each head's data contiguous (HND)? vLLM 0.33's logical per-block order is
     [H, N, C] (older backends: [N, H, C]); the physical order shows in the strides."""
@@ -77,7 +107,7 @@ def _head_major(block: torch.Tensor, n_heads: int, block_size: int) -> bool:
 
 
 def build_regions(kv_caches: dict[str, torch.Tensor], infos: dict[str, CacheFacts], num_blocks: int,
-                  rank: RankLayout) -> list[Region]:
+                  rank: RankLayout, layout_of: LayoutOf | None = None) -> list[Region]:
     """Every (pool, global layer) of this rank, after checking each tensor holds what its spec says and that the
     rank holds exactly what the model layout gives it; a mismatch names the pool and layers."""
     regions: dict[tuple[str, int], Region] = {}
@@ -87,7 +117,8 @@ def build_regions(kv_caches: dict[str, torch.Tensor], infos: dict[str, CacheFact
             continue  # not transferable (or not in any group): nothing of ours
         if (info.pool, info.layer) in regions:
             raise LayoutError(f"two KV-cache tensors map to {info.pool} layer {info.layer} (one is {name})")
-        regions[(info.pool, info.layer)] = region_of(info, tensor, rank, num_blocks)
+        region = region_of(info, tensor, rank, num_blocks)
+        regions[(info.pool, info.layer)] = with_token_layout(region, name, tensor, rank, layout_of)
     who = f"rank pp{rank.pp_rank},tp{rank.tp_rank}"
     for pool in rank.model.pool_names:
         have = {layer for p, layer in regions if p == pool}

