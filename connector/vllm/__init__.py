@@ -18,6 +18,7 @@ happens while vLLM builds its VllmConfig, before any model is loaded. Importing 
   worker          the worker side (one per GPU worker): vLLM's tensors -> regions, its hooks -> engine calls
   specs           the model's layout from the KV-cache specs vLLM built, not from an architecture table
   regions         which pool and global layer each KV-cache tensor is, as Regions
+  token_layout    how the attention backend lays tokens out in a block, asked of its own cache-update kernel
   layer_signals   per-layer "KV written" signals for the attention layers vLLM never hooks
   stats           the transfer metrics on vLLM's KV-connector stats path (Prometheus counters, histograms)
   logs            the connector's log lines in vLLM's log, in vLLM's format"""
