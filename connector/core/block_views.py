@@ -179,9 +179,9 @@ def check_token_layouts(regions: Mapping[RegionKey, Region], cut: frozenset[str]
     for pool, layers in unknown.items():
         raise LayoutError(f"{pool} has different block sizes on the two sides, but {side} does not know how tokens lie "
                           f"inside its blocks (layers {layers[:8]}; its attention backend's cache-update kernel could "
-                          f"not be probed: a quantised cache, an MLA or other non-K/V cache, or a backend that writes "
-                          f"the cache inside its forward), so the blocks cannot be cut safely: run both sides with the "
-                          f"same --block-size")
+                          f"not be asked: a quantised cache, an indexer's keys, or a backend that writes the cache "
+                          f"inside its forward; its start-up log's 'token layout of {pool}' line says which), so the "
+                          f"blocks cannot be cut safely: run both sides with the same --block-size")
 
 
 def differing_pools(mine: Mapping[str, int], theirs: Mapping[str, int]) -> frozenset[str]:
