@@ -58,8 +58,9 @@ def _view(region: Region, k: int) -> Region:
     """`region` in sub-blocks: `k` per block of it (1: the same blocks, moved run by run)."""
     heads = region.heads[1] - region.heads[0]
     head_stride = region.bytes_per_head_per_block if region.head_major and heads > 1 else 0
-    return msgspec.structs.replace(region, num_blocks=region.num_blocks * k, bytes_per_block=region.bytes_per_block // k,
-                                   block_size=region.block_size // k, sub_blocks=k, head_stride=head_stride)
+    return msgspec.structs.replace(region, num_blocks=region.num_blocks * k,
+                                   bytes_per_block=region.bytes_per_block // k, block_size=region.block_size // k,
+                                   sub_blocks=k, head_stride=head_stride)
 
 
 @dataclass(frozen=True)
@@ -179,9 +180,9 @@ def check_token_layouts(regions: Mapping[RegionKey, Region], cut: frozenset[str]
     for pool, layers in unknown.items():
         raise LayoutError(f"{pool} has different block sizes on the two sides, but {side} does not know how tokens lie "
                           f"inside its blocks (layers {layers[:8]}; its attention backend's cache-update kernel could "
-                          f"not be asked: a quantised cache, an indexer's keys, or a backend that writes the cache "
-                          f"inside its forward; its start-up log's 'token layout of {pool}' line says which), so the "
-                          f"blocks cannot be cut safely: run both sides with the same --block-size")
+                          f"not be asked: an fp8 cache with calibrated scales, an indexer's keys, or a backend that "
+                          f"writes the cache inside its forward; its start-up log's 'token layout of {pool}' line says "
+                          f"which), so the blocks cannot be cut safely: run both sides with the same --block-size")
 
 
 def differing_pools(mine: Mapping[str, int], theirs: Mapping[str, int]) -> frozenset[str]:

@@ -6,9 +6,10 @@ different block sizes read as wrong tokens with every byte count right.
 The probe writes one block of a scratch tensor shaped and strided like the real cache (never the cache itself)
 with `impl.do_kv_cache_update`, as vLLM's attention layer does (attention.py unified_kv_cache_update), filling K
 and V with values that name each element's token, dimension and head, then reads the block back in memory order.
-`derive` turns what it read into segments of runs of token rows, or says why it cannot. Anything unknown (no
-such kernel, a quantised cache, a backend that writes inside its forward, a result that is not runs of rows) gives
-an empty layout: the connector then refuses different block sizes for that cache, by name, instead of guessing."""
+`derive` turns what it read into segments of runs of token rows, or says why it cannot. An fp8 cache is labelled
+in digits its format holds exactly (below 16 for e4m3, 8 for e5m2) and read back as that format. Anything unknown
+(no such kernel, an fp8 cache with calibrated scales, a backend that writes inside its forward, a result that is not
+runs of rows) gives an empty layout: the connector then refuses different block sizes for that cache, by name, instead of guessing."""
 
 from __future__ import annotations
 
@@ -22,6 +23,26 @@ Layout = tuple[tuple[int, int], ...]
 
 _EXACT = {torch.float32: 1 << 24, torch.float16: 2048, torch.bfloat16: 256}
 """The largest integer each dtype holds exactly: labels are written in digits below it."""
+_FP8 = {"fp8": (torch.float8_e4m3fn, 16), "fp8_e4m3": (torch.float8_e4m3fn, 16), "fp8_e5m2": (torch.float8_e5m2, 8)}
+"""A quantised cache (`--kv-cache-dtype`): the format its bytes hold, and the largest integer it holds exactly (with
+a scale of 1)."""
+
+
+def _formats(layer: Any, tensor: torch.Tensor, model_dtype: torch.dtype | None) -> tuple[Any, Any, int, str]:
+    """(dtype of the K/V written, dtype the cache's bytes are read as, radix of the labels, "") or (None, None, 0,
+    why not)."""
+    cache_dtype = str(getattr(layer, "kv_cache_dtype", "auto"))
+    if cache_dtype == "auto":
+        if tensor.dtype not in _EXACT:
+            return None, None, 0, f"cache dtype {tensor.dtype} is not one the probe can label exactly"
+        return tensor.dtype, tensor.dtype, min(_EXACT[tensor.dtype] - 1, 1 << 12), ""
+    if cache_dtype not in _FP8 or tensor.element_size() != 1 or model_dtype not in _EXACT:
+        return None, None, 0, f"the cache is quantised as {cache_dtype}, which the probe cannot read back exactly"
+    scales = (getattr(layer, "_k_scale_float", 1.0), getattr(layer, "_v_scale_float", 1.0))
+    if scales != (1.0, 1.0):
+        return None, None, 0, f"the {cache_dtype} cache has scales {scales}: labels would not survive them"
+    read, exact = _FP8[cache_dtype]
+    return model_dtype, read, exact - 1, ""
 _cache: dict[tuple, tuple[Layout, str]] = {}
 
 
@@ -72,15 +93,18 @@ def expected_content(layout: Layout, block_size: int) -> np.ndarray:
     return np.concatenate(out) if out else np.zeros(0, np.int64)
 
 
-def probe(layer: Any, tensor: torch.Tensor, block_size: int, head_major: bool) -> tuple[Layout, str]:
+def probe(layer: Any, tensor: torch.Tensor, block_size: int, head_major: bool,
+          model_dtype: torch.dtype | None = None) -> tuple[Layout, str]:
     """The token layout of `tensor` (one layer's KV cache, blocks in dim 0) as `layer`'s backend writes it, in
-    bytes: ((runs, bytes per token per run), ...) and "", or () and why not. Cached per geometry."""
+    bytes: ((runs, bytes per token per run), ...) and "", or () and why not. `model_dtype`: what the K and V the
+    kernel quantises into an fp8 cache are. Cached per geometry."""
     impl, backend = getattr(layer, "impl", None), getattr(layer, "attn_backend", None)
     key = (type(impl).__name__, tuple(tensor.shape[1:]), tuple(tensor.stride()[1:]), tensor.dtype, block_size,
-           head_major, getattr(layer, "kv_cache_dtype", None), getattr(layer, "num_kv_heads", None))
+           head_major, getattr(layer, "kv_cache_dtype", None), getattr(layer, "num_kv_heads", None), model_dtype,
+           getattr(layer, "_k_scale_float", None), getattr(layer, "_v_scale_float", None))
     if key not in _cache:
         try:
-            _cache[key] = _probe(layer, impl, backend, tensor, block_size, head_major)
+            _cache[key] = _probe(layer, impl, backend, tensor, block_size, head_major, model_dtype)
         except Exception as exc:  # noqa: BLE001 - any failure means "unknown": the cut is refused by name
             _cache[key] = (), f"probing {type(impl).__name__}.do_kv_cache_update failed: {type(exc).__name__}: {exc}"
     return _cache[key]
@@ -93,14 +117,12 @@ def _writer(layer: Any, impl: Any, backend: Any) -> tuple[Any, int, int, int, st
     name = type(impl).__name__
     if not hasattr(impl, "do_kv_cache_update"):
         return None, 0, 0, 0, f"{name} has no cache-update kernel to ask"
-    if str(getattr(layer, "kv_cache_dtype", "auto")) != "auto":
-        return None, 0, 0, 0, f"the cache is quantised ({layer.kv_cache_dtype}): labels would not survive it"
     if hasattr(layer, "kv_lora_rank") and hasattr(layer, "update_kv_cache"):
         latent, rope = int(layer.kv_lora_rank), int(layer.qk_rope_head_dim)
         scale = getattr(layer, "_k_scale", None)
 
         def write_mla(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
-            impl.do_kv_cache_update(k[:, 0], v, cache, slots, "auto",
+            impl.do_kv_cache_update(k[:, 0], v, cache, slots, str(getattr(layer, "kv_cache_dtype", "auto")),
                                     scale if scale is not None else torch.ones((), device=cache.device))
         return write_mla, 1, latent, rope, ""
     if getattr(backend, "forward_includes_kv_cache_update", True):
@@ -112,20 +134,22 @@ def _writer(layer: Any, impl: Any, backend: Any) -> tuple[Any, int, int, int, st
     return write, int(layer.num_kv_heads), dim_k, int(getattr(layer, "head_size_v", dim_k) or dim_k), ""
 
 
-def _probe(layer: Any, impl: Any, backend: Any, tensor: torch.Tensor, block_size: int,
-           head_major: bool) -> tuple[Layout, str]:
+def _probe(layer: Any, impl: Any, backend: Any, tensor: torch.Tensor, block_size: int, head_major: bool,
+           model_dtype: torch.dtype | None) -> tuple[Layout, str]:
     name = type(impl).__name__
     write, heads, dim_k, dim_v, why = _writer(layer, impl, backend)
     if write is None:
         return (), why
-    if tensor.dtype not in _EXACT:
-        return (), f"cache dtype {tensor.dtype} is not one the probe can label exactly"
+    written, read_as, radix, why = _formats(layer, tensor, model_dtype)
+    if written is None:
+        return (), why
     scratch = torch.zeros_like(tensor.narrow(0, 0, 2))
     if scratch.stride() != tensor.stride():
         return (), "two blocks of the cache are not a dense tensor of their own (blocks are not the outermost dim)"
     per_block = scratch.stride(0)
-    block = torch.as_strided(scratch, (2, per_block), (per_block, 1))  # both blocks, each in memory order
-    radix = min(_EXACT[tensor.dtype] - 1, 1 << 12)
+    # both blocks, each in memory order, as the values they hold
+    block = torch.as_strided(scratch.view(read_as) if read_as != scratch.dtype else scratch, (2, per_block),
+                             (per_block, 1))
     labels = {"token": np.arange(block_size)[:, None, None], "head": np.arange(heads)[None, :, None],
               "dim": np.arange(max(dim_k, dim_v))[None, None, :]}
     read: dict[str, np.ndarray] = {}
@@ -136,8 +160,8 @@ def _probe(layer: Any, impl: Any, backend: Any, tensor: torch.Tensor, block_size
         total = np.zeros(per_block, np.int64)
         for d in range(digits):
             digit = np.broadcast_to(values // radix ** d % radix + 1, (block_size, heads, max(dim_k, dim_v)))
-            k = torch.tensor(digit[..., :dim_k], dtype=tensor.dtype, device=tensor.device)
-            v = torch.tensor(-digit[..., :dim_v], dtype=tensor.dtype, device=tensor.device)
+            k = torch.tensor(digit[..., :dim_k], dtype=written, device=tensor.device)
+            v = torch.tensor(-digit[..., :dim_v], dtype=written, device=tensor.device)
             scratch.zero_()
             with torch.inference_mode():
                 write(k, v, scratch, slots)

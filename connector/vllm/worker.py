@@ -199,12 +199,13 @@ class WorkerSide:
         """How each layer's backend lays tokens out in a block, asked of its cache-update kernel
         (connector.vllm.token_layout); each distinct answer logged once, on rank (0, 0)."""
         context = self.vllm_config.compilation_config.static_forward_context
+        model_dtype = self.vllm_config.model_config.dtype  # what an fp8 cache's K and V are quantised from
         logged: set[tuple] = set()
 
         def layout_of(name: str, tensor: torch.Tensor, region: Region) -> tuple[tuple[tuple[int, int], ...], str]:
             layer = context.get(name)
-            got = token_layout.probe(layer, tensor, region.block_size, region.head_major) if layer is not None \
-                else ((), f"vLLM's forward context has no layer {name}")
+            got = token_layout.probe(layer, tensor, region.block_size, region.head_major, model_dtype) \
+                if layer is not None else ((), f"vLLM's forward context has no layer {name}")
             if self.rank == (0, 0) and (region.pool, got) not in logged:
                 logged.add((region.pool, got))
                 log.info("SparseKVConnector: token layout of %s in a block (%s): %s", region.pool,

