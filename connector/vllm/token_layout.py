@@ -9,7 +9,8 @@ and V with values that name each element's token, dimension and head, then reads
 `derive` turns what it read into segments of runs of token rows, or says why it cannot. An fp8 cache is labelled
 in digits its format holds exactly (below 16 for e4m3, 8 for e5m2) and read back as that format. Anything unknown
 (no such kernel, an fp8 cache with calibrated scales, a backend that writes inside its forward, a result that is not
-runs of rows) gives an empty layout: the connector then refuses different block sizes for that cache, by name, instead of guessing."""
+runs of rows) gives an empty layout: the connector then refuses different block sizes for that cache, by name,
+instead of guessing."""
 
 from __future__ import annotations
 
