@@ -67,3 +67,19 @@ def test_what_is_not_runs_of_rows_is_unknown_with_the_reason():
     tok, con = block(rows(), 2)
     tok[len(tok) // 2:] = tok[len(tok) // 2:][::-1]
     assert derive(tok, con, 2, BS) == ((), "the heads of a block are not laid out alike")
+
+
+def test_a_layer_bound_to_another_view_of_its_cache_is_not_probed():
+    # vLLM 0.33 may bind a layer to kernel blocks smaller than its own (a view of other shape): the registered
+    # tensor's probe would not show what the kernel writes, so the layout stays unknown.
+    import torch
+    from types import SimpleNamespace
+
+    from connector.vllm.token_layout import probe
+
+    cache = torch.zeros(4, 2, 32, 16)
+    impl = SimpleNamespace(do_kv_cache_update=lambda *a: None)
+    layer = SimpleNamespace(impl=impl, attn_backend=SimpleNamespace(forward_includes_kv_cache_update=False),
+                            kv_cache=cache.view(8, 2, 16, 16), kv_cache_dtype="auto", num_kv_heads=2, head_size=8)
+    layout, why = probe(layer, cache, 32, True)
+    assert layout == () and "sees its cache as another view ((8, 2, 16, 16), not (4, 2, 32, 16)" in why

@@ -142,6 +142,13 @@ def _probe(layer: Any, impl: Any, backend: Any, tensor: torch.Tensor, block_size
     write, heads, dim_k, dim_v, why = _writer(layer, impl, backend)
     if write is None:
         return (), why
+    bound = getattr(layer, "kv_cache", None)  # what vLLM bound the layer to (a list per virtual engine before 0.33)
+    bound = bound[0] if isinstance(bound, (list, tuple)) and bound else bound
+    if isinstance(bound, torch.Tensor) and bound.numel() and (bound.data_ptr(), bound.shape, bound.stride()) != (
+            tensor.data_ptr(), tensor.shape, tensor.stride()):
+        return (), (f"{name} sees its cache as another view ({tuple(bound.shape)}, not {tuple(tensor.shape)}: "
+                    f"kernel blocks of another size than vLLM's), so a probe of the registered tensor would not show "
+                    f"its layout")
     written, read_as, radix, why = _formats(layer, tensor, model_dtype)
     if written is None:
         return (), why
