@@ -17,8 +17,8 @@ import msgspec
 from connector.core.layout import ModelLayout
 from connector.protocol.auth import client_proof, identity, lane_tag, memory_of, new_nonce, opening
 from connector.protocol.messages import HEADER, Hello, Message, decode_body, encode_frame
-from connector.sim.buffers import pick_blocks
-from connector.sim.cluster import Cluster, Scenario
+from sparse_kv_lab.sim.buffers import pick_blocks
+from sparse_kv_lab.sim.cluster import Cluster, Scenario
 from tests.helpers import bare_side_channel, scenario
 
 TOKEN = "7c1f0e9a4b2d8c6e5f3a1b0d9e8c7f6a5b4c3d2e1f0a9b8c"
@@ -36,7 +36,7 @@ def make_scenario(model: ModelLayout, **kw: Any) -> Scenario:
 @contextlib.contextmanager
 def spawned_target(model: ModelLayout, config: Any) -> Iterator["Target"]:
     """A real prefill rank in its own process, with SenderConfig `config` (the attacks' target), ended on exit."""
-    from connector.sim.env import apply_env
+    from sparse_kv_lab.sim.env import apply_env
 
     apply_env()  # before NIXL and torch's allocator see the environment
     with Cluster(make_scenario(model, sender_config=config), spawn=("prefill",)) as cluster:

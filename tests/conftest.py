@@ -50,12 +50,12 @@ def m3_index_v(tmp_path_factory):
 
 @pytest.fixture
 def open_rank():
-    """`open_rank(spec)`: a SimRank (connector.sim.rank) in this process, opened; closed with its engine when the
+    """`open_rank(spec)`: a SimRank (sparse_kv_lab.sim.rank) in this process, opened; closed with its engine when the
     test ends, in reverse order of opening."""
-    from connector.sim.env import apply_env
+    from sparse_kv_lab.sim.env import apply_env
 
     apply_env()  # before NIXL and torch's allocator see the environment
-    from connector.sim.rank import SimRank
+    from sparse_kv_lab.sim.rank import SimRank
 
     ranks: list[SimRank] = []
 
@@ -73,7 +73,7 @@ def open_rank():
 def cluster():
     """`cluster(scenario, spawn=("prefill",))`: worker processes for those sides, ready; ended when the test ends
     (in reverse order of starting)."""
-    from connector.sim.cluster import Cluster
+    from sparse_kv_lab.sim.cluster import Cluster
 
     with contextlib.ExitStack() as started:
         yield lambda sc, spawn=("prefill", "decode"): started.enter_context(Cluster(sc, spawn=spawn))
@@ -81,9 +81,9 @@ def cluster():
 
 @pytest.fixture
 def two_nodes():
-    """Two network namespaces ("nodes") joined by a veth pair (connector.sim.netns.TwoNodes), deleted when the test
+    """Two network namespaces ("nodes") joined by a veth pair (sparse_kv_lab.sim.netns.TwoNodes), deleted when the test
     ends, also after a failure. Skipped, with the reason in the summary (`-rs`), where they cannot be made."""
-    from connector.sim import netns
+    from sparse_kv_lab.sim import netns
 
     why = netns.available()
     if why is not None:

@@ -16,12 +16,12 @@ from connector.core.layout import ModelLayout, ParallelLayout, PoolSpec, RankLay
 from connector.engine.peers import PeerInfo
 from connector.protocol.handshake import accept_peer, layout_wire
 from connector.protocol.messages import Hello
-from connector.sim.cluster import Scenario
+from sparse_kv_lab.sim.cluster import Scenario
 from connector.transport.side_channel import SideChannelConfig
 
 KiB, MiB = 1 << 10, 1 << 20
 POOL_GROUP = {"kv": 0, "index_k": 1, "index_v": 1}
-"""KV-cache group per pool (as connector.sim.buffers lays them out)."""
+"""KV-cache group per pool (as sparse_kv_lab.sim.buffers lays them out)."""
 
 
 def make_model(kinds: str, kv_heads: int = 4, mla: bool = False, head_dim: int = 128,

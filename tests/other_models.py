@@ -3,7 +3,7 @@ test of the layout built from vLLM's own KV-cache specs: the connector must move
 without knowing the architecture.
 
 Each checkpoint is the architecture's own Hugging Face class (transformers, in the test venv) built from a tiny
-config, with every matrix redrawn from a seeded normal as connector.pd.model.TinyLlama draws them (attention
+config, with every matrix redrawn from a seeded normal as sparse_kv_lab.pd.model.TinyLlama draws them (attention
 projections several times the usual scale, so each generated token depends on the whole prompt and a decode that
 got the wrong KV generates other tokens). Norms and biases keep the class's own initial values."""
 
@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from connector.pd.model import CONFIG_NAME, WEIGHTS_NAME
+from sparse_kv_lab.pd.model import CONFIG_NAME, WEIGHTS_NAME
 
 SHARP = ("q_proj", "k_proj", "qkv_proj", "query_key_value")
 """Weights whose scale sharpens attention (q and k, alone or fused)."""

@@ -1,4 +1,4 @@
-"""The bench's own arithmetic (connector.core.compute, percentiles, the transfer's active time, the plot's per-layer
+"""The bench's own arithmetic (sparse_kv_lab.sim.compute, percentiles, the transfer's active time, the plot's per-layer
 times) and one small bench run end to end: every field the README and tools/gpu-check.sh read is there."""
 
 from __future__ import annotations
@@ -7,13 +7,13 @@ import sys
 
 import pytest
 
-from connector.cli.yardsticks import bench_lines, with_yardsticks
-from connector.core.compute import active_params, prefill_ms
+from sparse_kv_lab.cli.yardsticks import bench_lines, with_yardsticks
+from sparse_kv_lab.sim.compute import active_params, prefill_ms
 from connector.core.errors import CliError, LayoutError
 from connector.core.hf_config import load_config
-from connector.sim.bench import bench, percentile
-from connector.sim.cluster import RequestResult, busy_seconds
-from connector.sim.plot import check_plotting, layer_times, plot_timeline
+from sparse_kv_lab.sim.bench import bench, percentile
+from sparse_kv_lab.sim.cluster import RequestResult, busy_seconds
+from sparse_kv_lab.sim.plot import check_plotting, layer_times, plot_timeline
 from tests.helpers import scenario
 
 
@@ -93,7 +93,7 @@ def test_small_bench_reports_every_field_and_verifies(m3_index_v):
                                             / m3_index_v.num_layers, rel=0.01)
     # scattered blocks went as staged chunks: fewer NIXL descriptors than block ranges
     assert 0 < out["staged_chunks"] <= out["nixl_descriptors_bulk"] < out["descriptors"]
-    # every number with what good looks like, and the verdict (connector.cli.yardsticks)
+    # every number with what good looks like, and the verdict (sparse_kv_lab.cli.yardsticks)
     out = with_yardsticks(out)
     assert 0 <= out["stream_hidden_pct"] <= 100 and list(out)[-1] == "verdict"
     lines = bench_lines(out)

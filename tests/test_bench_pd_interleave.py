@@ -1,4 +1,4 @@
-"""bench-pd's interleaving and paired statistics (connector.pd.interleave, connector.pd.results): the order each
+"""bench-pd's interleaving and paired statistics (sparse_kv_lab.pd.interleave, sparse_kv_lab.pd.results): the order each
 round asks the modes in, which modes run at once, and what paired rounds say about an overhead. Made-up numbers
 only: no engine runs and nothing here is timed."""
 
@@ -9,10 +9,10 @@ from collections import Counter
 
 import pytest
 
-from connector.pd import interleave
-from connector.pd.bench import engines_needed, ordered_modes
-from connector.pd.interleave import Spread, plan_batches, round_order, williams_rows
-from connector.pd.results import ModeResult, dump, from_json
+from sparse_kv_lab.pd import interleave
+from sparse_kv_lab.pd.bench import engines_needed, ordered_modes
+from sparse_kv_lab.pd.interleave import Spread, plan_batches, round_order, williams_rows
+from sparse_kv_lab.pd.results import ModeResult, dump, from_json
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
@@ -153,8 +153,8 @@ def test_rounds_ask_every_mode_once_in_the_balanced_order_and_pair_each_with_loc
     so the pairing (same round) and the bookkeeping can be checked; nothing is timed."""
     import signal
 
-    from connector.pd import bench
-    from connector.pd.client import Completion
+    from sparse_kv_lab.pd import bench
+    from sparse_kv_lab.pd.client import Completion
 
     config = bench.BenchConfig(requests=4, warmup=1, prompt_lengths=(5, 7), settle_ms=0.0)
     runner = bench.PdBench.__new__(bench.PdBench)

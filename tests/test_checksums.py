@@ -19,8 +19,8 @@ from connector.core.staging_ranges import Rows
 from connector.engine.config import ReceiverConfig, SideChannelConfig
 from connector.engine.receiver import RecvSpec
 from connector.protocol.addressing import PrefillAddress
-from connector.sim.buffers import RankBuffers, pick_blocks
-from connector.sim.cluster import run_scenario
+from sparse_kv_lab.sim.buffers import RankBuffers, pick_blocks
+from sparse_kv_lab.sim.cluster import run_scenario
 from connector.transport.device_copy import BlockCopier
 from tests.helpers import scenario, side
 from tests.test_stream_faults import BLOCK, TOKENS, make_scenario, start_prefill

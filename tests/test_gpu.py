@@ -7,7 +7,7 @@ import pytest
 
 from connector.core.hf_config import load_model
 from connector.core.layout import ParallelLayout
-from connector.sim.cluster import Scenario, run_scenario
+from sparse_kv_lab.sim.cluster import Scenario, run_scenario
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 

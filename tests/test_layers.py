@@ -1,6 +1,7 @@
 """The layers of `connector/` (docs/architecture.md, "Layers"): each folder imports only from itself or a folder
-below it, there is no import cycle, and the heavy or framework imports stay where they belong. Read from the source
-with `ast` (every import, also those inside functions), so nothing is imported to check it."""
+below it, there is no import cycle, and the heavy or framework imports stay where they belong. The lab
+(`sparse_kv_lab/`) has layers of its own, may import any of connector, and connector never imports it. Read from the
+source with `ast` (every import, also those inside functions), so nothing is imported to check it."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "connector"
+LAB = ROOT.parent / "sparse_kv_lab"
 
-FLOORS = {"core": 0, "protocol": 1, "transport": 2, "engine": 3, "vllm": 4, "sim": 4, "pd": 4, "cli": 5}
-"""Floor of each folder. A folder may import its own modules and those of lower floors; folders on one floor
-(vllm, sim, pd) do not import each other. The package root (`connector/__init__.py`, `__main__.py`) sits on top."""
-TOP = max(FLOORS.values()) + 1
+FLOORS = {"core": 0, "protocol": 1, "transport": 2, "engine": 3, "vllm": 4, "cli": 5}
+"""Floor of each folder. A folder may import its own modules and those of lower floors; folders on one floor do not
+import each other. The package root (`connector/__init__.py`, `__main__.py`) sits on top."""
+LAB_FLOORS = {"sim": 0, "pd": 0, "cli": 1}
+"""The lab's floors, above all of connector (which it may import): sim and pd not each other, cli above both."""
 ONLY_IN = {"nixl": "transport.nixl", "vllm": "vllm"}
 """Third-party packages only one folder may import."""
 NOT_IN = {"core": ("torch", "asyncio", "nixl", "vllm"), "protocol": ("torch", "asyncio", "nixl", "vllm")}
@@ -22,7 +25,7 @@ MAX_LINES = 500
 
 
 def modules(root: pathlib.Path) -> dict[str, pathlib.Path]:
-    """Dotted module name (the package root is `connector`) -> file."""
+    """Dotted module name (the package root is `connector`, or the lab's) -> file."""
     out = {}
     for path in sorted(root.rglob("*.py")):
         parts = path.relative_to(root.parent).with_suffix("").parts
@@ -35,6 +38,7 @@ def imports(name: str, path: pathlib.Path, known: set[str]) -> list[tuple[str, i
     module (`from connector.core import plan` -> connector.core.plan), third-party ones to their top-level name."""
     tree = ast.parse(path.read_text(), filename=str(path))
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    own = name.split(".")[0]
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -48,20 +52,24 @@ def imports(name: str, path: pathlib.Path, known: set[str]) -> list[tuple[str, i
         else:
             continue
         for target in targets:
-            while target not in known and "." in target and target.split(".")[0] == "connector":
+            while target not in known and "." in target and target.split(".")[0] == own:
                 target = target.rpartition(".")[0]
-            out.append((target if target.split(".")[0] == "connector" else target.split(".")[0], node.lineno))
+            out.append((target if target.split(".")[0] == own else target.split(".")[0], node.lineno))
     return out
+
+
+def floors(module: str) -> dict[str, int]:
+    return LAB_FLOORS if module.split(".")[0] == LAB.name else FLOORS
 
 
 def folder(module: str) -> str:
     """`connector.transport.nixl.agent` -> `transport`; the package root -> ''."""
     parts = module.split(".")
-    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in FLOORS) else ""
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in floors(module)) else ""
 
 
 def floor(module: str) -> int:
-    return FLOORS[folder(module)] if folder(module) else TOP
+    return floors(module)[folder(module)] if folder(module) else max(floors(module).values()) + 1
 
 
 def graph(root: pathlib.Path) -> dict[str, list[tuple[str, int]]]:
@@ -73,7 +81,7 @@ def upward_arrows(g: dict[str, list[tuple[str, int]]]) -> list[str]:
     bad = []
     for src, targets in g.items():
         for dst, line in targets:
-            if not dst.startswith("connector") or folder(src) == folder(dst):
+            if dst.split(".")[0] != src.split(".")[0] or folder(src) == folder(dst):
                 continue
             if floor(dst) >= floor(src):  # (different folders: the same floor is a sideways arrow)
                 bad.append(f"{src}:{line} imports {dst} ({folder(src) or 'root'} floor {floor(src)} -> "
@@ -158,9 +166,35 @@ def test_nixl_vllm_torch_and_asyncio_stay_in_their_folders(tree):
 
 
 def test_no_module_over_500_lines():
-    long = {str(p.relative_to(ROOT.parent)): n for p in ROOT.rglob("*.py")
+    long = {str(p.relative_to(ROOT.parent)): n for p in [*ROOT.rglob("*.py"), *LAB.rglob("*.py")]
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"modules over {MAX_LINES} lines: {long}; split them along what they do"
+
+
+# ------------------------------------------------------------------ the lab beside it
+
+
+@pytest.fixture(scope="module")
+def lab() -> dict[str, list[tuple[str, int]]]:
+    return graph(LAB)
+
+
+def lab_imports(g: dict[str, list[tuple[str, int]]]) -> list[str]:
+    """Every import of the lab from connector: none may exist (the CLI finds the lab's commands by name)."""
+    return [f"{src}:{line} imports {dst}" for src, ts in g.items() for dst, line in ts if dst.split(".")[0] == LAB.name]
+
+
+def test_connector_never_imports_the_lab(tree):
+    assert lab_imports(tree) == [], "connector must not import the lab: its wheel does not hold it"
+
+
+def test_the_lab_keeps_its_layers(lab):
+    unknown = sorted({m.split(".")[1] for m in lab if m.count(".") >= 1 and folder(m) not in LAB_FLOORS})
+    assert not unknown, f"lab folders or modules {unknown} have no floor in LAB_FLOORS: put each in a folder with one"
+    assert upward_arrows(lab) == []
+    assert cycles(lab) == []
+    assert misplaced_imports(lab) == []
+    assert any(dst == "connector" for ts in lab.values() for dst, _ in ts), "the lab reads connector"
 
 
 # ------------------------------------------------------------------ the checks catch what they claim to
@@ -176,9 +210,9 @@ def test_the_checks_catch_a_cycle_an_upward_arrow_and_a_misplaced_import(tmp_pat
         "engine/__init__.py": "",
         "engine/e.py": "from . import f\n",
         "engine/f.py": "import nixl\n",
-        "vllm/__init__.py": "from connector.sim import s\n",  # sideways, same floor
-        "sim/__init__.py": "",
-        "sim/s.py": "",
+        "vllm/__init__.py": "from connector.cli import s\n",  # up
+        "cli/__init__.py": "",
+        "cli/s.py": "",
         "protocol/__init__.py": "from connector.engine.e import y\n",  # up
     }
     for rel, text in files.items():
@@ -190,6 +224,21 @@ def test_the_checks_catch_a_cycle_an_upward_arrow_and_a_misplaced_import(tmp_pat
     assert sorted(a.split(" ")[0] for a in upward_arrows(g)) == ["connector.protocol:1", "connector.vllm:1"]
     assert misplaced_imports(g) == ["connector.core.a:1 imports torch; core/ must not",
                                     "connector.engine.f:1 imports nixl, which only connector.transport.nixl may import"]
+
+
+def test_the_checks_catch_an_import_of_the_lab_and_a_sideways_arrow_in_it(tmp_path):
+    files = {
+        "connector/__init__.py": "", "connector/cli/__init__.py": "",
+        "connector/cli/main.py": "def f():\n    from sparse_kv_lab.cli import demo\n",  # connector -> lab
+        "sparse_kv_lab/__init__.py": "", "sparse_kv_lab/sim/__init__.py": "", "sparse_kv_lab/pd/__init__.py": "",
+        "sparse_kv_lab/sim/a.py": "from connector.cli import main\n",  # the lab may import connector
+        "sparse_kv_lab/pd/b.py": "from sparse_kv_lab.sim import a\n",  # sideways, same floor
+    }
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    assert lab_imports(graph(tmp_path / "connector")) == ["connector.cli.main:2 imports sparse_kv_lab"]
+    assert [a.split(" ")[0] for a in upward_arrows(graph(tmp_path / "sparse_kv_lab"))] == ["sparse_kv_lab.pd.b:1"]
 
 
 def test_every_public_exception_is_in_the_one_tree():

@@ -27,7 +27,7 @@ from connector.engine.config import SenderConfig
 from connector.protocol.auth import identity, new_nonce
 from connector.protocol.messages import (HEADER, PROTOCOL_VERSION, Abort, Register, Reject, decode_body,
                                          encode_frame)
-from connector.sim.cluster import Cluster
+from sparse_kv_lab.sim.cluster import Cluster
 from connector.transport.client import connect
 from connector.transport.limits import ServerLimits
 from connector.transport.side_channel import SideChannelConfig
@@ -62,7 +62,7 @@ _tags = itertools.count()
 def prefill(m3, tmp_path_factory):
     """A real prefill process (token set) whose stderr, its log at INFO, goes to a file: (Target, log path).
     Refusals are logged one by one here (a tiny refusal_log_interval_s), so none hides in a summary line."""
-    from connector.sim.env import apply_env
+    from sparse_kv_lab.sim.env import apply_env
 
     apply_env()
     path = tmp_path_factory.mktemp("forging") / "prefill.log"
@@ -91,7 +91,7 @@ def prefill(m3, tmp_path_factory):
 @pytest.fixture(scope="module")
 def mallory(prefill, m3):
     """A token holder's decode rank, in this process (its own NIXL agent)."""
-    from connector.sim.rank import SimRank
+    from sparse_kv_lab.sim.rank import SimRank
 
     target, _path = prefill
     with SimRank(target.cluster.sc.rank_spec("decode", (0, 0), run_id="mallory")) as rank:

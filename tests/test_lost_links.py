@@ -11,7 +11,7 @@ import pytest
 from connector.core.errors import TransferFailed
 from connector.engine.config import ReceiverConfig, SideChannelConfig
 from connector.engine.receiver import RecvSpec
-from connector.sim.buffers import pick_blocks
+from sparse_kv_lab.sim.buffers import pick_blocks
 from tests.helpers import scenario
 
 pytestmark = pytest.mark.slow

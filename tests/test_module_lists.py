@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = sorted(p.parent for p in (ROOT / "connector").rglob("__init__.py"))
+PACKAGES = sorted(p.parent for top in ("connector", "sparse_kv_lab") for p in (ROOT / top).rglob("__init__.py"))
 LINE = re.compile(r"^  ([a-z_][a-z0-9_]*/?) {2,}\S", re.M)
 """A module's line: two spaces, its name (a package with a slash), two spaces or more, what it is."""
 

@@ -34,7 +34,7 @@ def _tool():
 
 @pytest.mark.timeout(60)
 async def test_unloaded_agents_sockets_are_closed_once_the_decode_process_is_gone():
-    from connector.sim.env import apply_env
+    from sparse_kv_lab.sim.env import apply_env
 
     apply_env()  # UCX_NET_DEVICES=lo, before NIXL loads
     import os

@@ -13,8 +13,8 @@ import pytest
 from connector.engine.agents import LoadedAgents
 from connector.engine.config import ReceiverConfig, SideChannelConfig
 from connector.engine.receiver import RecvSpec
-from connector.sim import rank_process
-from connector.sim.buffers import pick_blocks
+from sparse_kv_lab.sim import rank_process
+from sparse_kv_lab.sim.buffers import pick_blocks
 from tests.helpers import log_records, scenario
 
 pytestmark = pytest.mark.slow
@@ -32,7 +32,7 @@ class SlowLoadedAgents(LoadedAgents):
 
 
 def slow_loading_prefill(conn, spec) -> None:
-    """Worker process entry point: connector.sim.rank_process.run with the slow loader."""
+    """Worker process entry point: sparse_kv_lab.sim.rank_process.run with the slow loader."""
     import connector.engine.peers as peers  # noqa: PLC0415
 
     peers.LoadedAgents = SlowLoadedAgents

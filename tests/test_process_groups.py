@@ -1,4 +1,4 @@
-"""connector.pd.servers without vLLM: start_all names the first server that exits while another is still loading
+"""sparse_kv_lab.pd.servers without vLLM: start_all names the first server that exits while another is still loading
 (at once, with its log's tail, not after the other's timeout) and stops the others; a process group is stopped
 whole, children included. The servers here are small python processes standing in for `vllm serve`."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from connector.core.errors import ServerError
-from connector.pd.servers import ProcessGroup, group_members, start_all
+from sparse_kv_lab.pd.servers import ProcessGroup, group_members, start_all
 
 pytestmark = [pytest.mark.timeout(60)]
 
@@ -121,7 +121,7 @@ def test_stop_waits_for_the_group_to_end_by_itself_before_any_sigkill(tmp_path):
 def test_one_rank_engines_run_the_uni_executor_serve_locals_too(tmp_path, tie_to_parent):
     """serve-local's engines (tie_to_parent) are no exception: the EngineDeadError their API servers may log at the
     stop is vLLM's shutdown race, with either executor (VllmServer.one_process_worker)."""
-    from connector.pd.servers import ServerSpec, VllmServer
+    from sparse_kv_lab.pd.servers import ServerSpec, VllmServer
 
     def env(**spec) -> dict[str, str]:
         return VllmServer(ServerSpec("x", tmp_path, 1, **spec), sys.executable, tmp_path,

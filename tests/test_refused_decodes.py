@@ -13,7 +13,7 @@ from connector.core.errors import TransferFailed
 from connector.engine.config import ReceiverConfig, SideChannelConfig
 from connector.engine.receiver import RecvSpec
 from connector.protocol.addressing import PrefillAddress
-from connector.sim.buffers import pick_blocks
+from sparse_kv_lab.sim.buffers import pick_blocks
 from connector.transport.ports import free_ports
 from tests.helpers import make_model, scenario
 

@@ -16,7 +16,7 @@ from connector.core.errors import ControlError, TransferFailed
 from connector.engine.config import ReceiverConfig, SenderConfig, SideChannelConfig
 from connector.engine.receiver import RecvSpec
 from connector.protocol.messages import Abort, Heartbeat, Register, RegisterAck, RegisterError, Reject, Stopped
-from connector.sim.cluster import Cluster
+from sparse_kv_lab.sim.cluster import Cluster
 from connector.transport.control import ControlServer
 from connector.transport.client import connect
 from tests.adversary import TOKEN, TOKENS, WITH_TOKEN, Relay, Target, blocks, guess, make_scenario, send_frames
@@ -35,10 +35,10 @@ after the request is computed and the lease 6-7 s after (test_security_insiders'
 @pytest.fixture(scope="module")
 def target(m3):
     """One real prefill process for the module (token set, 6 s lease), warmed up by one legitimate transfer."""
-    from connector.sim.env import apply_env
+    from sparse_kv_lab.sim.env import apply_env
 
     apply_env()
-    from connector.sim.rank import SimRank
+    from sparse_kv_lab.sim.rank import SimRank
 
     sc = make_scenario(m3, sender_config=TARGET_CONFIG)
     with Cluster(sc, spawn=("prefill",)) as cluster:

@@ -13,7 +13,7 @@ import os
 import pytest
 
 from connector.engine.config import SenderConfig, SideChannelConfig
-from connector.sim.cluster import Cluster
+from sparse_kv_lab.sim.cluster import Cluster
 from connector.transport.control import ControlConnection
 from connector.transport.handshake import client_handshake
 from connector.transport.limits import ServerLimits
@@ -30,8 +30,8 @@ FDS_SLACK = 8
 
 @pytest.fixture(scope="module")
 def target(m3):
-    from connector.sim.env import apply_env
-    from connector.sim.rank import SimRank
+    from sparse_kv_lab.sim.env import apply_env
+    from sparse_kv_lab.sim.rank import SimRank
 
     apply_env()
     limits = ServerLimits(max_connections=SLOTS, max_connections_per_host=PER_HOST)

@@ -22,7 +22,7 @@ from connector.engine.sender_state import Parked
 from connector.protocol.auth import lane_tag
 from connector.protocol.handshake import plan_between
 from connector.protocol.messages import HEADER, PROTOCOL_VERSION, Register, RegisterAck, RegisterError, Reject
-from connector.sim.cluster import Cluster
+from sparse_kv_lab.sim.cluster import Cluster
 from connector.transport.client import connect
 from tests.adversary import TOKEN, TOKENS, WITH_TOKEN, Target, blocks, guess, make_scenario
 from tests.test_security import RSS_SLACK, TARGET_CONFIG, assert_recovered, decode_config, target, transfer  # noqa: F401

@@ -25,7 +25,7 @@ import pytest
 from connector.engine.config import SenderConfig, SideChannelConfig
 from connector.protocol.auth import lane_tag
 from connector.protocol.messages import HEADER, PROTOCOL_VERSION, Reject
-from connector.sim.cluster import Cluster
+from sparse_kv_lab.sim.cluster import Cluster
 from tests.adversary import (ATTACKER_HOST, TOKEN, Flood, Target, guess, hello_frame, make_scenario, open_sockets,
                              send_frames)
 from tests.test_security import (TARGET_CONFIG, assert_recovered, decode_config, target,  # noqa: F401

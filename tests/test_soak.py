@@ -1,4 +1,4 @@
-"""A short soak (connector.sim.soak; tools/soak.py runs it long): a prefill process and a decode process on real
+"""A short soak (sparse_kv_lab.sim.soak; tools/soak.py runs it long): a prefill process and a decode process on real
 NIXL, many small requests back to back, each process sampling itself. Nothing may grow per request: the engines'
 per-transfer tables go back to empty (or stay within their documented bound), the per-transfer objects back to the
 baseline, fds and threads back to the baseline, and RSS grows less than a per-request leak of a few KB would make it.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from connector.sim.soak import SoakPlan, SoakResult, run_soak, slope
+from sparse_kv_lab.sim.soak import SoakPlan, SoakResult, run_soak, slope
 from connector.transport.nixl import TransportConfig
 
 pytestmark = pytest.mark.slow

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from connector.core.hf_config import load_model
-from connector.sim.cluster import Scenario, run_scenario
+from sparse_kv_lab.sim.cluster import Scenario, run_scenario
 from tests.helpers import scenario
 
 pytestmark = pytest.mark.slow

@@ -16,10 +16,10 @@ from connector.engine.config import ReceiverConfig, SenderConfig, SideChannelCon
 from connector.engine.receiver import RecvSpec
 from connector.protocol.addressing import PrefillAddress
 from connector.protocol.messages import Register, RegisterError
-from connector.sim.buffers import pick_blocks
-from connector.sim.cluster import Cluster, Scenario
-from connector.sim.env import apply_env
-from connector.sim.rank import SimRank
+from sparse_kv_lab.sim.buffers import pick_blocks
+from sparse_kv_lab.sim.cluster import Cluster, Scenario
+from sparse_kv_lab.sim.env import apply_env
+from sparse_kv_lab.sim.rank import SimRank
 from connector.transport.client import connect
 from tests.helpers import bare_side_channel, scenario
 

@@ -54,9 +54,9 @@ def test_other_lines_are_not_timelines():
     assert parse_line(LOG_PREFIX + '{"side": "elsewhere"}') is None
 
 
-# ---- bench-pd's breakdown (connector.pd.timelines) -------------------------------------------------------------
+# ---- bench-pd's breakdown (sparse_kv_lab.pd.timelines) -------------------------------------------------------------
 def test_a_request_breaks_down_from_both_engines_lines_and_the_clients_clock(tmp_path):
-    from connector.pd import timelines
+    from sparse_kv_lab.pd import timelines
 
     prefill_log, decode_log = tmp_path / "prefill.log", tmp_path / "decode.log"
     t = 1000.0
@@ -91,7 +91,7 @@ def test_a_request_breaks_down_from_both_engines_lines_and_the_clients_clock(tmp
 def test_bench_pd_reports_ttft_and_its_overhead_per_prompt_length():
     import json
 
-    from connector.pd.bench import ModeResult, dump
+    from sparse_kv_lab.pd.bench import ModeResult, dump
 
     local = ModeResult("local", 4, 4, [10.0, 11.0, 20.0, 21.0], [600, 600, 1500, 1500])
     pd = ModeResult("sparse-concurrent", 4, 4, [12.0, 13.0, 25.0, 26.0], [600, 600, 1500, 1500],
@@ -108,7 +108,7 @@ def test_a_saved_bench_pd_run_prints_the_same_tables_again(tmp_path, capsys):
     import json
 
     from connector.cli.main import main
-    from connector.pd.bench import BenchConfig, ModeResult, dump
+    from sparse_kv_lab.pd.bench import BenchConfig, ModeResult, dump
 
     local = ModeResult("local", 2, 2, [10.0, 20.0], [600, 1500])
     pd = ModeResult("sparse-concurrent", 2, 2, [12.0, 25.0], [600, 1500],

@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 
 from connector.core.errors import TransportError, WriteAbandoned
-from connector.sim.env import ENV_DEFAULTS, apply_env
-from connector.sim.raw_nixl import raw_write
+from sparse_kv_lab.sim.env import ENV_DEFAULTS, apply_env
+from sparse_kv_lab.sim.raw_nixl import raw_write
 from connector.transport.nixl import Transport, TransportConfig, descs_array
 from tests.helpers import KiB, MiB, agent_name, pattern
 

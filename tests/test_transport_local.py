@@ -10,7 +10,7 @@ import pytest
 
 from connector.core.errors import TransportError
 from connector.transport.nixl import Transport, TransportConfig, descs_array
-from connector.sim.env import apply_env
+from sparse_kv_lab.sim.env import apply_env
 from tests.helpers import KiB, agent_name, pattern
 
 apply_env()  # this process hosts agents (NIXL loads with the first one)

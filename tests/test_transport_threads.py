@@ -8,7 +8,7 @@ import os
 import threading
 import time
 
-from connector.sim.env import apply_env
+from sparse_kv_lab.sim.env import apply_env
 from connector.transport.nixl import Transport, TransportConfig
 from tests.helpers import agent_name, cpu_ticks
 

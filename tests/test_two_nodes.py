@@ -1,5 +1,5 @@
 """Prefill and decode on two "nodes": each side's rank processes in a network namespace of their own, a veth pair
-between them, UCX forced onto TCP over it (connector.sim.netns). Every test checks that the veth carried about the
+between them, UCX forced onto TCP over it (sparse_kv_lab.sim.netns). Every test checks that the veth carried about the
 bytes that moved, so none can pass over shared memory. The link is cut, flapped, rate-limited and lossy; ranks are
 killed across it. Real NIXL between real processes, no fakes; skipped (reason printed) without namespaces."""
 
@@ -11,8 +11,8 @@ import time
 import pytest
 
 from connector.engine.config import SideChannelConfig, lost_source_hold_s
-from connector.sim.cluster import Cluster
-from connector.sim.spec import Placement
+from sparse_kv_lab.sim.cluster import Cluster
+from sparse_kv_lab.sim.spec import Placement
 from tests.helpers import scenario
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""What good looks like next to each number of `demo` and `bench` (connector.cli.yardsticks): the share of the
+"""What good looks like next to each number of `demo` and `bench` (sparse_kv_lab.cli.yardsticks): the share of the
 transfer hidden behind compute against raw NIXL's rate on the same bytes, the verdict, and the zeros that are
 expected (bulk mode, late registration, no compute). One small demo end to end prints all of it."""
 
@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from connector.cli.yardsticks import bench_lines, bench_verdict, demo_lines, hidden_pct, with_yardsticks
-from connector.sim.cluster import DemoResult
+from sparse_kv_lab.cli.yardsticks import bench_lines, bench_verdict, demo_lines, hidden_pct, with_yardsticks
+from sparse_kv_lab.sim.cluster import DemoResult
 
 
 def result(**kw) -> DemoResult:

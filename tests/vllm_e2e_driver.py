@@ -18,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator  
 from vllm.v1.engine import FinishReason  # noqa: E402
 
 import connector  # noqa: E402
-from connector.pd.servers import with_trust  # noqa: E402
+from sparse_kv_lab.pd.servers import with_trust  # noqa: E402
 from connector.protocol.auth import new_transfer_secret  # noqa: E402
 from connector.transport.ports import free_ports  # noqa: E402
 from connector.vllm import SparseKVConnector  # noqa: E402

@@ -27,7 +27,7 @@ P_NAME = "prefill"
 
 
 def _mix(x):
-    from connector.sim.buffers import _mix as mix
+    from sparse_kv_lab.sim.buffers import _mix as mix
 
     return mix(x)
 

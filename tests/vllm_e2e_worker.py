@@ -56,7 +56,7 @@ class _Keep(logging.Handler):
 
 
 def token_keys(positions, prompt_ids: list[int]):
-    """The per-token key fed to connector.sim.buffers.content: position, salted with the prompt token id there
+    """The per-token key fed to sparse_kv_lab.sim.buffers.content: position, salted with the prompt token id there
     (positions past the prompt -- generated tokens -- use the position alone). Two requests share bytes at a
     position only if they share the token there, so a block that lands in the wrong request is caught too."""
     import torch
@@ -73,7 +73,7 @@ def expected(pool: str, layer: int, keys, heads: tuple[int, int], row_bytes: int
     """uint8 [T, heads, row_bytes]: the bytes (pool, global layer, token key, global head) must hold."""
     import torch
 
-    from connector.sim.buffers import content
+    from sparse_kv_lab.sim.buffers import content
 
     return content(pool, layer, keys, heads, 1, row_bytes, torch.device("cpu"))[:, 0]
 
@@ -311,7 +311,7 @@ def _shutdown_connector() -> None:
 def main(conn: Any, log_level: int = logging.WARNING) -> None:
     """Process entry point: answer the driver's commands until ("quit",). Every answer is ("ok", ...) or
     ("error", traceback): a failure is reported, never a silent hang."""
-    from connector.sim.env import apply_env
+    from sparse_kv_lab.sim.env import apply_env
 
     apply_env()  # UCX on loopback, NIXL log level, huge pages: before NIXL is loaded
     logging.basicConfig(level=log_level, stream=sys.stderr,

@@ -35,7 +35,7 @@ import types
 from collections.abc import Sequence
 from typing import Any
 
-from connector.pd.servers import with_trust
+from sparse_kv_lab.pd.servers import with_trust
 
 try:
     import torch

@@ -1,6 +1,6 @@
 """Measure how long each side takes to give a request up when the link between prefill and decode is cut mid-WRITE.
 
-Prefill runs in one network namespace, decode in another, a veth pair between them (connector.sim.netns), UCX over
+Prefill runs in one network namespace, decode in another, a veth pair between them (sparse_kv_lab.sim.netns), UCX over
 TCP. The link is slowed (tbf) so the request is still on the wire, then cut on one side and left down. Printed, as
 one JSON line: when prefill handed the request's blocks back (its WRITE failed, nothing reads them any more) and
 when decode failed the transfer (after it made sure nothing more lands), both in seconds after the cut.
@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from connector.core.hf_config import load_model  # noqa: E402
 from connector.core.layout import ParallelLayout  # noqa: E402
 from connector.engine.config import SideChannelConfig  # noqa: E402
-from connector.sim import netns  # noqa: E402
-from connector.sim.cluster import Cluster, Scenario  # noqa: E402
-from connector.sim.spec import Placement  # noqa: E402
+from sparse_kv_lab.sim import netns  # noqa: E402
+from sparse_kv_lab.sim.cluster import Cluster, Scenario  # noqa: E402
+from sparse_kv_lab.sim.spec import Placement  # noqa: E402
 
 
 def measure(args: argparse.Namespace, net: netns.TwoNodes) -> dict:

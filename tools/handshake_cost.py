@@ -23,15 +23,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from connector.sim.env import apply_env  # noqa: E402
+from sparse_kv_lab.sim.env import apply_env  # noqa: E402
 
 apply_env()  # before NIXL sees the environment
 
 from connector.core.hf_config import load_model  # noqa: E402
 from connector.engine.config import ReceiverConfig, SenderConfig  # noqa: E402
 from connector.protocol.auth import engine_public_key, new_engine_key  # noqa: E402
-from connector.sim.cluster import Cluster  # noqa: E402
-from connector.sim.rank import SimRank  # noqa: E402
+from sparse_kv_lab.sim.cluster import Cluster  # noqa: E402
+from sparse_kv_lab.sim.rank import SimRank  # noqa: E402
 from connector.transport.client import connect  # noqa: E402
 from connector.transport.side_channel import SideChannelConfig  # noqa: E402
 from tests.adversary import TOKEN, Target, make_scenario  # noqa: E402

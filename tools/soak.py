@@ -1,4 +1,4 @@
-"""Soak the connector between two OS processes on real NIXL (connector.sim.soak): many small requests back to back,
+"""Soak the connector between two OS processes on real NIXL (sparse_kv_lab.sim.soak): many small requests back to back,
 sampling RSS, fds, threads, live objects and the engines' tables in both processes, to show nothing grows per
 request. One JSON line per sample on stdout (and in --out), then one summary line: per side the baseline (the first
 sample after the warm-up) and the last sample, the change of each metric and its slope per 10,000 requests, the
@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from connector.sim.soak import SoakPlan, run_soak, summarize  # noqa: E402
+from sparse_kv_lab.sim.soak import SoakPlan, run_soak, summarize  # noqa: E402
 
 
 def main() -> int:

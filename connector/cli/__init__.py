@@ -1,12 +1,8 @@
 """`python -m connector ...` and the `sparse-kv-connector` script: a thin argparse front end.
 
-  main            the subcommands and their dispatch
+  main            the subcommands and their dispatch (demo, bench, bench-pd, serve-local: the lab's, by name)
   args            arguments every subcommand shares, and a side's layout parsed
   checks          command-line input checks in one place (ranges, one-line parse errors)
-  demo            `demo` and `bench` over the simulated ranks (connector.sim)
-  yardsticks      what good looks like next to each number demo and bench print, and their verdicts
-  bench_pd        `bench-pd`: argument checks and output for connector.pd.bench
-  serve_local     `serve-local`: a prefill, a decode and a router on this machine (connector.pd.local)
   doctor          `doctor`: what would break a pair, checked before traffic
   doctor_net      doctor's network half: the side-channel address and ports, the engines' HTTP servers
   doctor_proc     doctor's process half: which process serves each engine URL, and its UCX environment

@@ -3,16 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import os
-import re
-from typing import Any
 
 from connector.cli.checks import MAX_RANKS, check_ranks
 from connector.core.errors import CliError, LayoutError
 from connector.core.layout import ModelLayout, ParallelLayout, check_tp
-
-NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
-"""A host, namespace, interface or UCX transport name: no spaces, slashes or shell characters."""
 
 
 def parse_side(text: str, model: ModelLayout, flag: str, most: int = MAX_RANKS) -> ParallelLayout:
@@ -47,32 +41,3 @@ def add_common(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                      help="vLLM's --kv-cache-dtype: fp8 halves the main KV cache (and DeepSeek's indexer keys)")
     sub.add_argument("--json", action="store_true", help="print one JSON object instead of the readable summary")
-
-
-def parse_node(text: str | None, flag: str) -> Any:
-    """`host=H[,netns=N][,dev=D][,tls=T]` -> where one side's ranks run. `netns`: a network namespace they enter
-    (`ip netns add`); `dev`: the interface UCX uses (UCX_NET_DEVICES); `tls`: UCX_TLS, `tcp` by default once
-    `netns` or `dev` is given (otherwise UCX moves the bytes through shared memory, network or not). Returns a
-    connector.sim.spec.Placement (imported here: `plan` loads nothing of the transport stack)."""
-    from connector.sim.spec import LOOPBACK, Placement  # noqa: PLC0415
-
-    if not text:
-        return Placement()
-    fields: dict[str, str] = {}
-    for item in text.split(","):
-        key, sep, value = item.partition("=")
-        key, value = key.strip(), value.strip()
-        if not sep or key not in ("host", "netns", "dev", "tls") or not value:
-            raise CliError(f"{flag} {text!r}: expected host=H[,netns=N][,dev=D][,tls=T], got {item!r}")
-        if key in fields:
-            raise CliError(f"{flag} {text!r}: {key} is given twice: give it once")
-        if not NAME.fullmatch(value):
-            raise CliError(f"{flag} {key}={value!r}: use letters, digits and . _ : - only (at most 64)")
-        fields[key] = value
-    if "netns" in fields and not os.path.exists(f"/run/netns/{fields['netns']}"):
-        raise CliError(f"{flag} netns={fields['netns']}: no such network namespace: create it "
-                       f"(`ip netns add {fields['netns']}`, see connector/sim/netns.py) or drop netns")
-    env = [("UCX_NET_DEVICES", fields["dev"])] if "dev" in fields else []
-    tls = fields.get("tls", "tcp" if env or "netns" in fields else "")
-    env += [("UCX_TLS", tls)] if tls else []
-    return Placement(fields.get("host", LOOPBACK), fields.get("netns"), tuple(env))

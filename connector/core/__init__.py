@@ -11,7 +11,6 @@ exception the package raises.
   checksums       the end-to-end digest of what a transfer filled (`kv_checksum`)
   untrusted       a peer's text as it may appear in a log line (escaped, bounded)
   errors          every exception, one root, two branches
-  compute         how long prefill computes a prompt, for the bench
 
 Nothing here does I/O beyond reading a config.json, and nothing imports torch, asyncio, nixl or vllm
 (tests/test_layers.py holds this; tests/test_module_lists.py holds this list). Every layer above builds on these

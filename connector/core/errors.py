@@ -18,7 +18,7 @@
           WriteAbandoned     a WRITE given up on while NIXL still runs it (its memory is in use until `settled`)
         StagedWriteError   a staged chunk that did not land
         TransferFailed     a transfer decode gives up on (which prefill rank, and why)
-        ServerError        a `vllm serve` process (connector.pd) that would not start or died
+        ServerError        a `vllm serve` process (sparse_kv_lab.pd) that would not start or died
         RequestFailed      an HTTP request to such a server that was answered with an error
       PlanError          a plan that breaks an invariant: a bug here, not bad input
 

@@ -1,6 +1,6 @@
 """Per-request timelines: when each stage of a transfer happened, on each side, from timestamps the connector takes
 anyway or at the cost of a `time.time()` call. Wall-clock seconds (time.time()), so the points of two engines on one
-machine (or on NTP-synchronised nodes) line up: `bench-pd` joins them by transfer id (connector.pd.timelines).
+machine (or on NTP-synchronised nodes) line up: `bench-pd` joins them by transfer id (sparse_kv_lab.pd.timelines).
 
 The stages, in order (README, "Where TTFT goes"):
 
@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 LOG_PREFIX = "SparseKV timeline "
-"""How a timeline log line starts (then one JSON object): what connector.pd.timelines parses."""
+"""How a timeline log line starts (then one JSON object): what sparse_kv_lab.pd.timelines parses."""
 
 STAGES = {
     # name: (side, from point, to point, what it is)

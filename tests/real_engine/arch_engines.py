@@ -15,8 +15,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from connector.pd.client import complete, completion_body
-from connector.pd.servers import ServerSpec, VllmServer, sparse_kv_config, start_all
+from sparse_kv_lab.pd.client import complete, completion_body
+from sparse_kv_lab.pd.servers import ServerSpec, VllmServer, sparse_kv_config, start_all
 from connector.transport.ports import free_ports
 from tests.other_models import GPT_NEOX, PHI3, SLIDING, TinyArch
 from tests.real_engine.conftest import MACHINE_STALL_S, STARVED_SIDE_CHANNEL, Prefill

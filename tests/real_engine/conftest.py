@@ -4,7 +4,7 @@ pool's servers start in parallel when the first test that needs it runs, serve e
 ended by PID before the next pool starts, so only one pool holds the machine's memory at a time (a pool of six or
 seven servers takes most of 24 GiB). The tests run grouped by pool (pytest_collection_modifyitems).
 
-The model is a tiny Llama with seeded random weights (connector.pd.model) in float32, so reductions in another
+The model is a tiny Llama with seeded random weights (sparse_kv_lab.pd.model) in float32, so reductions in another
 order (TP sizes, chunk boundaries, batches) do not flip a greedy token: the tests compare token ids exactly.
 The single-engine reference is the decode engine itself, asked without kv_transfer_params and with a fresh
 `cache_salt`, so it neither reuses nor leaves prefix-cache blocks that a PD request could hit."""
@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pytest
 
-from connector.pd.client import complete, completion_body
-from connector.pd.model import TinyLlama
-from connector.pd.servers import ServerSpec, VllmServer, sparse_kv_config, start_all
+from sparse_kv_lab.pd.client import complete, completion_body
+from sparse_kv_lab.pd.model import TinyLlama
+from sparse_kv_lab.pd.servers import ServerSpec, VllmServer, sparse_kv_config, start_all
 from connector.transport.ports import free_ports
 from tests.conftest import restore_vllm_env
 from tests.helpers import cpu_ticks
@@ -298,7 +298,7 @@ START_ATTEMPTS = 2
 """Starts of a pool before its tests fail: an engine that does not come up on a shared 2-core CI machine once (a
 start that failed there once, in vLLM's engine core, passed on every other run and alone) is started again from
 fresh ports and a fresh log directory. The failure is not hidden: it is a warning in the test summary, with the
-engine's first traceback (connector.pd.servers.ProcessGroup.log_excerpt)."""
+engine's first traceback (sparse_kv_lab.pd.servers.ProcessGroup.log_excerpt)."""
 
 
 class Pools:

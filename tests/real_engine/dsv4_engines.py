@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from connector.pd.servers import ServerSpec, VllmServer, sparse_kv_config, start_all
+from sparse_kv_lab.pd.servers import ServerSpec, VllmServer, sparse_kv_config, start_all
 from connector.transport.ports import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from connector.pd.timelines import COLUMNS
+from sparse_kv_lab.pd.timelines import COLUMNS
 from tests.real_engine.conftest import ROOT, engine_python
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(900)]
@@ -29,7 +29,7 @@ def test_bench_pd_runs_every_flow_token_equal(tmp_path):
     for name, m in modes.items():
         assert (m["requests"], m["token_equal"]) == (2, 2), name
         assert len(m["ttft_ms"]) == 2 and m["p50_ms"] > 0, name
-    # the breakdown of each SparseKVConnector request, from both engines' timeline lines (connector.pd.timelines):
+    # the breakdown of each SparseKVConnector request, from both engines' timeline lines (sparse_kv_lab.pd.timelines):
     # every stage of every prompt length, each request's stages adding up to no more than its TTFT
     for name in ("sparse-concurrent", "sparse-sequential"):
         by_len = modes[name]["breakdown"]

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import pytest
 
-from connector.pd import flows
-from connector.pd.client import complete, completion_body, prompt_ids
+from sparse_kv_lab.pd import flows
+from sparse_kv_lab.pd.client import complete, completion_body, prompt_ids
 from tests.real_engine.conftest import CHUNK_TOKENS, MID_BLOCK_TOKENS, SMALL_BLOCK_TOKENS, fresh_salt
 from tests.real_engine.test_real_pd import BLOCK_TOKENS, BYTES_PER_TOKEN, counters, wait_for
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from connector.pd.client import RequestFailed, complete, completion_body, prompt_ids
-from connector.pd.servers import VllmServer
+from sparse_kv_lab.pd.client import RequestFailed, complete, completion_body, prompt_ids
+from sparse_kv_lab.pd.servers import VllmServer
 from tests.real_engine.arch_engines import DP_SIZE
 from tests.real_engine.conftest import MACHINE_STALL_S, Proxy, RouterPool, fresh_salt
 from tests.real_engine.test_real_pd import wait_for

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from connector.pd.model import TinyLlama
-from connector.pd.servers import CPU_ENGINE_ENV, ServerSpec, sparse_kv_config
+from sparse_kv_lab.pd.model import TinyLlama
+from sparse_kv_lab.pd.servers import CPU_ENGINE_ENV, ServerSpec, sparse_kv_config
 from connector.transport.ports import free_ports
 from tests.conftest import restore_vllm_env
 from tests.real_engine.conftest import MACHINE_STALL_S, engine_python

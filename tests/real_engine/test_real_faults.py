@@ -14,9 +14,9 @@ import time
 
 import pytest
 
-from connector.pd import flows
-from connector.pd.client import RequestFailed, complete, completion_body, prompt_ids
-from connector.pd.servers import metric
+from sparse_kv_lab.pd import flows
+from sparse_kv_lab.pd.client import RequestFailed, complete, completion_body, prompt_ids
+from sparse_kv_lab.pd.servers import metric
 from tests.real_engine.conftest import MAIN_LEASE_S, SPARE_CHUNK_TOKENS, SPARE_LEASE_S, fresh_salt
 from tests.real_engine.test_real_pd import wait_for
 

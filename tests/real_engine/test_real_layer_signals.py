@@ -9,8 +9,8 @@ import math
 
 import pytest
 
-from connector.pd.client import complete, completion_body, prompt_ids
-from connector.pd.model import TinyLlama
+from sparse_kv_lab.pd.client import complete, completion_body, prompt_ids
+from sparse_kv_lab.pd.model import TinyLlama
 from tests.real_engine.conftest import CHUNK_TOKENS, fresh_salt
 from tests.real_engine.test_real_pd import counters, wait_for
 

@@ -10,8 +10,8 @@ import math
 
 import pytest
 
-from connector.pd import flows
-from connector.pd.client import prompt_ids
+from sparse_kv_lab.pd import flows
+from sparse_kv_lab.pd.client import prompt_ids
 from tests.real_engine.arch_engines import ARCHS, DP_SIZE
 from tests.real_engine.test_real_pd import counters, wait_for
 from tests.real_engine.test_real_sparse import changed, salt

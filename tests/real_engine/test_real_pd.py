@@ -12,9 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from connector.pd import flows
-from connector.pd.client import complete, completion_body, prompt_ids
-from connector.pd.servers import metric
+from sparse_kv_lab.pd import flows
+from sparse_kv_lab.pd.client import complete, completion_body, prompt_ids
+from sparse_kv_lab.pd.servers import metric
 from tests.real_engine.conftest import CHUNK_TOKENS, MACHINE_STALL_S, fresh_salt
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(900)]

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from connector.pd.client import complete
-from connector.pd.servers import group_members
+from sparse_kv_lab.pd.client import complete
+from sparse_kv_lab.pd.servers import group_members
 from connector.transport.ports import free_ports
 from tests.real_engine.conftest import ROOT, engine_python
 
@@ -79,7 +79,7 @@ VLLM_STARTUP_NOTICES = (
     ("serving.py", "The chat template requires system-first ordering"),
     # On a CPU with AVX-512 BF16 (vllm/platforms/cpu.py, whatever the model: the tiny Llama has no SSM state).
     ("cpu.py", "Reset SSM cache type to float32"),
-    # The API server of a one-rank engine (VLLM_ENABLE_V1_MULTIPROCESSING=0, connector.pd.servers'
+    # The API server of a one-rank engine (VLLM_ENABLE_V1_MULTIPROCESSING=0, sparse_kv_lab.pd.servers'
     # one_process_worker): about an in-process engine seeding its launcher's RNG; the API server's engine core runs
     # in a process of its own all the same.
     ("arg_utils.py", "The global random seed is set to"),
@@ -214,7 +214,7 @@ def test_serve_local_answers_token_equal_and_sigterm_leaves_nothing(tmp_path):
     assert all(port_free(p) for p in ports), {p: port_free(p) for p in ports}
     # Each API server ran its own shutdown and stopped its engine core (no core died before it was told to). The one
     # ERROR allowed is vLLM's shutdown race, AsyncLLM's output handler logging EngineDeadError for the engine core it
-    # just stopped (connector.pd.servers, VllmServer.one_process_worker).
+    # just stopped (sparse_kv_lab.pd.servers, VllmServer.one_process_worker).
     for log_path in (tmp_path / "logs").glob("*.log"):
         if log_path.name.startswith("router"):
             continue

@@ -13,8 +13,8 @@ import uuid
 
 import pytest
 
-from connector.pd import flows
-from connector.pd.client import complete, completion_body, prompt_ids
+from sparse_kv_lab.pd import flows
+from sparse_kv_lab.pd.client import complete, completion_body, prompt_ids
 from tests.real_engine.sparse_engines import CHUNK_TOKENS
 from tests.real_engine.test_real_pd import VLLM_LINE, counters, wait_for
 from tests.sparse_model.checkpoint import TinySparseM3

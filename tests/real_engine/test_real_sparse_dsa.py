@@ -9,8 +9,8 @@ import uuid
 
 import pytest
 
-from connector.pd import flows
-from connector.pd.client import prompt_ids
+from sparse_kv_lab.pd import flows
+from sparse_kv_lab.pd.client import prompt_ids
 from tests.real_engine.test_real_sparse import changed, pd_with_metrics, salt
 from tests.sparse_model.checkpoint import TinySparseDsa
 from tests.sparse_model.indexer_fp8 import row_bytes

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-from connector.pd import flows
-from connector.pd.client import prompt_ids
+from sparse_kv_lab.pd import flows
+from sparse_kv_lab.pd.client import prompt_ids
 from tests.real_engine.test_real_sparse import changed, expected_pool_bytes, pd_with_metrics, salt
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.timeout(900)]

@@ -28,9 +28,9 @@ from functools import partial
 import pytest
 
 from connector.core.errors import ServerError
-from connector.pd import flows
-from connector.pd.client import complete, completion_body, prompt_ids
-from connector.pd.servers import metric
+from sparse_kv_lab.pd import flows
+from sparse_kv_lab.pd.client import complete, completion_body, prompt_ids
+from sparse_kv_lab.pd.servers import metric
 from tests.real_engine.test_real_pd import counters, wait_for
 from tests.real_engine.zoo_engines import ZooPdPool
 from tests.sparse_model.zoo.checkpoint import SUFFIXES, ZOO_MODELS, TinyMamba2
@@ -114,7 +114,7 @@ def flush(prefill) -> None:  # noqa: ANN001 - a Prefill
 
 
 def pd_with_cache_bytes(pool: ZooPdPool, prefill, prompt: list[int], flow: str):  # noqa: ANN001, ANN201
-    """One PD request (`flow`: "concurrent" or "sequential", connector.pd.flows); (completion, bytes sent per cache,
+    """One PD request (`flow`: "concurrent" or "sequential", sparse_kv_lab.pd.flows); (completion, bytes sent per cache,
     bytes received per cache) once both engines' counters show it done (a PP prefill flushed: PP_HOLD)."""
     decode, pp = pool.decode, prefill.server.spec.pp > 1
     sent0, recv0 = counters(prefill.server, "sends_ok"), counters(decode, "recvs_ok")

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from connector.pd.client import complete, completion_body, prompt_ids
-from connector.pd.servers import ServerSpec, VllmServer, metric, start_all
+from sparse_kv_lab.pd.client import complete, completion_body, prompt_ids
+from sparse_kv_lab.pd.servers import ServerSpec, VllmServer, metric, start_all
 from connector.transport.ports import free_ports
 from tests.real_engine.conftest import MACHINE_STALL_S
 from tests.sparse_model.plugin import write_entry_point

@@ -19,8 +19,8 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-from connector.pd.client import complete, completion_body
-from connector.pd.servers import ServerSpec, VllmServer, sparse_kv_config, start_all
+from sparse_kv_lab.pd.client import complete, completion_body
+from sparse_kv_lab.pd.servers import ServerSpec, VllmServer, sparse_kv_config, start_all
 from connector.transport.ports import free_ports
 from tests.real_engine.conftest import MACHINE_STALL_S, PP_COMPILATION, STARVED_SIDE_CHANNEL, Prefill
 from tests.real_engine.sparse_engines import DECODE_CPUS, PREFILL_CPUS

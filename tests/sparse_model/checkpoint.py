@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from connector.pd.model import TinyLlama
+from sparse_kv_lab.pd.model import TinyLlama
 
 M3_ARCH = "TinySparseM3ForCausalLM"
 DSA_ARCH = "TinySparseDsaForCausalLM"

@@ -161,7 +161,7 @@ class Transport:
 
     @property
     def agent(self) -> Any:
-        """The raw `nixl_agent` (the bench's raw-NIXL baseline, connector.sim.raw_nixl). Do not add or remove peers
+        """The raw `nixl_agent` (the bench's raw-NIXL baseline, sparse_kv_lab.sim.raw_nixl). Do not add or remove peers
         or register memory through it."""
         return self._live_agent()
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from connector.pd.model import CONFIG_NAME, WEIGHTS_NAME, TinyLlama
+from sparse_kv_lab.pd.model import CONFIG_NAME, WEIGHTS_NAME, TinyLlama
 from tests.sparse_model.zoo.kernels import KINDS, ZooDims
 
 ZOO_ARCH = "TinyZooForCausalLM"

@@ -10,6 +10,7 @@ is simulated (deterministic cache content written layer by layer, then verified 
   netns         two "nodes" on one machine: network namespaces, a veth pair, entering one from a fresh process
   bench         raw NIXL vs connector bulk vs connector stream
   raw_nixl      the bench's baseline: a descriptor list as one plain, blocking NIXL WRITE
+  compute       how long prefill computes a prompt, for the bench
   costs         what the connector costs the forward: the hook's wall and CPU, the compute's stretch, threads' CPU
   plot          the bench's per-layer timeline plot (`bench --plot FILE.png`)
   soak          many small requests back to back between two processes, sampled as they go (tools/soak.py)

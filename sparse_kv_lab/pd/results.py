@@ -1,8 +1,8 @@
 """`bench-pd`'s results and how they are printed: the per-mode record, the tables, the JSON a run saves and reads
 back (`--json`, `--report`).
 
-A run that interleaved its modes (connector.pd.bench) keeps, for every other mode, the local engine's TTFT of the
-same rounds (`local_ms`), so its overhead is the median of per-round differences (connector.pd.interleave) and the
+A run that interleaved its modes (sparse_kv_lab.pd.bench) keeps, for every other mode, the local engine's TTFT of the
+same rounds (`local_ms`), so its overhead is the median of per-round differences (sparse_kv_lab.pd.interleave) and the
 table says when that is within the run's noise. A run saved before interleaving has no `local_ms`: its overhead is
 then the difference of the two p50s, as it was printed then, and the table says it is unpaired."""
 
@@ -15,9 +15,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from connector.pd import interleave, timelines
-from connector.pd.interleave import Spread
-from connector.pd.timelines import percentile
+from sparse_kv_lab.pd import interleave, timelines
+from sparse_kv_lab.pd.interleave import Spread
+from sparse_kv_lab.pd.timelines import percentile
 
 @dataclass
 class ModeResult:
@@ -29,7 +29,7 @@ class ModeResult:
     """The prompt length of each `ttft_ms` sample."""
     breakdown: dict[int, dict[str, tuple[float, float, int]]] = field(default_factory=dict)
     """SparseKVConnector modes: prompt tokens -> stage -> (p50 ms, p99 ms, requests), from both engines' timeline
-    lines (connector.pd.timelines)."""
+    lines (sparse_kv_lab.pd.timelines)."""
     kv_bytes_per_request: float | None = None
     """SparseKVConnector modes: bytes prefill wrote per measured request (its `bytes_sent` counter)."""
     sent_during_compute: float | None = None

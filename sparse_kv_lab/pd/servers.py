@@ -116,7 +116,7 @@ class ServerSpec:
     cores stands in for separate nodes on one machine: a decode engine spins a core while it waits for KV (vLLM's
     shared-memory ring polls for a second after each read), which must not be the core prefill computes on."""
     tokenizer: bool = False
-    """Load the model folder's tokenizer (connector.pd.model writes one): text prompts work and answers carry text.
+    """Load the model folder's tokenizer (sparse_kv_lab.pd.model writes one): text prompts work and answers carry text.
     False: `--skip-tokenizer-init`, prompts are token ids (what the token-equality tests send)."""
 
     def command(self, python: str) -> list[str]:

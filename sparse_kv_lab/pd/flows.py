@@ -17,7 +17,7 @@ import time
 import uuid
 from typing import Any
 
-from connector.pd.client import Completion, complete, completion_body
+from sparse_kv_lab.pd.client import Completion, complete, completion_body
 from connector.protocol.auth import new_transfer_secret
 
 PREFILL_LEG = {"max_tokens": 1, "stream": False}

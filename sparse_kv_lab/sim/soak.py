@@ -8,12 +8,12 @@ short). Two kinds of run:
                   every `restart_every`-th time it restarts instead (a new NIXL agent and engine id, as a decode
                   instance that came back)
 
-Each side samples itself (connector.sim.soak_probe) every `sample_every` requests: RSS, fds, threads, live objects,
+Each side samples itself (sparse_kv_lab.sim.soak_probe) every `sample_every` requests: RSS, fds, threads, live objects,
 the engine's per-transfer tables. `summarize` compares the baseline (the first sample at or after `warmup`) with the
 last: deltas, and least-squares slopes per 10,000 requests. Decode checks every transfer's byte count and, every
 `verify_every` requests, its bytes against the pattern prefill wrote; failures are counted, never raised mid-run.
 
-This module stays light (no torch, no NIXL at import): the parent imports it; the workers are connector.sim.soak_side.
+This module stays light (no torch, no NIXL at import): the parent imports it; the workers are sparse_kv_lab.sim.soak_side.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from typing import Any, Callable
 from connector.core.hf_config import model_from_config
 from connector.core.layout import ModelLayout, ParallelLayout, blocks_for
 from connector.engine.config import SideChannelConfig
-from connector.sim.env import apply_env
-from connector.sim.spec import RankSpec
+from sparse_kv_lab.sim.env import apply_env
+from sparse_kv_lab.sim.spec import RankSpec
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ def run_soak(plan: SoakPlan, on_sample: Callable[[dict[str, Any]], None] = lambd
     if blocks_for(plan.tokens, plan.block_size) > plan.num_blocks:
         raise ValueError(f"num_blocks={plan.num_blocks} cannot hold {plan.tokens} tokens")
     ctx = mp.get_context("spawn")
-    from connector.sim import soak_side  # noqa: PLC0415 - light at import, like rank_process
+    from sparse_kv_lab.sim import soak_side  # noqa: PLC0415 - light at import, like rank_process
 
     procs: dict[str, tuple[Any, Any]] = {}
     result = SoakResult(plan)

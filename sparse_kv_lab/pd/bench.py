@@ -11,15 +11,15 @@ Modes:
 Why the modes are interleaved: run one after another, whatever the machine did between them was reported as a
 mode's cost (the same local engine took 2,964 ms and 3,307 ms for 3,000 tokens in two runs minutes apart). So every
 mode's servers start up front and the bench goes round by round: each round asks every mode once, the same prompt,
-in the order of a balanced Latin square (connector.pd.interleave), and a mode's overhead is the median of its
-per-round differences against `local` (connector.pd.results prints it with its spread, and says when it is within
+in the order of a balanced Latin square (sparse_kv_lab.pd.interleave), and a mode's overhead is the median of its
+per-round differences against `local` (sparse_kv_lab.pd.results prints it with its spread, and says when it is within
 the run's noise).
 
 What runs at once, and why that fits: an idle vLLM engine sleeps (its engine core blocks on its input queue), so
 resident engines of other modes cost memory, not time. The two SparseKVConnector modes share one prefill/decode
 pair (same engines, only the client's flow differs), so all five modes are seven engines, about 1.5 GiB each with
 the tiny/deep models: they fit the 2-core 24 GiB machine together. Where they would not (`max_engines`, by default
-what MemAvailable holds at ENGINE_BYTES each), the modes run in batches (connector.pd.interleave.plan_batches):
+what MemAvailable holds at ENGINE_BYTES each), the modes run in batches (sparse_kv_lab.pd.interleave.plan_batches):
 `local` stays up through all of them and each batch interleaves its modes with it, so every overhead is still
 paired; only the other modes' engines restart, once per batch. `nixl` as shipped is the exception to "idle engines
 sleep": its agents spin a core each whenever they exist, which would slow every other mode. Its two process groups
@@ -45,11 +45,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from connector.pd import flows, interleave, timelines
-from connector.pd.client import Completion, prompt_ids
-from connector.pd.model import bench_model, sparse_plugin_env
-from connector.pd.results import ModeResult, dump, from_json, table, to_json
-from connector.pd.servers import ServerSpec, VllmServer, metric, sparse_kv_config, start_all
+from sparse_kv_lab.pd import flows, interleave, timelines
+from sparse_kv_lab.pd.client import Completion, prompt_ids
+from sparse_kv_lab.pd.model import bench_model, sparse_plugin_env
+from sparse_kv_lab.pd.results import ModeResult, dump, from_json, table, to_json
+from sparse_kv_lab.pd.servers import ServerSpec, VllmServer, metric, sparse_kv_config, start_all
 from connector.transport.ports import free_ports
 
 __all__ = ["MODES", "BenchConfig", "ModeResult", "PdBench", "dump", "from_json", "table", "to_json"]
@@ -78,7 +78,7 @@ class BenchConfig:
     work_dir: Path | None = None
     pin: bool = True
     model: str = "tiny"
-    """A name in connector.pd.model.MODELS."""
+    """A name in sparse_kv_lab.pd.model.MODELS."""
     max_model_len: int = 4096
     max_engines: int | None = None
     """Engines that may run at once (None: what MemAvailable holds at ENGINE_BYTES each)."""

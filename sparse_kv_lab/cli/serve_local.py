@@ -13,7 +13,7 @@ from typing import Any
 
 from connector.cli.checks import float_in, int_in
 from connector.core.errors import CliError, PeerError
-from connector.pd.local import FLOWS, ROOT, LocalConfig, LocalPair
+from sparse_kv_lab.pd.local import FLOWS, ROOT, LocalConfig, LocalPair
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 """Besides SIGINT (Ctrl-C, KeyboardInterrupt): what a script, systemd or a closed terminal sends."""

@@ -1,12 +1,12 @@
 """Worker processes of the demo and bench: one per prefill rank and one per decode rank.
 
-Each is a SimRank (connector.sim.rank: the process's one event loop, a NIXL transport, the simulated cache, the
+Each is a SimRank (sparse_kv_lab.sim.rank: the process's one event loop, a NIXL transport, the simulated cache, the
 engine) that takes commands from the parent on a pipe in its main thread, which also plays the model: it "computes"
 layers by writing deterministic content into the simulated cache and calls the engine's hooks exactly as the vLLM
 adapter does.
 
 This module stays light (no torch, no NIXL at import): the parent imports it to spawn workers, and a worker must set
-its environment (connector.sim.env) before those load.
+its environment (sparse_kv_lab.sim.env) before those load.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from typing import Any
 
 from connector.core.layout import blocks_for
 from connector.core.plan import Rank
-from connector.sim import netns
-from connector.sim.env import apply_env
-from connector.sim.spec import RankSpec
+from sparse_kv_lab.sim import netns
+from sparse_kv_lab.sim.env import apply_env
+from sparse_kv_lab.sim.spec import RankSpec
 
 
 def run(conn: Any, spec: RankSpec) -> None:
@@ -39,7 +39,7 @@ def run(conn: Any, spec: RankSpec) -> None:
     apply_env(spec.placement.env)
     logging.basicConfig(level=spec.log_level, format=f"%(asctime)s {spec.side}{tuple(spec.rank)} "
                                                      f"%(levelname)s %(name)s: %(message)s")
-    from connector.sim.rank import SimRank  # noqa: PLC0415 - torch and NIXL load only after apply_env()
+    from sparse_kv_lab.sim.rank import SimRank  # noqa: PLC0415 - torch and NIXL load only after apply_env()
 
     try:
         rank = SimRank(spec).open()
@@ -87,7 +87,7 @@ async def _native_id() -> int:
 
 
 def pick_request_blocks(spec: RankSpec, tokens: int, seed: int) -> list[list[int]]:
-    from connector.sim.buffers import pick_blocks  # noqa: PLC0415 - torch
+    from sparse_kv_lab.sim.buffers import pick_blocks  # noqa: PLC0415 - torch
 
     return pick_blocks(tokens, spec.block_size, spec.num_blocks, seed=seed, run_blocks=spec.run_blocks)
 
@@ -106,7 +106,7 @@ class PrefillCommands:
         self._nixl = (0, 0)
         """The transport's (posts, descriptors) when the last request finished: a request's share is the change."""
         self.loop_tid = rank.run(_native_id(), 10)
-        """The event loop thread's native id (connector.sim.costs counts its CPU apart)."""
+        """The event loop thread's native id (sparse_kv_lab.sim.costs counts its CPU apart)."""
 
     def handlers(self) -> dict[str, Any]:
         return {"start": self.start, "chunk": self.chunk, "finish": self.finish, "raw": self.raw, "state": self.state,
@@ -114,7 +114,7 @@ class PrefillCommands:
 
     def idle(self, seconds: float) -> tuple:
         """The CPU this process's threads use over `seconds` with nothing to do (the baseline of `chunk`'s)."""
-        from connector.sim.costs import CpuWindow  # noqa: PLC0415
+        from sparse_kv_lab.sim.costs import CpuWindow  # noqa: PLC0415
 
         with CpuWindow(self.loop_tid) as window:
             time.sleep(seconds)
@@ -152,12 +152,12 @@ class PrefillCommands:
     def chunk(self, tid: str, t0: int, t1: int, layer_ms: float, mode: str, hook_layers: str,
               fill_ahead: bool = False) -> tuple:
         """Compute layers (fill them, then sleep out the rest of `layer_ms`) and call the hooks as vLLM does. The
-        reply's last item says what the connector cost this thread and the process (connector.sim.costs).
+        reply's last item says what the connector cost this thread and the process (sparse_kv_lab.sim.costs).
         `fill_ahead`: write every layer's content before the compute starts, so a layer's compute is `layer_ms` of
         sleep alone (a GPU forward: the device computes, the thread waits) and any stretch is the connector's."""
         import torch  # noqa: PLC0415 - loaded already (SimRank)
 
-        from connector.sim.costs import CpuWindow, HookCosts  # noqa: PLC0415
+        from sparse_kv_lab.sim.costs import CpuWindow, HookCosts  # noqa: PLC0415
 
         cuda = self.spec.device.startswith("cuda")
         costs, window = HookCosts(), CpuWindow(self.loop_tid)
@@ -210,7 +210,7 @@ class PrefillCommands:
         descriptor per region part: what NIXL moves when nothing is scattered). `piece_bytes`: those long
         descriptors cut into pieces of this size, enough of them for NIXL to spread the WRITE over its threads."""
         from connector.core.descriptors import batch_descriptors, split_pieces  # noqa: PLC0415
-        from connector.sim.raw_nixl import raw_write  # noqa: PLC0415
+        from sparse_kv_lab.sim.raw_nixl import raw_write  # noqa: PLC0415
 
         n = blocks_for(tokens, self.spec.block_size)
         src_blocks = pick_request_blocks(self.spec, tokens, seed=1000 + seed)

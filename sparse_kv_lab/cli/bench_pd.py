@@ -1,5 +1,5 @@
-"""`python -m connector bench-pd`: argument checks and output for connector.pd.bench (which interleaves the modes
-round by round, so machine drift is not reported as a mode's overhead; connector.pd.interleave says why)."""
+"""`python -m connector bench-pd`: argument checks and output for sparse_kv_lab.pd.bench (which interleaves the modes
+round by round, so machine drift is not reported as a mode's overhead; sparse_kv_lab.pd.interleave says why)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import Any
 
 from connector.cli.checks import int_in
 from connector.core.errors import CliError
-from connector.pd.bench import MODES, BenchConfig, PdBench, dump, from_json
-from connector.pd.model import MODELS, REPO_ROOT, SPARSE_MODELS
+from sparse_kv_lab.pd.bench import MODES, BenchConfig, PdBench, dump, from_json
+from sparse_kv_lab.pd.model import MODELS, REPO_ROOT, SPARSE_MODELS
 
 MAX_MODEL_LEN = 32768
 

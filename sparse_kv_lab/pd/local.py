@@ -1,7 +1,7 @@
 """A local PD pair: a prefill engine, a decode engine and a router on this machine, on free ports, with the tiny
-seeded model (connector.pd.model), for `python -m connector serve-local`.
+seeded model (sparse_kv_lab.pd.model), for `python -m connector serve-local`.
 
-Every process is started in a process group of its own and tied to this one (connector.pd.servers.die_with_parent:
+Every process is started in a process group of its own and tied to this one (sparse_kv_lab.pd.servers.die_with_parent:
 if the launcher is killed outright, the kernel still tells each server to stop); `stop()` ends every group, router
 first. Waits are bounded, and a server that dies or does not come up is named with the last lines of its log. The
 auth token between prefill and decode is fresh per run and reaches the engines in a file (`auth_token_file`, mode
@@ -20,10 +20,10 @@ from typing import Callable
 
 from connector.core.errors import ConfigError
 from connector.protocol.auth import engine_public_key, new_engine_key
-from connector.pd import flows
-from connector.pd.client import complete, completion_body, prompt_ids
-from connector.pd.model import TinyLlama
-from connector.pd.servers import ScriptServer, ServerSpec, VllmServer, metric, sparse_kv_config, start_all
+from sparse_kv_lab.pd import flows
+from sparse_kv_lab.pd.client import complete, completion_body, prompt_ids
+from sparse_kv_lab.pd.model import TinyLlama
+from sparse_kv_lab.pd.servers import ScriptServer, ServerSpec, VllmServer, metric, sparse_kv_config, start_all
 from connector.transport.ports import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,8 +1,8 @@
 """One simulated rank as an object: its event loop thread, a NIXL transport, its paged cache (and staging buffer)
-registered with it, and the engine it runs. The demo's worker processes (connector.sim.rank_process) and the tests'
+registered with it, and the engine it runs. The demo's worker processes (sparse_kv_lab.sim.rank_process) and the tests'
 in-process ranks are both this.
 
-Import it after `connector.sim.env.apply_env()` in a fresh process: it loads torch, and the transport loads NIXL."""
+Import it after `sparse_kv_lab.sim.env.apply_env()` in a fresh process: it loads torch, and the transport loads NIXL."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from connector.engine.config import ReceiverConfig, SenderConfig, lost_source_ho
 from connector.engine.rank import LocalRank
 from connector.engine.receiver import StreamReceiver
 from connector.engine.sender import StreamSender
-from connector.sim.buffers import RankBuffers
-from connector.sim.spec import RankSpec
+from sparse_kv_lab.sim.buffers import RankBuffers
+from sparse_kv_lab.sim.spec import RankSpec
 from connector.transport.loop import LoopThread
 from connector.transport.nixl import Transport, TransportConfig
 

@@ -19,9 +19,9 @@ from connector.core.layout import ModelLayout, ParallelLayout, blocks_for
 from connector.core.plan import Rank
 from connector.engine.config import SideChannelConfig, default_staging_mb
 from connector.protocol.addressing import PrefillAddress
-from connector.sim import rank_process
-from connector.sim.env import apply_env
-from connector.sim.spec import Placement, RankSpec
+from sparse_kv_lab.sim import rank_process
+from sparse_kv_lab.sim.env import apply_env
+from sparse_kv_lab.sim.spec import Placement, RankSpec
 from connector.transport.ports import free_ports
 
 log = logging.getLogger(__name__)
@@ -107,7 +107,7 @@ class RequestResult:
     checksummed_blocks: int = 0
     """`kv_checksum`: (route, block) digests the decode ranks compared with prefill's, all equal."""
     costs: list[tuple] = field(default_factory=list)
-    """Per prefill chunk: (connector.sim.costs.HookCosts, CpuSplit) of the rank that computed it."""
+    """Per prefill chunk: (sparse_kv_lab.sim.costs.HookCosts, CpuSplit) of the rank that computed it."""
 
     @property
     def exposed_s(self) -> float:

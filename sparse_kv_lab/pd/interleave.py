@@ -21,7 +21,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from connector.pd.timelines import percentile
+from sparse_kv_lab.pd.timelines import percentile
 
 LOW_PCT, HIGH_PCT = 10, 90
 """The spread every summary gives: p10..p90 (nearest rank, so with 10 samples or fewer it is the min..max)."""

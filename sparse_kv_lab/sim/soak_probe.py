@@ -1,6 +1,6 @@
 """What a soak samples in its own process: memory, file descriptors, threads, live Python objects (all of them, and
 those of the connector's per-transfer types by name), and the engine tables that could grow per transfer. Used by
-both sides of connector.sim.soak; no torch or NIXL here, the tables come from a callback the side passes in.
+both sides of sparse_kv_lab.sim.soak; no torch or NIXL here, the tables come from a callback the side passes in.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The two worker processes of a soak (connector.sim.soak): a prefill rank that computes and sends requests back to
+"""The two worker processes of a soak (sparse_kv_lab.sim.soak): a prefill rank that computes and sends requests back to
 back, and a decode rank that receives and verifies them, each sampling itself every `plan.sample_every` requests.
 
 They need no coordination per request: prefill starts request i only once request i-1 was released, decode registers
@@ -6,7 +6,7 @@ request i only once it received i-1, and a registration that comes before its re
 normal "decode registers first" flow). The parent only hears samples and the end; nothing per request crosses the
 pipe, so what is measured is the connector, not the harness.
 
-Content: the same pattern as every sim test (connector.sim.buffers.content, per pool, layer and token), computed once
+Content: the same pattern as every sim test (sparse_kv_lab.sim.buffers.content, per pool, layer and token), computed once
 for the request's token range and written / compared with one indexing op per pool (RankBuffers.fill and verify do
 one per layer, which would cost more than the transfer). Decode zeroes its blocks before each request, so only what
 that transfer moved can verify.
@@ -21,8 +21,8 @@ import logging
 import traceback
 from typing import Any
 
-from connector.sim.env import apply_env
-from connector.sim.rank_process import keep_stdout_clean
+from sparse_kv_lab.sim.env import apply_env
+from sparse_kv_lab.sim.rank_process import keep_stdout_clean
 
 
 def run(conn: Any, side: str, plan: Any, spec: Any) -> None:
@@ -49,7 +49,7 @@ class Pattern:
     def __init__(self, bufs: Any, tokens: int) -> None:
         import torch  # noqa: PLC0415 - loaded already (SimRank)
 
-        from connector.sim.buffers import content  # noqa: PLC0415
+        from sparse_kv_lab.sim.buffers import content  # noqa: PLC0415
 
         self.bufs, self.tokens = bufs, tokens
         self.want = {}
@@ -66,7 +66,7 @@ class Pattern:
     def _ids(self, block_ids: list[list[int]], pool: str) -> Any:
         import torch  # noqa: PLC0415
 
-        from connector.sim.buffers import POOL_GROUP  # noqa: PLC0415
+        from sparse_kv_lab.sim.buffers import POOL_GROUP  # noqa: PLC0415
 
         ids = block_ids[POOL_GROUP[pool]][: self.tokens // self.bufs.block_size]
         return torch.tensor(ids, dtype=torch.int64, device=self.bufs.device)
@@ -88,8 +88,8 @@ class Pattern:
 
 class _Side:
     def __init__(self, conn: Any, plan: Any, spec: Any) -> None:
-        from connector.sim.rank import SimRank  # noqa: PLC0415 - torch and NIXL load only after apply_env()
-        from connector.sim.soak_probe import Probe  # noqa: PLC0415
+        from sparse_kv_lab.sim.rank import SimRank  # noqa: PLC0415 - torch and NIXL load only after apply_env()
+        from sparse_kv_lab.sim.soak_probe import Probe  # noqa: PLC0415
 
         import torch  # noqa: PLC0415
 
@@ -162,7 +162,7 @@ class PrefillSide(_Side):
                 "nixl_posts": t.stats.posts, "nixl_reconnects": t.stats.reconnects}
 
     def result(self) -> tuple:
-        from connector.sim.rank_process import pick_request_blocks  # noqa: PLC0415
+        from sparse_kv_lab.sim.rank_process import pick_request_blocks  # noqa: PLC0415
 
         plan, sender = self.plan, self.sender
         self.maybe_sample()
@@ -213,7 +213,7 @@ class DecodeSide(_Side):
         """Drop this decode rank's peer: every `restart_every`-th time a restart (a new NIXL agent, new memory,
         a new engine id: a decode instance that came back), else its side-channel connections closed (prefill
         releases the peer and unloads its agent; the next request connects and loads it again)."""
-        from connector.sim.rank import SimRank  # noqa: PLC0415
+        from sparse_kv_lab.sim.rank import SimRank  # noqa: PLC0415
 
         self.churns += 1
         if self.plan.restart_every and self.churns % self.plan.restart_every == 0:
@@ -230,7 +230,7 @@ class DecodeSide(_Side):
 
     def result(self) -> tuple:
         from connector.engine.receiver import RecvSpec  # noqa: PLC0415
-        from connector.sim.rank_process import pick_request_blocks  # noqa: PLC0415
+        from sparse_kv_lab.sim.rank_process import pick_request_blocks  # noqa: PLC0415
 
         plan = self.plan
         self.maybe_sample(self._churn_counts())

@@ -138,7 +138,7 @@ def hidden_pct(exposed_ms: float, nbytes: int, raw_gbps: float) -> float | None:
 
 
 def demo_lines(r: Any, sc: Any) -> list[str]:
-    """The demo's summary (r: connector.sim.cluster.DemoResult of scenario sc), each number with its yardstick."""
+    """The demo's summary (r: sparse_kv_lab.sim.cluster.DemoResult of scenario sc), each number with its yardstick."""
     staged = (f"{r.staged_chunks} staged chunks, " if r.staged_chunks else "") + \
         f"{r.nixl_descriptors} NIXL descriptors posted"
     whole_ms = r.bytes / r.raw_gbps / 1e6 if r.raw_gbps else 0.0

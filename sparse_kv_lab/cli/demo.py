@@ -7,10 +7,11 @@ import json
 import sys
 from typing import Any
 
-from connector.cli.args import add_common, parse_node, parse_side
-from connector.cli.checks import MAX_SIM_RANKS, check_device, check_memory, check_time, float_in, int_in
-from connector.cli.yardsticks import bench_lines, demo_lines, with_yardsticks
+from connector.cli.args import add_common, parse_side
+from connector.cli.checks import float_in, int_in
 from connector.core.errors import CliError
+from sparse_kv_lab.cli.checks import MAX_SIM_RANKS, check_device, check_memory, check_time, parse_node
+from sparse_kv_lab.cli.yardsticks import bench_lines, demo_lines, with_yardsticks
 
 MAX_TOKENS = 1 << 24
 MAX_BLOCK_SIZE = 1024
@@ -82,7 +83,7 @@ def _scenario(args: argparse.Namespace, **over: Any):
     """The run's Scenario, after every check that needs the model: ranks, chunks, prefix, time, device and memory
     (nothing is started or allocated before they pass)."""
     from connector.core.hf_config import load_model
-    from connector.sim.cluster import Scenario
+    from sparse_kv_lab.sim.cluster import Scenario
 
     model = load_model(args.model, args.kv_cache_dtype)
     fields = dict(model=model,
@@ -109,7 +110,7 @@ def _scenario(args: argparse.Namespace, **over: Any):
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from connector.sim.cluster import run_scenario
+    from sparse_kv_lab.sim.cluster import run_scenario
 
     sc = _scenario(args, mode=args.mode, chunks=args.chunks, prefix_tokens=args.prefix_tokens,
                    late_register=args.late_register, requests=args.requests)
@@ -128,15 +129,15 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from connector.sim.bench import bench
+    from sparse_kv_lab.sim.bench import bench
 
     if args.plot:
-        from connector.sim.plot import check_plotting
+        from sparse_kv_lab.sim.plot import check_plotting
 
         check_plotting()
     compute = None
     if args.layer_ms is None:
-        from connector.core.compute import active_params
+        from sparse_kv_lab.sim.compute import active_params
         from connector.core.hf_config import load_config
 
         compute = (active_params(load_config(args.model)[0]), args.compute_tflops)

@@ -1,13 +1,13 @@
 """The bench's timeline plot (`bench --plot FILE.png`): per layer, when prefill finished computing it, when its bytes
 were posted and when they were in decode's blocks, for a bulk and a streaming run side by side. Needs matplotlib
-(`pip install matplotlib`; `pip install -e '.[plot]'` from this tree)."""
+(`pip install matplotlib`; `pip install -e './lab[plot]'` from this tree)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from connector.core.errors import CliError
-from connector.sim.cluster import RequestResult
+from sparse_kv_lab.sim.cluster import RequestResult
 
 
 def layer_times(run: RequestResult) -> dict[int, tuple[float, float, float]]:

@@ -20,14 +20,14 @@ LOOPBACK = "127.0.0.1"
 @dataclass(frozen=True)
 class Placement:
     """Where one side's rank processes run: one machine's loopback by default, or a "node" of their own (a network
-    namespace, connector.sim.netns) with UCX told to use its interface over TCP."""
+    namespace, sparse_kv_lab.sim.netns) with UCX told to use its interface over TCP."""
 
     host: str = LOOPBACK
     """The side's address. Prefill ranks listen on it for decode's side channel; decode connects to it."""
     netns: str | None = None
     """Network namespace the rank processes enter before NIXL loads (None: the parent's)."""
     env: tuple[tuple[str, str], ...] = ()
-    """Environment the rank processes set before NIXL loads, over connector.sim.env's defaults. Across namespaces:
+    """Environment the rank processes set before NIXL loads, over sparse_kv_lab.sim.env's defaults. Across namespaces:
     UCX_NET_DEVICES=<the node's interface> and UCX_TLS=tcp (UCX otherwise moves the bytes through shared memory)."""
 
     @classmethod

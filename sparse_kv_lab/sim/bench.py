@@ -14,7 +14,7 @@ from typing import Any
 
 from connector.core.errors import ConnectorError
 from connector.core.layout import ParallelLayout, blocks_for
-from connector.sim.cluster import Cluster, Scenario
+from sparse_kv_lab.sim.cluster import Cluster, Scenario
 
 
 class _Progress:
@@ -46,7 +46,7 @@ def spread(values: list[float], digits: int = 2) -> str:
 
 
 def forward_costs(streams: list, bulks: list, idle: list) -> dict[str, Any]:
-    """What the connector cost prefill's forward thread and its process (connector.sim.costs), from the stream and
+    """What the connector cost prefill's forward thread and its process (sparse_kv_lab.sim.costs), from the stream and
     bulk runs' chunks and the idle windows measured before and after them. `compute_stretch`: the simulated
     compute's length over its nominal one (1.0: the forward never waited). In bulk runs a decode rank is registered
     but no hook fires, so nothing is due until compute ends: their loop CPU is "computing, nothing due"."""
@@ -98,7 +98,7 @@ def bench(sc: Scenario, progress: bool = False, repeats: int = 5, compute: tuple
                              fill_ahead=True)  # the compute is sleep alone: its stretch is the connector's
     layer_ms = sc.layer_ms
     if compute is not None:
-        from connector.core.compute import prefill_ms  # noqa: PLC0415
+        from sparse_kv_lab.sim.compute import prefill_ms  # noqa: PLC0415
 
         layer_ms = round(prefill_ms(int(compute[0]), sc.tokens, compute[1]) / sc.model.num_layers, 3)
     bar = _Progress(progress, 2 + (5 if checksum else 4) * repeats)
@@ -173,7 +173,7 @@ def bench(sc: Scenario, progress: bool = False, repeats: int = 5, compute: tuple
         out["checksummed_blocks"] = summed[0].checksummed_blocks
         out["verified"] = out["verified"] and all(r.checksummed_blocks > 0 for r in summed)
     if plot:
-        from connector.sim.plot import plot_timeline  # noqa: PLC0415 - matplotlib is an optional extra
+        from sparse_kv_lab.sim.plot import plot_timeline  # noqa: PLC0415 - matplotlib is an optional extra
 
         pick = lambda runs: sorted(runs, key=lambda r: r.exposed_s)[len(runs) // 2]  # noqa: E731 - the median run
         try:
