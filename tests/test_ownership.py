@@ -458,3 +458,22 @@ def test_a_handshake_refusal_does_not_shorten_a_started_transfer_with_a_secret()
     own.all_computed(req, NOW)
     assert not own.refused("t1", "decode-v", "another token", NOW + 1)
     assert req.given_up_by is None and req.lease_deadline == NOW + CONFIG.lease_s
+
+
+@pytest.mark.parametrize("proven", [False, True])
+def test_a_give_up_weighed_before_its_request_started_still_needs_the_proof_after(proven):
+    """The race CI found: the abort's verdict is weighed while the request is unknown, then the framework thread's
+    queued start runs (the sender drains its inbox) before the give-up is recorded. A token holder's abort must not
+    shorten the started request's lease then either; its decode's proven one does."""
+    own, conn = ownership(), NoncedConn()
+    verdict = own.abort(conn, peer("decode-mallory").key, "t1", proof(conn, SECRET if proven else "guess"))
+    assert verdict.gives_up and verdict.request is None
+    req = SendRequest("t1", TOKENS, [], secret=SECRET)
+    own.start(req, NOW)
+    own.all_computed(req, NOW)
+    own.give_up("t1", "decode-mallory", NOW, nonces=conn.nonces,
+                proof=proof(conn, SECRET if proven else "guess"))
+    if proven:
+        assert req.given_up_by == "decode-mallory" and req.lease_deadline == NOW + CONFIG.given_up_keep_s
+    else:
+        assert req.given_up_by is None and req.lease_deadline == NOW + CONFIG.lease_s

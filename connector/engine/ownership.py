@@ -289,10 +289,12 @@ class Ownership:
         sent one): remembered, pinned to that engine; a request (now or when it starts) keeps its KV only
         `given_up_keep_s` after it was computed, not for the lease, unless some engine registers it meanwhile. A
         started request with a secret was checked by `abort`; one that starts later weighs the proof then."""
-        req = self.requests.get(transfer_id)
+        req, give_up = self.requests.get(transfer_id), EarlyGiveUp(engine, why, nonces, proof)
         if req is None:
-            early = [*(self.given_up.get(transfer_id) or ()), EarlyGiveUp(engine, why, nonces, proof)]
+            early = [*(self.given_up.get(transfer_id) or ()), give_up]
             self.given_up.add(transfer_id, now, early[-MAX_EARLY_GIVE_UPS:])
+            return
+        if not give_up.holds_for(req):  # it started (with its secret) after `abort` weighed the give-up
             return
         req.given_up_by, req.given_up_why = engine, why
         if req.all_computed:

@@ -255,15 +255,17 @@ class StreamSender:
             await self.dispatch.send_quiet(conn, stopped)
             return
         log.info("transfer %s: decode %s aborted: %s", shown(tid), key, shown_text(msg.reason))
+        if verdict.gives_up:
+            # Recorded before Stopped is answered: once decode hears it, prefill may start the request at once (a
+            # start the framework thread queued meanwhile counts as started, and the give-up weighs its proof then).
+            self._inbox.drain()
+            self.ownership.give_up(tid, key[0], time.monotonic(), nonces=conn.nonces, proof=msg.proof)
         if verdict.destination is None:
             await self.dispatch.send_quiet(conn, stopped)  # nothing was ever written there
         else:
             self.dispatch.stop_dest(verdict.request, verdict.destination, stopped)
         if verdict.fails_request:
             self.dispatch.check_finished(verdict.request, ok=False)
-        elif verdict.gives_up:
-            self._inbox.drain()  # a start already queued by the framework thread counts as started
-            self.ownership.give_up(tid, key[0], time.monotonic(), nonces=conn.nonces, proof=msg.proof)
 
     def on_closed(self, conn: ControlConnection) -> None:
         """A decode connection closed (the server calls this once per connection): everything that ran on it ends
