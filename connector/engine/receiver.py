@@ -35,7 +35,7 @@ from connector.protocol.auth import engine_public_key, transfer_proof
 from connector.protocol.messages import (MAX_TRANSFER_ID, Abort, Checksums, Complete, Error, Register, RegisterAck,
                                          RegisterError, Scatter, Scattered, Stopped)
 from connector.transport.base import KVTransport
-from connector.transport.control import ControlConnection
+from connector.transport.connection import ControlConnection
 from connector.transport.device_copy import BlockCopier
 from connector.transport.loop import OwnedTasks
 
