@@ -19,7 +19,8 @@ from connector.protocol.auth import identity, new_nonce
 from connector.protocol.messages import (HEADER, PROTOCOL_VERSION, Abort, Auth, Complete, Error, Heartbeat, Hello,
                                          Register, RegisterAck, RegisterError, Reject, Welcome, decode_frame,
                                          encode_body, encode_frame)
-from connector.transport.control import ControlConnection, ControlServer
+from connector.transport.connection import ControlConnection
+from connector.transport.control import ControlServer
 from connector.transport.client import connect
 from connector.transport.limits import ServerLimits
 from tests.helpers import QuietHandler, bare_side_channel

@@ -38,3 +38,14 @@ def test_the_docs_link_to_the_lists_instead_of_copying_them():
         text = (ROOT / doc).read_text()
         copied = [line for line in text.splitlines() if LINE.match(line)]
         assert not copied, f"{doc} copies module lines {copied[:3]}: link to the package's __init__.py instead"
+
+
+def test_the_protocol_history_has_a_line_for_the_current_version():
+    # connector.protocol.messages.PROTOCOL_VERSION points at docs/internals.md's history: a bump without its entry
+    # fails here.
+    from connector.protocol.messages import PROTOCOL_VERSION
+
+    text = (ROOT / "docs" / "internals.md").read_text()
+    history = text.split("### Protocol versions", 1)[1].split("```")[1]
+    versions = [int(m) for m in re.findall(r"^\s?(\d+)  ", history, flags=re.M)]
+    assert versions == list(range(1, PROTOCOL_VERSION + 1))

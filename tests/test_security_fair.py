@@ -14,7 +14,7 @@ import pytest
 
 from connector.engine.config import SenderConfig, SideChannelConfig
 from sparse_kv_lab.sim.cluster import Cluster
-from connector.transport.control import ControlConnection
+from connector.transport.connection import ControlConnection
 from connector.transport.handshake import client_handshake
 from connector.transport.limits import ServerLimits
 from tests.adversary import TOKEN, Target, make_scenario

@@ -333,7 +333,7 @@ def test_decode_refuses_a_staged_chunk_aimed_outside_its_blocks(m3, monkeypatch)
     import numpy as np
 
     from connector.protocol.messages import Scatter
-    from connector.transport.control import ControlConnection
+    from connector.transport.connection import ControlConnection
 
     with sender_and_receiver(m3, "evil", staging_mb=1) as (prefill, sender, port, decode, receiver):
         dst = pick_blocks(TOKENS, BLOCK, decode.spec.num_blocks, seed=32)

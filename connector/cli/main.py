@@ -31,8 +31,10 @@ LAB = "sparse_kv_lab"
 """The lab's package: not a dependency of the connector, and never imported by name in its code (the layer test)."""
 INSTALL_LAB = "pip install -e ./lab (from the sparse-kv-connector source tree)"
 LAB_COMMANDS = {
-    "serve-local": ("cli.serve_local", "add_subcommand", "a prefill engine, a decode engine and a router on this machine"),
-    "demo": ("cli.demo", "add_subcommands", "prefill and decode ranks as OS processes, every byte over NIXL and verified"),
+    "serve-local": ("cli.serve_local", "add_subcommand",
+                    "a prefill engine, a decode engine and a router on this machine"),
+    "demo": ("cli.demo", "add_subcommands",
+             "prefill and decode ranks as OS processes, every byte over NIXL and verified"),
     "bench": ("cli.demo", "add_subcommands", "raw NIXL against the connector, bulk and streamed, on one process pair"),
     "bench-pd": ("cli.bench_pd", "add_subcommand", "TTFT on real engines: one engine and PD pairs"),
 }

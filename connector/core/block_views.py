@@ -271,3 +271,16 @@ def pair_views(src_regions: Mapping[RegionKey, Region], dst_regions: Mapping[Reg
     sizes = [*src_sizes.values(), *dst_sizes.values(), *units]
     return PairViews(math.gcd(*units), math.lcm(*sizes), src, dst, cut,
                      {key: r.head_major for key, r in dst_regions.items()})
+
+
+def as_decode_sees(views: PairViews | None, routes: Mapping[int, Sequence[Route]],
+                   regions: Mapping[RegionKey, Region], block_ids: Sequence[Sequence[int]], null_block: int,
+                   unit: int, full_block_size: int) -> tuple[dict[int, list[Route]], Mapping[RegionKey, Region],
+                                                            Sequence[Sequence[int]], int, int]:
+    """A decode rank's routes, regions, block ids, span unit and whole-block size for one prefill rank: its own
+    where the block sizes agree (`views` None), else in sub-blocks, as that prefill rank moves and digests them."""
+    if views is None:
+        return dict(routes), regions, block_ids, unit, full_block_size
+    return (views.routes(routes), views.dst.regions, views.dst.expand(block_ids, null_block), views.unit,
+            views.full_block_size)
+

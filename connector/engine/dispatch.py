@@ -23,7 +23,7 @@ from connector.engine.sender_state import Destination, FinishedInfo, PeerInfo, S
 from connector.engine.stats import SenderStats
 from connector.engine.timeline import close
 from connector.protocol.messages import Abort, Complete
-from connector.transport.control import ControlConnection
+from connector.transport.connection import ControlConnection
 from connector.transport.loop import OwnedTasks, wait_out
 
 log = logging.getLogger("connector.engine.sender")  # (the sender's lines, as before the split)

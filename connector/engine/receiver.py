@@ -18,6 +18,7 @@ from typing import Sequence
 import msgspec
 import numpy as np
 
+from connector.core.block_views import as_decode_sees
 from connector.core.checksums import destination_rows, mismatch, transfer_spans
 from connector.core.errors import ConnectorError, ControlError, PeerError, TransferFailed, Unreachable
 from connector.core.layout import Region
@@ -34,7 +35,7 @@ from connector.protocol.auth import engine_public_key, transfer_proof
 from connector.protocol.messages import (MAX_TRANSFER_ID, Abort, Checksums, Complete, Error, Register, RegisterAck,
                                          RegisterError, Scatter, Scattered, Stopped)
 from connector.transport.base import KVTransport
-from connector.transport.control import ControlConnection
+from connector.transport.connection import ControlConnection
 from connector.transport.device_copy import BlockCopier
 from connector.transport.loop import OwnedTasks
 
@@ -364,14 +365,9 @@ class StreamReceiver:
             self._copier = BlockCopier(f"cuda:{self.me.device_id}" if self.me.mem_type == "VRAM" else "cpu")
         checked = 0
         for src in sorted(pend.completes):
-            routes = pend.engine.plan.layer_routes(src, self.me.rank)
-            regions, block_ids, unit, whole = self.me.by_key, pend.block_ids, self.me.block_size, \
-                self.me.full_block_size
-            views = pend.engine.views.get(src)
-            if views is not None:  # block sizes that differ: rows in sub-blocks, as prefill digests them
-                routes, regions, unit, whole = views.routes(routes), views.dst.regions, views.unit, \
-                    views.full_block_size
-                block_ids = views.dst.expand(pend.block_ids, self.me.null_block)
+            routes, regions, block_ids, unit, whole = as_decode_sees(
+                pend.engine.views.get(src), pend.engine.plan.layer_routes(src, self.me.rank), self.me.by_key,
+                pend.block_ids, self.me.null_block, self.me.block_size, self.me.full_block_size)
             spans = transfer_spans(routes, first_token, num_tokens, unit, whole)
             rows = destination_rows(regions, routes, spans, block_ids, self.me.null_block, unit)
             problem = mismatch(src, rows, [self._copier.digests(r.parts) for r in rows], pend.digests.get(src, {}))

@@ -30,7 +30,8 @@ from connector.protocol.handshake import PeerKey
 from connector.protocol.messages import (Abort, Heartbeat, Hello, Message, Register, RegisterAck, RegisterError,
                                          Scattered, Stopped)
 from connector.transport.base import KVTransport
-from connector.transport.control import ControlConnection, ControlServer
+from connector.transport.connection import ControlConnection
+from connector.transport.control import ControlServer
 from connector.transport.loop import OwnedTasks
 
 log = logging.getLogger(__name__)

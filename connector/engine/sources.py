@@ -36,7 +36,7 @@ from connector.engine.staging import StagedReader
 from connector.protocol.addressing import PrefillAddress
 from connector.protocol.handshake import accept_peer, check_peer_layout, layout_key
 from connector.protocol.messages import Abort, Complete, Hello, RegisterError, Stopped
-from connector.transport.control import ControlConnection
+from connector.transport.connection import ControlConnection
 from connector.transport.client import connect
 from connector.transport.loop import OwnedTasks
 

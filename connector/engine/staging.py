@@ -34,7 +34,7 @@ from connector.core.staging_ranges import (Extents, Rows, Segment, check_destina
 from connector.engine.rank import LocalRank
 from connector.protocol.messages import Register, Scatter, Scattered, StagedRows
 from connector.transport.base import KVTransport
-from connector.transport.control import ControlConnection
+from connector.transport.connection import ControlConnection
 from connector.transport.device_copy import BlockCopier
 from connector.transport.loop import wait_out
 from connector.transport.nixl import WriteTiming

@@ -45,57 +45,8 @@ from connector.core.untrusted import ID_PATTERN, shown_text
 PROTOCOL_VERSION = 10
 """Wire protocol version; a frame or Hello with any other version is rejected.
 
-History (one line per version; bump it for any change an older peer would misread):
-  1  Hello, Reject, Register, RegisterAck, RegisterError, Complete, Abort, Stopped, Heartbeat, Error. Staged transfers
-     (Scatter, Scattered, and the staging fields of Hello, Register and Complete) came within version 1: the fields
-     default to "no staging", and a prefill rank sends Scatter only to a decode rank whose Hello offered a buffer.
-  2  Mutual challenge-response authentication: Hello carries a nonce and (from prefill) an HMAC proof, never the
-     token (`auth_token` is gone); decode's memory (NIXL metadata, regions, staging buffer and its new size) moves
-     from its Hello to the new Auth message, sent only after prefill proved the token; Welcome ends the handshake;
-     prefill's Hello carries no NIXL metadata and no regions. String and list fields have length limits.
-  3  Scatter names its rows block-wise (`rows`, replacing the address pairs of `destinations`) and where in the
-     connection's staging area the chunk lies (`slot_offset`), and is sent once the chunk's WRITE completed, so
-     prefill keeps a ring of chunks in flight; Register's staging fields give a connection an area, not one slot.
-     A version-2 peer would fail to decode such a Scatter mid-transfer: it is refused at the handshake instead.
-     (Within 3: Complete.bytes_by_pool, optional.)
-  4  Hello carries the model layout it was built from (`layout`, `num_layers`: per pool its layers and sizes, as
-     vLLM's KV-cache specs give them), so a pair whose caches differ is refused naming what differs; it is part of
-     the authenticated transcript, which a version-3 peer would compute without it. A decode that refuses
-     prefill's Hello answers Reject in place of Auth, so prefill's log hears why. Hello.null_block: the block id
-     a rank keeps empty (vLLM's null block), never written on decode. Decode's Hello names the transfer it
-     connects for (`for_transfer`), so a prefill that refuses the handshake frees that transfer's KV at once.
-     (Within 4: Register.checksum and the Checksums message, optional: a prefill that ignores the flag sends
-     none, and a decode that asked for them then fails the transfer saying so.)
-  5  Per-transfer capability: Register and Abort carry `proof`, an HMAC under the transfer's secret (which travels
-     only in kv_transfer_params) bound to the connection's two nonces and the transfer id
-     (connector.protocol.auth.transfer_proof); prefill serves a transfer minted with a secret only to the
-     registration that proves it. A version-4 prefill would drop the field and serve anyone. Engine keys:
-     decode's Hello carries `engine_key`, the Ed25519 public key all ranks of its engine share, and its Auth
-     `engine_signature`, that key's signature of the transcript; prefill then knows the engine as (engine id, key)
-     (connector.protocol.auth.engine_name), so another peer can neither claim its ranks nor keep them out.
-     (Within 5: prefill keys. Prefill's Hello may carry `engine_key` and `signature`, its prefill key's signature of
-     the transcript; `signature` stays out of the transcript, as the proof does, so a peer that ignores it still
-     verifies. A decode with trusted_prefill_keys refuses a prefill without a trusted one.)
-  6  Register's block ids travel packed, little-endian int32, one bytes value per KV-cache group (`BlockIdGroup`),
-     not as msgpack arrays: prefill decodes a registration into a few bytes objects instead of one Python int per
-     id, which a peer parking registrations by the thousand left behind as pymalloc and glibc fragments (issue 20:
-     +53 MB of RSS kept after one parking attack, growing with each). A version-5 peer would misread them.
-  7  Every cache vLLM declares: pools beyond kv / index_k / index_v, named after the cache (`PoolName` is a pattern,
-     up to MAX_POOLS in Hello.layout and Complete.bytes_by_pool); PoolLayout and Region say how a pool moves (its
-     own block size, bytes per block, whole per request, tied to one TP size, scratch blocks, how far a state may
-     run past decode's resume point). A version-6 peer would refuse the new pool names mid-transfer.
-     (Within 7: ids (engine ids, agent names, fingerprints, transfer ids, a pool's spec) hold no control, separator
-     or bidi character, connector.core.untrusted.ID_PATTERN; a frame with one is a bad frame. Issue 33.)
-  8  Decode speaks second: its first Hello is an opening with no identity (connector.protocol.auth.opening), and
-     who it is (engine id, ranks, agent name, engine key, the transfer it connects for) goes in Auth.hello, after
-     prefill's proofs; the engine key signs the transcript and that identity. A decode that refuses prefill's
-     Hello names the transfer it came for only as `Reject.transfer_hint`, bound to the connection's nonces.
-  9  The two sides' block sizes may differ (one a multiple of the other, per cache): Hello.pool_block_sizes says
-     each paged pool's, and prefill cuts the larger blocks into sub-blocks of the smaller (connector.core.
-     block_views). A version-8 peer would refuse the pair, or send a prefill no block sizes to cut by.
- 10  Region.token_layout (how tokens lie inside a block, as the rank's attention backend writes them: runs of token
-     rows per head) replaces token_rows; prefill cuts blocks only where both sides state the same layout. A
-     version-9 peer would send a field this side refuses.
+Bump it for any change an older peer would misread, and add the version's line to its history in
+docs/internals.md ("Protocol versions"): what changed and what a peer one version older would do with it.
 """
 DEFAULT_MAX_FRAME_BYTES = 4 * 1024 * 1024
 """Largest body a receiver accepts after the handshake unless configured otherwise. The largest real messages are

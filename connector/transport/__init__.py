@@ -1,6 +1,7 @@
 """Sockets, threads, NIXL and device copies: what moves bytes, and nothing about which bytes or why.
 
-  control         the asyncio TCP side channel: a connection and the server, carrying connector.protocol messages
+  control         the asyncio TCP side channel's server, carrying connector.protocol messages
+  connection      one handshaken side-channel connection: its reader, heartbeat and close
   client          the client's side: open a connection to a prefill rank and run the handshake
   handshake       the handshake over a socket, both halves of it
   admission       who may hold what on one server before and after authentication

@@ -1,6 +1,6 @@
 """The client's side of the side channel: open a connection to a prefill rank and run the handshake.
 
-The connection it returns is connector.transport.control's `ControlConnection`, the same class the server hands
+The connection it returns is connector.transport.connection's `ControlConnection`, the same class the server hands
 its handlers."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Callable, Iterable
 
 from connector.core.errors import ControlError, Unreachable
 from connector.protocol.messages import Hello
-from connector.transport.control import ControlConnection
+from connector.transport.connection import ControlConnection
 from connector.transport.handshake import client_handshake
 from connector.transport.side_channel import SideChannelConfig
 
