@@ -46,7 +46,6 @@ import itertools
 import json
 import logging
 import os
-import secrets
 import uuid
 import sys
 from pathlib import Path
@@ -60,6 +59,14 @@ except ImportError:  # the system python has no aiohttp; vLLM's environment alwa
         raise
     raise SystemExit(f"{__file__} needs aiohttp: run it with the python of vLLM's environment (which has it), e.g. "
                      f".venv-cpu/bin/python {__file__} ..., or `pip install aiohttp`") from None
+
+try:  # each transfer's capability is minted where the connector mints its own (128 random bits)
+    from connector.protocol.auth import new_transfer_secret
+except ImportError:
+    if __name__ != "__main__":
+        raise
+    raise SystemExit(f"{__file__} mints transfer secrets with the connector's own function: run it with the python "
+                     f"of an environment that has sparse-kv-connector installed (vLLM's, or the image's)") from None
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its helper, examples/proxy_ranks.py
 from proxy_ranks import (DP_HEADER, MAX_ANSWER_BYTES, RECVS_OK, SENDS_OK, Prefill, RankPicker,  # noqa: E402
@@ -165,7 +172,7 @@ def build_app(prefill_instances: Sequence[Prefill | str], decode_instances: Sequ
                         headers: dict[str, str], use: Callable[[aiohttp.ClientResponse], Any]) -> Any:
         """Sends both legs, and once prefill confirmed (and decode answered), returns `use(decode's response)`."""
         prefill, dp_rank = picker.slots[slot]
-        transfer_id, secret = uuid.uuid4().hex, secrets.token_urlsafe(16)  # the secret is never logged
+        transfer_id, secret = uuid.uuid4().hex, new_transfer_secret()  # the secret is never logged
         log.info("%s %s: prefill %s, decode %s", transfer_id, path, prefill.name(dp_rank), decode)
         # Both legs at once: decode registers its blocks while prefill computes, so layers are pushed as they finish.
         p_task = asyncio.create_task(run_prefill(session, prefill, dp_rank, path,

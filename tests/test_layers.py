@@ -279,3 +279,15 @@ def test_no_merge_conflict_markers():
         if any(line.startswith(("<<<<<<< ", ">>>>>>> ")) for line in lines):
             marked.append(name)
     assert not marked, f"merge conflict markers in {marked}: resolve them"
+
+
+def test_transfer_secrets_are_minted_in_one_function():
+    """The proxy, the lab and the tools mint a transfer's capability with connector.protocol.auth.new_transfer_secret
+    (they minted their own in three places, one of them weaker once)."""
+    top = ROOT.parent
+    minting = [f"{p.relative_to(top)}:{i}" for folder in ("connector", LAB.name, "examples", "tools")
+               for p in (top / folder).rglob("*.py")
+               for i, line in enumerate(p.read_text().splitlines(), 1)
+               if "token_urlsafe(" in line and p.relative_to(top).as_posix() != "connector/protocol/auth.py"
+               and not line.lstrip().startswith(("#", "f\"", "\""))]
+    assert minting == [], f"mint transfer secrets with new_transfer_secret: {minting}"

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import secrets
 import statistics
 import sys
 import tempfile
@@ -46,6 +45,7 @@ from sparse_kv_lab.pd.client import complete, completion_body, prompt_ids  # noq
 from sparse_kv_lab.pd.servers import (DEFAULT_ENGINE_PYTHON, ServerSpec, VllmServer, metric,  # noqa: E402
                                   sparse_kv_config)
 from sparse_kv_lab.pd.timelines import read_logs  # noqa: E402
+from connector.protocol.auth import new_transfer_secret  # noqa: E402
 from connector.transport.ports import free_ports  # noqa: E402
 
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
@@ -143,7 +143,7 @@ def decode_case(prefill_url: str, side_channel: str, decode: VllmServer, interva
                      transfer_id=warm)  # warm both up
     time.sleep(3.0)  # start-up work settles
     idle = window(decode.pid, args.window_s)
-    tid, secret = uuid.uuid4().hex, secrets.token_urlsafe(16)
+    tid, secret = uuid.uuid4().hex, new_transfer_secret()
     prompt = prompt_ids(args.prompt, seed=1)
     got: dict = {}
 
