@@ -275,6 +275,11 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
                 f"\"prefill_key_file\": \"prefill.key\" and this engine \"trusted_prefill_keys\": [\"<public key>\"] "
                 f"(README, Security); or, on a trusted test bench only, \"insecure_any_prefill\": true")
 
+    def listen_host(self) -> str:
+        """The side channel's host, which prefill listens on and names to decode: `side_channel_host`, else the
+        address vLLM reports for this node (never 0.0.0.0 unless set so)."""
+        return self.side_channel_host or default_host()
+
     def side_channel(self) -> SideChannelConfig:
         return build(SideChannelConfig, self, auth_token=self.token(), limits=build(ServerLimits, self),
                      prefill_key=self.prefill_key(), trusted_keys=self.trusted_keys())

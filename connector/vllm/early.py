@@ -32,7 +32,7 @@ from types import FrameType
 from typing import Any
 
 from connector.core.errors import ConfigError
-from connector.vllm.config import ROLES, ConnectorSettings, default_host, role_halves
+from connector.vllm.config import ROLES, ConnectorSettings, role_halves
 from connector.vllm.logs import adopt_vllm_logging
 
 log = logging.getLogger(__name__)
@@ -185,7 +185,7 @@ def check_ports_free(settings: ConnectorSettings, parallel_config: Any) -> None:
             getattr(parallel_config, "distributed_executor_backend", None) not in LOCAL_EXECUTORS:
         return
     tp, pp = parallel_config.tensor_parallel_size, parallel_config.pipeline_parallel_size
-    host = settings.side_channel_host or default_host()
+    host = settings.listen_host()
     for rank in range(tp * pp):
         port = settings.side_channel_port + rank
         family = socket.AF_INET6 if ":" in host else socket.AF_INET

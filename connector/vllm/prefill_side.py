@@ -5,18 +5,27 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from vllm.v1.request import RequestStatus
 
 from connector.core.untrusted import is_id, shown
 from connector.engine.timeline import PrefillSchedulerPoints, close
 from connector.protocol.messages import MAX_TRANSFER_ID
-from connector.vllm.config import ConnectorSettings, default_host
+from connector.vllm.config import ConnectorSettings
 from connector.vllm.metadata import SendSpec, SparseKVMetadata
 from connector.vllm.requests import all_block_ids, check_params, secret_of
 
 log = logging.getLogger(__name__)
+
+
+class Known(NamedTuple):
+    """A request this engine sends, as the scheduler keeps it until every worker sent it."""
+
+    transfer_id: str
+    prompt_tokens: int
+    secret: str
+    """Its transfer_secret ('' for an open transfer): named in prefill's response only."""
 
 
 class PrefillScheduler:
@@ -28,7 +37,7 @@ class PrefillScheduler:
         self.side_channel_reported: str | None = None
         """host:port of prefill rank (pp0, tp0)'s side channel, as the workers reported it (else from settings)."""
         self.kv_cache_manager: Any = None
-        self._known: dict[str, tuple[str, int, str]] = {}  # request id -> (transfer id, prompt tokens, secret)
+        self._known: dict[str, Known] = {}                 # request id -> what it sends
         self._started: set[str] = set()                # shipped to the workers at least once
         self._held: dict[str, float] = {}              # finished (time.monotonic()); blocks kept until finished_sending
         self.aborts: dict[str, str] = {}               # request id -> transfer id, for the next metadata
@@ -53,8 +62,8 @@ class PrefillScheduler:
             log.error("request %s: %s; it runs as a plain prefill and nothing is sent", shown(request.request_id),
                       problem)
             return
-        self._known[request.request_id] = (tid, request.num_prompt_tokens,
-                                           secret_of(params, self.settings.require_transfer_secret))
+        self._known[request.request_id] = Known(tid, request.num_prompt_tokens,
+                                                secret_of(params, self.settings.require_transfer_secret))
         self._points[request.request_id] = points = PrefillSchedulerPoints()
         points.mark("seen")
 
@@ -70,7 +79,7 @@ class PrefillScheduler:
         """host:port decode connects to: what prefill rank (pp0, tp0) reported, else the configured address."""
         if self.side_channel_reported:
             return self.side_channel_reported
-        return f"{self.settings.side_channel_host or default_host()}:{self.settings.side_channel_port}"
+        return f"{self.settings.listen_host()}:{self.settings.side_channel_port}"
 
     def fill(self, meta: SparseKVMetadata, scheduler_output: Any) -> None:
         """This step's sends: every known request scheduled this step, with its tokens computed after it."""
@@ -83,12 +92,12 @@ class PrefillScheduler:
             known = self._known.get(req_id)
             if known is None or req_id not in computed:
                 continue
-            tid, prompt, secret = known
+            tid, prompt = known.transfer_id, known.prompt_tokens
             meta.sends[req_id] = SendSpec(
                 transfer_id=tid, num_prompt_tokens=prompt,
                 block_ids=all_block_ids(self.kv_cache_manager, req_id, None),
                 computed_after_step=min(prompt, computed[req_id] + n_scheduled), new=req_id not in self._started,
-                transfer_secret=secret)
+                transfer_secret=known.secret)
             self._started.add(req_id)
             self._scheduled(req_id, tid)
 
@@ -119,14 +128,14 @@ class PrefillScheduler:
         if request.status not in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED):
             # Aborted or failed prefill: tell decode, stop writing. Blocks are still held until the workers
             # report the transfer finished, so no WRITE in flight reads a reused block.
-            self.aborts[req_id] = known[0]
+            self.aborts[req_id] = known.transfer_id
             return True, None
         # What decode needs, in prefill's response: a router that copies kv_transfer_params into the decode
         # leg (vLLM's proxy pattern, llm-d) works unchanged. `prefill_finished` tells decode that this transfer
         # exists already, so a prefill that no longer knows it (restarted, lease gone) refuses at once.
         # `transfer_secret`: the capability decode must prove (the router passes it on; nobody else sees it).
-        secret = {"transfer_secret": known[2]} if known[2] else {}
-        return True, secret | {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": known[0],
+        secret = {"transfer_secret": known.secret} if known.secret else {}
+        return True, secret | {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": known.transfer_id,
                       "prefill_addr": self.side_channel_addr(), "prefill_engine_id": self.engine_id,
                       "prefill_dp_rank": self.dp_index, "prefill_finished": True, "lease_s": self.settings.lease_s}
 

@@ -27,7 +27,7 @@ from connector.protocol.addressing import engine_base_port, side_channel_port
 from connector.transport.loop import LoopThread
 from connector.transport.nixl import Transport
 from connector.vllm import layer_signals, token_layout
-from connector.vllm.config import ConnectorSettings, default_host, role_halves
+from connector.vllm.config import ConnectorSettings, role_halves
 from connector.vllm.early import bind_problem
 from connector.vllm.idle_hold import WakeSender
 from connector.vllm.metadata import SparseKVHandshake, SparseKVMetadata
@@ -175,7 +175,7 @@ class WorkerSide:
                        mem_type="VRAM" if self._cuda else "DRAM", staging=staging, null_block=NULL_BLOCK)
         s = self.settings
         if self.sends:
-            self.host = host = s.side_channel_host or default_host()  # what handshake_metadata names too
+            self.host = host = s.listen_host()  # what handshake_metadata names too
             base = engine_base_port(s.side_channel_port, self.dp_index, self.parallel.tp, self.parallel.pp)
             self.port = side_channel_port(base, self.rank, self.parallel.tp)
             self.sender = StreamSender(me, self.transport, s.sender_config(host, self.port), self.loop.loop,
