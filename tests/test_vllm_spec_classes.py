@@ -178,7 +178,7 @@ def mamba2(tp: int, groups: int = 1, dim_first: bool = False) -> MambaSpec:
 def test_a_mamba2_state_of_a_known_class_splits_into_pools_that_pair_any_tp_sizes(groups):
     """Each piece (connector.core.state_split) is a head-sharded per-request pool; the layouts of both sides have
     one fingerprint, and the plan from TP2 to TP1 sends decode every head of every piece once."""
-    from connector.vllm.specs import StateSplit
+    from connector.vllm.states import StateSplit
 
     def model_at(tp: int):
         name = "model.layers.0.mixer"
@@ -199,7 +199,7 @@ def test_a_mamba2_state_of_a_known_class_splits_into_pools_that_pair_any_tp_size
 def test_a_state_whose_class_is_not_known_to_split_stays_tied_to_one_tp_size():
     """Kimi's and GLM-5-next's KDA layers declare GDN_ATTN but keep KDA's conv state: only the classes in
     SPLIT_MODULES split, and a state whose shapes are not its kind's stays whole, tied to one TP size."""
-    from connector.vllm.specs import StateSplit
+    from connector.vllm.states import StateSplit
 
     name = "model.layers.0.mixer"
     assert cache_facts(name, mamba2(2), 0, 1, split=StateSplit(2, False, {})).same_tp  # not a known module
@@ -214,7 +214,7 @@ def test_state_split_of_reads_the_modules_exact_classes():
     module whose conv1d is not merged per output holds its one group on every rank; a subclass does not count."""
     from types import SimpleNamespace
 
-    from connector.vllm.specs import SPLIT_MODULES, state_split_of
+    from connector.vllm.states import SPLIT_MODULES, state_split_of
 
     def module(path: str, **attrs):
         mod, _, cls = path.rpartition(".")

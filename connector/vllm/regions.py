@@ -12,7 +12,8 @@ from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from connector.core.errors import LayoutError
 from connector.core.layout import ModelLayout, RankLayout, Region
-from connector.vllm.specs import CacheFacts, StateSplit, pieces_of, stage_caches
+from connector.vllm.specs import CacheFacts, pieces_of, stage_caches
+from connector.vllm.states import StateSplit
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,8 @@ from connector.vllm.idle_hold import WakeSender
 from connector.vllm.metadata import SparseKVHandshake, SparseKVMetadata
 from connector.vllm.regions import LayoutOf, build_regions, classify_layers, model_layout_from_hf
 from connector.vllm.specs import (CacheFacts, assign_pools, draft_layer_names, gather_stages, model_from_caches,
-                                  model_names, state_split_of)
+                                  model_names)
+from connector.vllm.states import state_split_of
 from connector.vllm.stats import SparseKVConnectorStats
 
 log = logging.getLogger(__name__)
