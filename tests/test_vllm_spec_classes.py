@@ -160,3 +160,76 @@ def test_in_a_model_vllm_runs_as_mla_a_ring_that_declares_no_split_is_replicated
     assert cache_facts("model.layers.0.self_attn.compressor.state_cache", ring, 0, 1).same_tp  # not MLA: unknown
     mamba = MambaSpec(block_size=1024, shapes=((3, 64),), dtypes=(BF16,))
     assert cache_facts("model.layers.1.self_attn", mamba, 0, 1, mla_model=True).same_tp  # a GDN state stays split
+
+
+def mamba2(tp: int, groups: int = 1, dim_first: bool = False) -> MambaSpec:
+    """vLLM's MambaSpec of a Mamba2 layer of 8 heads of 16, state 16, kernel 4 at `tp` (its shapes as
+    MambaStateShapeCalculator.mamba2_state_shape gives them; one group is copied to every rank)."""
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+    local_groups = 1 if groups == 1 else groups // tp
+    channels = 8 // tp * 16 + 2 * local_groups * 16
+    conv = (channels, 3) if dim_first else (3, channels)
+    return MambaSpec(block_size=1024, shapes=(conv, (8 // tp, 16, 16)), dtypes=(BF16, torch.float32),
+                     mamba_type=MambaAttentionBackendEnum.MAMBA2)
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_a_mamba2_state_of_a_known_class_splits_into_pools_that_pair_any_tp_sizes(groups):
+    """Each piece (connector.core.state_split) is a head-sharded per-request pool; the layouts of both sides have
+    one fingerprint, and the plan from TP2 to TP1 sends decode every head of every piece once."""
+    from connector.vllm.states import StateSplit
+
+    def model_at(tp: int):
+        name = "model.layers.0.mixer"
+        split = StateSplit(tp, False, {name: ("mamba2", groups == 1 and tp > 1)})
+        c = cache_facts(name, mamba2(tp, groups), 0, 1, split=split)
+        assert not c.same_tp and len(c.pieces) == 3 * 3 + 1
+        return model_from_caches([c], 1, ModelNames("m", "bfloat16", "auto"))
+
+    one, two = model_at(1), model_at(2)
+    assert one.fingerprint() == two.fingerprint()
+    assert two.pools["mixer:conv-sd.r0.B"].num_heads == groups and two.pools["mixer:ssm"].num_heads == 8
+    plan = build_plan(two, ParallelLayout.build(1, 2, 1), ParallelLayout.build(1, 1, 1))
+    check_plan(plan)
+    b_sources = {r.src.tp for r in plan.routes if r.pool == "mixer:conv-sd.r1.B"}
+    assert len(b_sources) == groups  # one group: read whole from one rank; two: one from each
+
+
+def test_a_state_whose_class_is_not_known_to_split_stays_tied_to_one_tp_size():
+    """Kimi's and GLM-5-next's KDA layers declare GDN_ATTN but keep KDA's conv state: only the classes in
+    SPLIT_MODULES split, and a state whose shapes are not its kind's stays whole, tied to one TP size."""
+    from connector.vllm.states import StateSplit
+
+    name = "model.layers.0.mixer"
+    assert cache_facts(name, mamba2(2), 0, 1, split=StateSplit(2, False, {})).same_tp  # not a known module
+    wrong_kind = StateSplit(2, False, {name: ("gdn", False)})
+    assert cache_facts(name, mamba2(2), 0, 1, split=wrong_kind).same_tp  # declares MAMBA2, module says gdn
+    odd = MambaSpec(block_size=1024, shapes=((3, 129), (4, 16, 16)), dtypes=(BF16, torch.float32))
+    assert cache_facts(name, odd, 0, 1, split=StateSplit(2, False, {name: ("mamba2", False)})).same_tp
+
+
+def test_state_split_of_reads_the_modules_exact_classes():
+    """Which layers split, from vLLM's forward context: a module of exactly a class in SPLIT_MODULES, a Mamba2
+    module whose conv1d is not merged per output holds its one group on every rank; a subclass does not count."""
+    from types import SimpleNamespace
+
+    from connector.vllm.states import SPLIT_MODULES, state_split_of
+
+    def module(path: str, **attrs):
+        mod, _, cls = path.rpartition(".")
+        return type(cls, (), {"__module__": mod})() if not attrs else \
+            type(cls, (), {"__module__": mod, **attrs})()
+
+    merged, plain = (type(n, (), {})() for n in ("MergedColumnParallelLinear", "ColumnParallelLinear"))
+    mamba2_path, gdn_path = list(SPLIT_MODULES)[1], list(SPLIT_MODULES)[2]
+    context = {"model.layers.0.mixer": module(mamba2_path, conv1d=plain, tp_size=2),
+               "model.layers.1.mixer": module(mamba2_path, conv1d=merged, tp_size=2),
+               "model.layers.2.linear_attn": module(gdn_path),
+               "model.layers.3.linear_attn": module("vllm.models.kimi_k3.nvidia.kda.KimiK3DeltaAttention")}
+    cfg = SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context=context),
+                          parallel_config=SimpleNamespace(tensor_parallel_size=2))
+    split = state_split_of(cfg)
+    assert split.tp == 2 and split.kinds == {"model.layers.0.mixer": ("mamba2", True),
+                                             "model.layers.1.mixer": ("mamba2", False),
+                                             "model.layers.2.linear_attn": ("gdn", False)}

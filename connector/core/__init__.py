@@ -7,6 +7,7 @@ exception the package raises.
   plan            which prefill rank sends which (pool, global layer, heads) to which decode rank
   descriptors     block ids -> (address, length) descriptor lists for one route
   block_views     the two sides' regions in blocks of the smaller size, where their block sizes differ
+  state_split     a Mamba/GDN state page as pieces split over TP (conv sub-projections, SSM heads)
   staging_ranges  the pure half of staging: what a chunk holds, how a batch is cut, the byte allocator
   checksums       the end-to-end digest of what a transfer filled (`kv_checksum`)
   untrusted       a peer's text as it may appear in a log line (escaped, bounded)

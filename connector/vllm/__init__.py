@@ -17,6 +17,7 @@ happens while vLLM builds its VllmConfig, before any model is loaded. Importing 
   idle_hold       holding and awaiting KV at little CPU: vLLM's empty steps spaced out
   worker          the worker side (one per GPU worker): vLLM's tensors -> regions, its hooks -> engine calls
   specs           the model's layout from the KV-cache specs vLLM built, not from an architecture table
+  states          which Mamba/GDN states split over TP, from the layer modules' exact classes
   regions         which pool and global layer each KV-cache tensor is, as Regions
   token_layout    how the attention backend lays tokens out in a block, asked of its own cache-update kernel
   layer_signals   per-layer "KV written" signals for the attention layers vLLM never hooks

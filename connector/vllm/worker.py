@@ -34,6 +34,7 @@ from connector.vllm.metadata import SparseKVHandshake, SparseKVMetadata
 from connector.vllm.regions import LayoutOf, build_regions, classify_layers, model_layout_from_hf
 from connector.vllm.specs import (CacheFacts, assign_pools, draft_layer_names, gather_stages, model_from_caches,
                                   model_names)
+from connector.vllm.states import state_split_of
 from connector.vllm.stats import SparseKVConnectorStats
 
 log = logging.getLogger(__name__)
@@ -134,7 +135,7 @@ class WorkerSide:
         model = self.vllm_config.model_config
         return classify_layers(self.kv_cache_config, model.get_total_num_kv_heads(),
                                draft_layer_names(self.vllm_config), model.hf_text_config.num_hidden_layers,
-                               bool(getattr(model, "use_mla", False)))
+                               bool(getattr(model, "use_mla", False)), state_split_of(self.vllm_config))
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         # Again, now that every layer module (a draft model's too) is in the forward context.

