@@ -160,3 +160,15 @@ def test_shapes_that_do_not_decompose_are_refused(kind, shapes, match):
 def test_a_replicated_group_must_be_one_group_per_rank():
     with pytest.raises(LayoutError, match="holds 2 per rank, not 1"):
         split_state("mamba2", [(3, 40), (8, 4, 2)], [4, 4], 2, False, groups_replicated=True)
+
+
+def test_prefill_and_decode_of_different_conv_layouts_are_refused_naming_the_setting():
+    from connector.core.describe import layout_difference
+
+    def layout(dim_first: bool) -> ModelLayout:
+        return model_layout(Rank(MODELS["mamba2-4groups"], 2, 0, dim_first, fill=False).pools())
+
+    assert layout_difference(layout(True), layout(False), "prefill", "decode") == (
+        "prefill stores its Mamba/GDN conv states channels first (DS) and decode rows first (SD) (vLLM's "
+        "VLLM_SSM_CONV_STATE_LAYOUT): set it the same on both engines")
+    assert layout_difference(layout(True), layout(True)) == ""

@@ -37,6 +37,10 @@ def layout_difference(mine: ModelLayout, theirs: ModelLayout, me: str = "this si
     if mine.num_layers != theirs.num_layers:
         return (f"{me} has {mine.num_layers} layers, {them} {theirs.num_layers} (a different model, or draft "
                 f"layers of speculative decoding on one side only?)")
+    layouts = [_conv_layouts(mine), _conv_layouts(theirs)]
+    if all(layouts) and layouts[0] != layouts[1]:
+        return (f"{me} stores its Mamba/GDN conv states {layouts[0]} and {them} {layouts[1]} (vLLM's "
+                f"VLLM_SSM_CONV_STATE_LAYOUT): set it the same on both engines")
     for name in sorted(set(mine.pool_names) | set(theirs.pool_names), key=_pool_order):
         empty = PoolSpec(name, (), 1, 0, 1, False)
         a, b = mine.pools.get(name, empty), theirs.pools.get(name, empty)
@@ -50,3 +54,12 @@ def layout_difference(mine: ModelLayout, theirs: ModelLayout, me: str = "this si
                 (b.num_heads, b.bytes_per_token_per_head, b.num_parts, b.sharded, *b.extras()):
             return f"{me} keeps {describe_pool(a)}, {them} {describe_pool(b)}"
     return ""
+
+
+def _conv_layouts(model: ModelLayout) -> str:
+    """How a model's split Mamba/GDN states keep their conv state (connector.core.state_split names its pieces
+    `conv-ds.*` or `conv-sd.*`), in words; '' without such a state."""
+    kinds = {part.split(".")[0] for name, p in model.pools.items() if p.layers
+             for part in name.split(":")[1:] if part.startswith("conv-")}
+    words = {"conv-ds": "channels first (DS)", "conv-sd": "rows first (SD)"}
+    return " and ".join(words[k] for k in sorted(kinds) if k in words)
