@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from connector.core.layout import POOLS, ModelLayout, PoolSpec
 from connector.core.plan import fold_ranges
+from connector.core.state_split import conv_layouts
 from connector.core.untrusted import shown
 
 
@@ -37,7 +38,7 @@ def layout_difference(mine: ModelLayout, theirs: ModelLayout, me: str = "this si
     if mine.num_layers != theirs.num_layers:
         return (f"{me} has {mine.num_layers} layers, {them} {theirs.num_layers} (a different model, or draft "
                 f"layers of speculative decoding on one side only?)")
-    layouts = [_conv_layouts(mine), _conv_layouts(theirs)]
+    layouts = [conv_layouts(n for n, p in m.pools.items() if p.layers) for m in (mine, theirs)]
     if all(layouts) and layouts[0] != layouts[1]:
         return (f"{me} stores its Mamba/GDN conv states {layouts[0]} and {them} {layouts[1]} (vLLM's "
                 f"VLLM_SSM_CONV_STATE_LAYOUT): set it the same on both engines")
@@ -54,12 +55,3 @@ def layout_difference(mine: ModelLayout, theirs: ModelLayout, me: str = "this si
                 (b.num_heads, b.bytes_per_token_per_head, b.num_parts, b.sharded, *b.extras()):
             return f"{me} keeps {describe_pool(a)}, {them} {describe_pool(b)}"
     return ""
-
-
-def _conv_layouts(model: ModelLayout) -> str:
-    """How a model's split Mamba/GDN states keep their conv state (connector.core.state_split names its pieces
-    `conv-ds.*` or `conv-sd.*`), in words; '' without such a state."""
-    kinds = {part.split(".")[0] for name, p in model.pools.items() if p.layers
-             for part in name.split(":")[1:] if part.startswith("conv-")}
-    words = {"conv-ds": "channels first (DS)", "conv-sd": "rows first (SD)"}
-    return " and ".join(words[k] for k in sorted(kinds) if k in words)

@@ -20,11 +20,16 @@ replicated group is read whole."""
 from __future__ import annotations
 
 import math
+from typing import Iterable
 
 import msgspec
 
 from connector.core.errors import LayoutError
 
+PIECE_SEPARATOR = ":"
+"""Between a state's pool and its piece's name (`mixer:conv-ds.x`); no cache's own pool name holds it."""
+CONV_LAYOUTS = {"conv-ds": "channels first (DS)", "conv-sd": "rows first (SD)"}
+"""The prefix of a conv piece's name -> the conv layout it says (vLLM's VLLM_SSM_CONV_STATE_LAYOUT)."""
 SPLIT_KINDS = ("mamba1", "mamba2", "gdn")
 """The state kinds whose TP split is known (vLLM's MambaAttentionBackendEnum MAMBA1, MAMBA2, GDN_ATTN)."""
 
@@ -58,7 +63,7 @@ def split_state(kind: str, shapes: list[tuple[int, ...]], itemsizes: list[int], 
         for name, units, channels_per_unit, local_units in projections:
             if dim_first:
                 offset, per_unit = first_channel * rows * size, channels_per_unit * rows * size
-                label = f"conv-ds.{name}"
+                label = f"conv-ds.{name}"  # CONV_LAYOUTS
             else:
                 offset, per_unit = (row * channels + first_channel) * size, channels_per_unit * size
                 label = f"conv-sd.r{row}.{name}"
@@ -99,3 +104,10 @@ def _projections(kind: str, channels: int, ssm: tuple[int, ...], tp: int,
     k_heads = whole((channels - v_heads * head_v) / 2 / head_k, "its key heads per rank")
     return [("q", k_heads * tp, head_k, k_heads), ("k", k_heads * tp, head_k, k_heads),
             ("v", v_heads * tp, head_v, v_heads)]
+
+
+def conv_layouts(pool_names: Iterable[str]) -> str:
+    """In words, how the split states among `pool_names` keep their conv state (several if they disagree); '' for
+    none."""
+    prefixes = {name.split(PIECE_SEPARATOR, 1)[1].split(".")[0] for name in pool_names if PIECE_SEPARATOR in name}
+    return " and ".join(CONV_LAYOUTS[p] for p in sorted(prefixes) if p in CONV_LAYOUTS)

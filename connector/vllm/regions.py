@@ -24,7 +24,7 @@ def classify_layers(kv_cache_config: KVCacheConfig, total_kv_heads: int = 1, dra
     """Layer name -> what its spec says (pool, global layer, KV-cache group, sizes); raises LayoutError for a cache
     the connector cannot move. `total_kv_heads` (the model's) sizes the sharded main KV; `draft` names the draft
     model's layers, numbered after the `num_hidden_layers` (connector.vllm.specs.layer_id); `split`: how Mamba/GDN
-    states split over TP (connector.vllm.specs.state_split_of)."""
+    states split over TP (connector.vllm.states.state_split_of)."""
     return {c.name: c for c in stage_caches(kv_cache_config, total_kv_heads, draft, num_hidden_layers, mla_model,
                                             split)}
 
@@ -54,11 +54,11 @@ def region_of(info: CacheFacts, tensor: torch.Tensor, rank: RankLayout, num_bloc
     if not _dense_span(block):
         raise LayoutError(f"KV-cache tensor {info.name}: one block (shape {tuple(block.shape)}, strides "
                           f"{block.stride()}) is not one run of memory; this layout cannot be transferred by block")
+    if info.offset >= 0:  # a piece of a state page: a run of this rank's units at an offset of each block
+        return _piece_region(info, tensor, rank, num_blocks, block_stride * elt, block.numel() * elt)
     heads = rank.heads(info.pool)
     n_heads = heads[1] - heads[0]
     spec = rank.model.pools[info.pool]
-    if info.offset >= 0:
-        return _piece_region(info, tensor, rank, num_blocks, block_stride * elt, block.numel() * elt)
     # K and V may be separate parts or packed in the content dim (vLLM 0.33's [B, H, N, C]): bytes decide. A
     # cache of its own pool holds whole pages: its content, or vLLM's padded page when the view spans it.
     per_head = spec.bytes_per_block_per_head or info.block_size * spec.bytes_per_token_per_head

