@@ -49,9 +49,10 @@ def main() -> None:
     ap.add_argument("--model", default="MiniMaxAI/MiniMax-M3")
     ap.add_argument("--transfer-id", default=uuid.uuid4().hex, help="must be the same on both sides")
     ap.add_argument("--transfer-secret", default=os.environ.get("SPARSE_KV_TRANSFER_SECRET", ""),
-                    help="the transfer's capability, the same on both sides (e.g. python -c 'from connector.protocol.auth "
-                         "import new_transfer_secret as s; print(s())'; default $SPARSE_KV_TRANSFER_SECRET); without one the "
-                         "transfer is open to any holder of the auth token that knows its id (README, Security)")
+                    help="the transfer's capability, the same on both sides (e.g. python -c 'from "
+                         "connector.protocol.auth import new_transfer_secret as s; print(s())'; default "
+                         "$SPARSE_KV_TRANSFER_SECRET); without one the transfer is open to any holder of the auth "
+                         "token that knows its id (README, Security)")
     ap.add_argument("--prompt", default=PROMPT, help="must be the same on both sides (same tokens)")
     ap.add_argument("--tp", type=int, help="tensor parallel size (default: 4 producer, 8 consumer)")
     ap.add_argument("--pp", type=int, help="pipeline parallel size (default: 2 producer, 1 consumer)")
