@@ -5,7 +5,8 @@ A pool (conftest's Pools) per model: one decode engine (TP1, or TP2 for Mamba2's
 worker extension over vLLM's dev-mode /collective_rpc, also the single-engine reference) that serves every test of
 the model, and ONE prefill engine at a time, in the layout a test asks for (`ZooPdPool.prefill("tp1" | "pp2" |
 "tp2")`): the pool starts decode and its first prefill in parallel, and a test that needs another layout ends the
-running prefill (by PID) and starts that one. So the machine never holds more than two engines, and the decode starts once per model.
+running prefill (by PID) and starts that one. So the machine never holds more than two engines, and the decode
+starts once per model.
 
 Prefill engines are pinned to core 0, decode to core 1 (tests.real_engine.sparse_engines says why). The zoo prefills
 compute 90 tokens a step (test_real_zoo_single's budget: a 302-token prompt takes 4 steps, the compressor's groups
