@@ -8,21 +8,26 @@ from __future__ import annotations
 from pathlib import Path
 
 from tests.sparse_model.checkpoint import DSA_ARCH, M3_ARCH
-from tests.sparse_model.zoo.checkpoint import ZOO_ARCH
+from tests.sparse_model.zoo.checkpoint import MAMBA2_ARCH, ZOO_ARCH
 
 MODELS = {M3_ARCH: "tests.sparse_model.m3:TinySparseM3ForCausalLM",
           DSA_ARCH: "tests.sparse_model.dsa:TinySparseDsaForCausalLM",
-          ZOO_ARCH: "tests.sparse_model.zoo.model:TinyZooForCausalLM"}
+          ZOO_ARCH: "tests.sparse_model.zoo.model:TinyZooForCausalLM",
+          MAMBA2_ARCH: "tests.sparse_model.mamba_pp:TinyMamba2ForCausalLM"}
 DIST_NAME = "sparse_kv_test_models"
 
 
 def register() -> None:
-    """Register each model by its dotted path (vLLM imports it lazily, in the processes that build it)."""
+    """Register each model by its dotted path (vLLM imports it lazily, in the processes that build it), and give
+    MAMBA2_ARCH the config hooks vLLM keys by architecture name for its Mamba2 (MODELS_CONFIG_MAP: they set the
+    Mamba block size, without which the mixer cannot declare its MambaSpec)."""
     from vllm import ModelRegistry
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
 
     for arch, path in MODELS.items():
         if arch not in ModelRegistry.get_supported_archs():
             ModelRegistry.register_model(arch, path)
+    MODELS_CONFIG_MAP.setdefault(MAMBA2_ARCH, MODELS_CONFIG_MAP["Mamba2ForCausalLM"])
 
 
 def write_entry_point(folder: str | Path) -> Path:

