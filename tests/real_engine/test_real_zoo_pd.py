@@ -6,6 +6,8 @@ one decode per model, one prefill at a time).
   tiny-zoo-multi  prefill TP1 -> decode TP1, prefill PP2 -> decode TP1: token-equal, each cache's bytes; TP1 also a
                   control per cache (decode wipes it); prefill TP2 -> decode TP1: refused at the handshake, naming
                   the ring (the one cache whose TP split vLLM's spec does not declare)
+  tiny-zoo-multi-rep  the same with its ring declared replicated (max_tp_shards 1): prefill TP2 -> decode TP1,
+                  token-equal, each cache's bytes, a control per cache
   tiny-mamba2     prefill TP1 -> decode TP1, TP2 -> TP1 and TP1 -> TP2 (the state split over TP in pieces):
                   and PP2 -> PP1 (the Mamba2 declared SupportsPP: tests.sparse_model.mamba_pp): token-equal, the
                   state's bytes, a control (decode wipes the state; not for TP1 -> TP2)
@@ -182,6 +184,12 @@ def zoo_multi(pools) -> ZooPdPool:
 
 
 @pytest.fixture
+def zoo_multi_rep(pools) -> ZooPdPool:
+    """tiny-zoo-multi whose ring declares max_tp_shards 1 (MULTI_REPLICATED_RING): a TP1 decode, a TP2 prefill."""
+    return pools.use("zoo-pd-multi-rep", partial(ZooPdPool, "multi-rep", first="tp2"))
+
+
+@pytest.fixture
 def zoo_mamba(pools) -> ZooPdPool:
     return pools.use("zoo-pd-mamba", partial(ZooPdPool, "mamba"))
 
@@ -266,6 +274,19 @@ def test_multi_tp2_to_tp1_is_refused_naming_the_ring(zoo_multi, record_property)
     lines = [line for line in zoo_multi.decode.log_text().splitlines() if "KV transfer failed" in line]
     print(*lines, sep="\n")
     assert lines and refusal in lines[-1], zoo_multi.decode.log_tail()
+    timed(record_property, "requests_s", began)
+
+
+def test_multi_tp2_to_tp1_with_a_replicated_ring_is_token_equal_and_decode_reads_each_cache(zoo_multi_rep,
+                                                                                          record_property):
+    # The same model with its ring declared max_tp_shards 1: every cache of the four on each layer is one replicated
+    # copy per TP rank (main KV: 1 KV head; SWA, ring, compressed: max_tp_shards 1), so decode at TP1 takes each from
+    # one of the TP2 prefill's ranks. Token-equal, each cache's bytes once (not once per prefill rank), and decode
+    # reads every cache it received (a wipe of any one changes the tokens).
+    began = time.monotonic()
+    prefill = zoo_multi_rep.prefill("tp2")
+    check_pd(zoo_multi_rep, prefill, {n: MULTI_PROMPTS[n] for n in (302, 223)})
+    check_wipes(zoo_multi_rep, prefill, prompt_ids(302, seed=11), tuple(SUFFIXES[kind] for kind in POOL_OF))
     timed(record_property, "requests_s", began)
 
 

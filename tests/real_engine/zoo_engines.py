@@ -26,7 +26,7 @@ from connector.transport.ports import free_ports
 from tests.real_engine.conftest import MACHINE_STALL_S, PP_COMPILATION, STARVED_SIDE_CHANNEL, Prefill
 from tests.real_engine.sparse_engines import DECODE_CPUS, PREFILL_CPUS
 from tests.sparse_model.plugin import write_entry_point
-from tests.sparse_model.zoo.checkpoint import ZOO_MODELS, TinyMamba2
+from tests.sparse_model.zoo.checkpoint import MULTI_REPLICATED_RING, ZOO_MODELS, TinyMamba2
 
 ROOT = Path(__file__).resolve().parents[2]
 KV_CACHE_BYTES = 32 << 20
@@ -38,7 +38,9 @@ LAYOUTS = {"tp1": (1, 1), "pp2": (1, 2), "tp2": (2, 1)}
 
 
 def zoo_model(key: str):  # noqa: ANN201 - a TinyZoo or TinyMamba2
-    return TinyMamba2() if key == "mamba" else ZOO_MODELS[key]
+    if key == "mamba":
+        return TinyMamba2()
+    return MULTI_REPLICATED_RING if key == "multi-rep" else ZOO_MODELS[key]
 
 
 class ZooPdPool:

@@ -9,7 +9,7 @@ long memory (vLLM's dummy load and transformers' random init both forget early t
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -54,6 +54,10 @@ class TinyZoo(TinyLlama):
     zoo_layers: tuple[tuple[str, ...], ...] = (("full",), ("ring",))
     ring_capacity: int = 16
     """Ring rows (CircularBufferSpec block_size): 16 x (256 + 256) float32 = 32 KiB."""
+    ring_max_tp_shards: int | None = None
+    """The ring spec's `max_tp_shards`: None, vLLM's default (its TP split undeclared, as qwen4_exp's ring), or 1
+    (replicated, as DeepSeek-V4's compressor state declares): true of the zoo either way, whose projections are
+    ReplicatedLinear, so every TP rank computes the same ring."""
     swa_block_size: int = 32
     """SlidingWindowMLASpec block: 32 tokens x 256 float32 = 32 KiB."""
     compressed_block_size: int = 128
@@ -76,7 +80,8 @@ class TinyZoo(TinyLlama):
         return TinyLlama(**base).config() | {
             "architectures": [ZOO_ARCH], "zoo_layers": [list(kinds) for kinds in self.zoo_layers],
             "zoo_dims": asdict(self.dims), "zoo_ring_capacity": self.ring_capacity,
-            "zoo_swa_block_size": self.swa_block_size, "zoo_compressed_block_size": self.compressed_block_size,
+            "zoo_ring_max_tp_shards": self.ring_max_tp_shards, "zoo_swa_block_size": self.swa_block_size,
+            "zoo_compressed_block_size": self.compressed_block_size,
             "zoo_compressed_alignment": self.compressed_alignment}
 
     def cache_geometry(self, dtype_bytes: int = 4) -> dict[str, CacheGeometry]:
@@ -145,6 +150,9 @@ full layers (ring, swa: their own caches see only the last 16 / 64 tokens) or th
 More layers and sharper queries where fewer left a changed token 5 without effect on 16 generated tokens for
 some prompts. Measured with tests.sparse_model.zoo.reference, 8 prompts of 150-1,200 tokens per model: with token
 5 changed, all 32 generate other tokens within 16, 29 within the first 5."""
+MULTI_REPLICATED_RING = replace(ZOO_MODELS["multi"], name="tiny-zoo-multi-rep", ring_max_tp_shards=1)
+"""tiny-zoo-multi (the same weights) whose ring declares max_tp_shards 1, so that every one of its caches moves
+between TP sizes (test_real_zoo_pd's TP2 -> TP1); not in ZOO_MODELS, whose single-engine tests it would repeat."""
 
 
 @dataclass(frozen=True)

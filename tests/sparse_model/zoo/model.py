@@ -62,7 +62,8 @@ def cache_specs(config, dims: ZooDims, dtype: torch.dtype) -> dict[str, dict]:  
         "swa": dict(cls=SlidingWindowMLASpec, block_size=config.zoo_swa_block_size, num_kv_heads=1,
                     head_size=dims.swa_dim, dtype=dtype, sliding_window=dims.window, max_tp_shards=1),
         "ring": dict(cls=CircularBufferSpec, block_size=config.zoo_ring_capacity, num_kv_heads=1,
-                     head_size=dims.ring_dim, head_size_v=dims.ring_dim, dtype=dtype),
+                     head_size=dims.ring_dim, head_size_v=dims.ring_dim, dtype=dtype,
+                     max_tp_shards=getattr(config, "zoo_ring_max_tp_shards", None)),
         "compressed": dict(cls=MLAAttentionSpec, block_size=config.zoo_compressed_block_size, num_kv_heads=1,
                            head_size=dims.comp_dim, dtype=dtype, tokens_per_state=dims.tokens_per_state,
                            alignment=config.zoo_compressed_alignment, max_tp_shards=1)}
