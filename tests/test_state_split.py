@@ -172,3 +172,17 @@ def test_prefill_and_decode_of_different_conv_layouts_are_refused_naming_the_set
         "prefill stores its Mamba/GDN conv states channels first (DS) and decode rows first (SD) (vLLM's "
         "VLLM_SSM_CONV_STATE_LAYOUT): set it the same on both engines")
     assert layout_difference(layout(True), layout(True)) == ""
+
+
+def test_the_start_up_log_names_a_state_in_pieces_once_with_its_whole_size():
+    from connector.core.describe import describe_model
+
+    model = MODELS["mamba2-4groups"]
+    rank = Rank(model, 1, 0, True, fill=False)
+    text = describe_model(model_layout(rank.pools()))
+    page = sum(p.num_heads * p.unit_bytes for p in rank.pieces)  # a TP1 rank holds the whole state
+    assert page == model.page(0, 1, 0, True).size - PAD
+    assert text.startswith("no kv, no index_k, no index_v, ")
+    assert text.endswith(f"mixer on layers 0-{LAYERS - 1} (cache, {page} B per request over all TP ranks, in 4 "
+                         f"pieces split over TP by heads: conv-ds.B, conv-ds.C, conv-ds.x, ssm)")
+    assert text.count("mixer") == 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from connector.core.layout import POOLS, ModelLayout, PoolSpec
 from connector.core.plan import fold_ranges
-from connector.core.state_split import conv_layouts
+from connector.core.state_split import PIECE_SEPARATOR, conv_layouts
 from connector.core.untrusted import shown
 
 
@@ -25,8 +25,28 @@ def describe_pool(pool: PoolSpec) -> str:
 
 def describe_model(model: ModelLayout) -> str:
     """`kv on layers 0-59 (4 head(s) x 512 B per token, sharded over TP), index_k on layers 3-59 (...), no
-    index_v`."""
-    return ", ".join(describe_pool(model.pools[p]) for p in model.pool_names)
+    index_v`; a state moved in pieces (pools `<cache>:<piece>`) is one entry."""
+    entries, pieces = [], {}
+    for name in model.pool_names:
+        cache, sep, _ = name.partition(PIECE_SEPARATOR)
+        if not sep or not model.pools[name].layers:
+            entries.append(describe_pool(model.pools[name]))
+        elif cache not in pieces:
+            pieces[cache] = [model.pools[name]]
+            entries.append(cache)  # filled in below, where its first piece stood
+        else:
+            pieces[cache].append(model.pools[name])
+    return ", ".join(_describe_pieces(e, pieces[e]) if e in pieces else e for e in entries)
+
+
+def _describe_pieces(cache: str, pools: list[PoolSpec]) -> str:
+    """`mixer on layers 0-3 (MambaSpec, 39296 B per request over all TP ranks, in 10 pieces split over TP by heads:
+    conv-sd.r0.B, ..., ssm)`, the pieces in the order of their pools."""
+    layers = sorted({layer for p in pools for layer in p.layers})
+    total = sum(p.num_heads * p.bytes_per_block_per_head for p in pools)
+    names = ", ".join(p.name.partition(PIECE_SEPARATOR)[2] for p in pools)
+    return (f"{cache} on layers {fold_ranges(layers)} ({shown(pools[0].spec, 64) or 'cache'}, {total} B per request "
+            f"over all TP ranks, in {len(pools)} pieces split over TP by heads: {names})")
 
 
 def _pool_order(name: str) -> tuple[int, str]:
