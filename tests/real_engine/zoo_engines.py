@@ -38,9 +38,7 @@ LAYOUTS = {"tp1": (1, 1), "pp2": (1, 2), "tp2": (2, 1)}
 
 
 def zoo_model(key: str):  # noqa: ANN201 - a TinyZoo or TinyMamba2
-    if key == "mamba":
-        return TinyMamba2()
-    return MULTI_REPLICATED_RING if key == "multi-rep" else ZOO_MODELS[key]
+    return ({"mamba": TinyMamba2(), "multi-rep": MULTI_REPLICATED_RING} | ZOO_MODELS)[key]
 
 
 class ZooPdPool:
