@@ -44,6 +44,42 @@ def test_layer_hooks_wake_the_loop_only_while_their_transfer_streams():
     assert loop.wakes == 2
 
 
+def test_within_the_layer_gap_a_layer_goes_with_the_next_wake(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SenderConfig.layer_wake_gap_us: a streaming layer wakes the loop only if no layer did within the gap; the
+    layers between are queued, in order, and run with the next wake (a later layer past the gap, or the end of the
+    step, which always wakes)."""
+    now = [10_000_000_000]
+    monkeypatch.setattr("connector.engine.inbox.time.monotonic_ns", lambda: now[0])
+    loop = CountingLoop()
+    box = Inbox(loop, "test", layer_gap_us=2000)  # type: ignore[arg-type]
+    ran = []
+
+    def note(*args):  # noqa: ANN002, ANN202
+        ran.append(args)
+
+    box.streaming.add("a")
+    box.put_layer("a", note, 0)  # the first layer wakes
+    assert loop.wakes == 1
+    box.drain()
+    now[0] += 1_000_000  # 1 ms later: within the gap
+    box.put_layer("a", note, 1)
+    now[0] += 900_000
+    box.put_layer("a", note, 2)
+    assert loop.wakes == 1 and len(box) == 2  # queued, nobody woken
+    now[0] += 100_000  # 2 ms after the last wake: this one wakes, and the drain runs the ones before it too
+    box.put_layer("a", note, 3)
+    assert loop.wakes == 2
+    box.drain()
+    assert ran == [("a", 0), ("a", 1), ("a", 2), ("a", 3)]
+    now[0] += 500_000
+    box.put_layer("a", note, 4)  # within the gap again: waits...
+    assert loop.wakes == 2
+    box.put(note, "end of step", wake=True)  # ...for the end of its step, which always wakes
+    assert loop.wakes == 3
+    box.drain()
+    assert ran[-2:] == [("a", 4), ("end of step",)] and len(box) == 0
+
+
 def test_every_call_runs_once_in_order_on_the_loop_with_wakes_and_without():
     """Calls queued from another thread run on the loop: those that wake at once, those that did not wake when the
     next wake comes (the registration's drain, or a later hook), and a failing call does not stop the rest."""

@@ -16,18 +16,25 @@ blocks): the loop wakes in the kernel but runs only once the forward lets the GI
 sleep, a torch op that releases it), and at most one wake is outstanding (`_kicked`), so a burst of layers costs
 one syscall. Where that is not available (not Linux), `call_soon_threadsafe`.
 
-Why every streaming layer wakes, not one in a few. Tried (`bench --model minimax-m3 --tokens 4096`, two runs each,
-interleaved): a wake every 4th layer (the stage's last 4 each waking) cut the hook from 58-60 us to 21-22 us p50 but
-stretched the simulated compute 1.062-1.069x against 1.027-1.028x, with NIXL's threads at 681-715 ms/s of CPU
-against 579-599: four layers posted at once make one large WRITE that NIXL spreads over its threads, which on DRAM
-copy on the forward's cores. The forward's wait is what counts, so the wake stays per layer; a burst still costs one
-syscall (`_kicked`). `os.eventfd_write` instead of the ctypes write: hook p50 38-41 us against 50-65, but p90
-586-959 us against 70-90 (the woken loop took the GIL while the write had let it go) and the compute 1.040-1.065x.
-On this VM a no-op timed the same way after a layer's sleep costs 4-5 us (`hook_floor_us`).
+How often a layer wakes the loop: at most once per `layer_gap_us` (SenderConfig.layer_wake_gap_us, 2 ms). A layer
+that finishes sooner after the last wake only appends; it goes out with the next wake, at the latest the end of its
+forward step (`end_chunk` always wakes), and the sender pumps once per turn (StreamSender._pump_soon), so the layers
+one wake drains leave as one WRITE per decode rank. Layers longer than the gap still each wake as they finish: the
+gap bounds the wakes of short layers, where the loop's Python per wake was the forward's cost. Measured
+(`bench --model qwen3-8b --tokens 256 --layer-ms 1`, 36 layers of 1 ms, two runs each): the loop's CPU while layers
+stream 112 ms/s against 235-240 with a wake per layer, NIXL's threads 185-189 ms/s against 238-248, the hook p50
+2.5-3.0 us against 12-14; the compute's stretch over the same runs without hooks +0.014-0.017 against +0.020-0.026.
+A wake every 4th layer by count (tried before) stretched M3's 8 ms layers (1.062-1.069x against 1.027-1.028x): it
+posted four layers at once as one large WRITE that NIXL spread over its threads, which on DRAM copy on the
+forward's cores; a gap shorter than a layer never batches those. `os.eventfd_write` instead of the ctypes write:
+hook p50 38-41 us against 50-65, but p90 586-959 us against 70-90 (the woken loop took the GIL while the write had
+let it go) and the compute 1.040-1.065x. On this VM a no-op timed the same way after a layer's sleep costs 4-5 us
+(`hook_floor_us`).
 
 The one race, closed without a timer. A hook appends first, then reads `streaming`; the loop adds a transfer to
 `streaming` first (`stream`), then drains on its next turn. A hook whose append came before the add is drained by
-that turn; one whose append came after sees the transfer streaming and wakes the loop. (The loop used to wait with a
+that turn; one whose append came after sees the transfer streaming and wakes the loop (or, within the layer gap,
+goes with the next wake, which the end of its step sends at the latest). (The loop used to wait with a
 10 ms timeout while anything streamed, to cover a hook that read `streaming` before the add and appended after the
 drain: 100 wakes a second, 4-5.7 ms of prefill's CPU per 250 ms for as long as a request computed.)"""
 
@@ -37,6 +44,7 @@ import asyncio
 import ctypes
 import logging
 import os
+import time
 import weakref
 from collections import deque
 from typing import Any, Callable
@@ -61,8 +69,13 @@ def _gil_keeping_write() -> Callable[[int], Any] | None:
 
 
 class Inbox:
-    def __init__(self, loop: asyncio.AbstractEventLoop, name: str) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, name: str, layer_gap_us: int = 0) -> None:
+        """`layer_gap_us`: a streaming layer's hook wakes the loop only if no layer hook did in the last this many
+        microseconds (0: every streaming layer wakes); a layer that does not wake goes out with the next wake, at
+        the latest the end of its chunk (`put(..., wake=True)`)."""
         self.loop, self.name = loop, name
+        self._layer_gap_ns = layer_gap_us * 1000
+        self._last_layer_wake_ns = 0
         self._calls: deque = deque()
         self.streaming: set[str] = set()
         """Transfers still computing that have a decode rank to write to: their layer hooks wake the loop (changed
@@ -96,6 +109,11 @@ class Inbox:
         then check: the order `stream` relies on."""
         self._calls.append((fn, transfer_id, *args))
         if transfer_id in self.streaming:
+            if self._layer_gap_ns:
+                now = time.monotonic_ns()
+                if now - self._last_layer_wake_ns < self._layer_gap_ns:
+                    return  # a layer woke the loop a moment ago: this one goes with the next wake
+                self._last_layer_wake_ns = now
             self._kick()
 
     def _kick(self) -> None:

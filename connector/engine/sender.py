@@ -55,12 +55,14 @@ class StreamSender:
         """Requests started and not released (the ownership's table, read here on every path)."""
         self._tasks = OwnedTasks(f"prefill rank {me.rank}")
         self._server: ControlServer | None = None
-        self._inbox = Inbox(loop, f"prefill rank {me.rank}")
+        self._inbox = Inbox(loop, f"prefill rank {me.rank}", config.layer_wake_gap_us)
         self.hello = me.hello("prefill", transport)
         self._table = PeerTable(transport, self.hello, me.model, me.rank, config)
         self._last_refusal = ""
         """The last decode rank refused at the handshake here, and why (named when a lease expires unread)."""
         self._trim = ParkedTrim()
+        self._to_pump: dict[str, SendRequest] = {}
+        """Requests with layers marked ready this turn, pumped once it ends (`_pump_soon`)."""
         self.dispatch = Dispatch(me, config, self.writer, self.ownership, self.stats, self._tasks, self._inbox,
                                  self._table, lambda tid, ok: self.on_finished and self.on_finished(tid, ok))
         """The destination-and-write half (connector.engine.dispatch): WRITEs, Completes, notices, the release."""
@@ -181,7 +183,20 @@ class StreamSender:
             if not req.points.computed:
                 req.loop_cpu_ns = time.thread_time_ns() - req.loop_cpu_ns
             req.points.mark("computed")
-        self.dispatch.pump(req)
+        self._pump_soon(req)
+
+    def _pump_soon(self, req: SendRequest) -> None:
+        """Pump `req` once the loop has run what this turn holds: layers drained together go out as one batch per
+        destination, not one WRITE (and its loop work) per layer."""
+        if not self._to_pump:
+            self.loop.call_soon(self._pump_marked)
+        self._to_pump[req.transfer_id] = req
+
+    def _pump_marked(self) -> None:
+        marked, self._to_pump = self._to_pump, {}
+        for tid, req in marked.items():
+            if self.requests.get(tid) is req:
+                self.dispatch.pump(req)
 
     def _abort(self, transfer_id: str, reason: str) -> None:
         self.ownership.drop_parked(transfer_id)
