@@ -37,6 +37,10 @@ def run(conn: Any, spec: RankSpec) -> None:
                             f"{spec.placement.netns!r}: {exc}"))
         return
     apply_env(spec.placement.env)
+    # The simulated forward fills its layers with torch on its own thread. With torch's OpenMP pool, a worker spun
+    # after each fill (libgomp's active wait): 200-300 ms/s of CPU that the bench counted as the connector's threads
+    # while layers streamed (other_cpu_*; half of it), and a second core the connector's threads then lacked.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     logging.basicConfig(level=spec.log_level, format=f"%(asctime)s {spec.side}{tuple(spec.rank)} "
                                                      f"%(levelname)s %(name)s: %(message)s")
     from sparse_kv_lab.sim.rank import SimRank  # noqa: PLC0415 - torch and NIXL load only after apply_env()
