@@ -68,8 +68,10 @@ def test_a_request_breaks_down_from_both_engines_lines_and_the_clients_clock(tmp
     prefill_log.write_text("\n".join([
         "INFO an unrelated line",
         line("prefill_scheduler", seen=t + 0.010, scheduled=t + 0.012),
-        line("prefill", rank=[0, 0], started=t + 0.013, computed=t + 0.100, last_write=t + 0.104, released=t + 0.105),
-        line("prefill", rank=[0, 1], started=t + 0.014, computed=t + 0.102, last_write=t + 0.103, released=t + 0.105),
+        line("prefill", rank=[0, 0], started=t + 0.013, computed=t + 0.100, last_write=t + 0.104, released=t + 0.105,
+             loop_cpu_ms=1.25),
+        line("prefill", rank=[0, 1], started=t + 0.014, computed=t + 0.102, last_write=t + 0.103, released=t + 0.105,
+             loop_cpu_ms=0.5),
     ]))
     decode_log.write_text("\n".join([
         line("decode", rank=[0, 0], registered=t + 0.011, landed=t + 0.105, told=t + 0.106),
@@ -79,7 +81,7 @@ def test_a_request_breaks_down_from_both_engines_lines_and_the_clients_clock(tmp
     req = timelines.ClientRequest("t1", 600, sent_at=t, first_token_at=t + 0.130)
     got = timelines.breakdown(req, records["t1"])
     want = {"to_prefill": 10.0, "queue": 2.0, "compute": 89.0, "exposed": 2.0, "registered_after": -91.0,
-            "landed_after": 3.0, "tell": 1.0, "schedule": 1.0, "first_token": 22.0, "ttft": 130.0}
+            "landed_after": 3.0, "tell": 1.0, "schedule": 1.0, "first_token": 22.0, "ttft": 130.0, "loop_cpu": 1.75}
     assert got.keys() == want.keys() and all(abs(got[k] - v) < 1e-6 for k, v in want.items()), got
     summary = timelines.summarize([(600, got), (600, got | {"ttft": 150.0}), (900, {"ttft": 1.0})])
     assert summary[600]["ttft"] == (130.0, 150.0, 2) and summary[900] == {"ttft": (1.0, 1.0, 1)}

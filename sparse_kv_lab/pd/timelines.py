@@ -15,6 +15,9 @@ All points are wall-clock seconds on one machine (the engines and the client sha
   schedule          decode's scheduler heard of it -> scheduled the request
   first_token       decode scheduled it -> the client read the first token (decode's forward, sampling, HTTP)
   ttft              the client's time to first token
+  loop_cpu          CPU the prefill connector's event loop thread used from the request's start until its prompt
+                    was computed (its `loop_cpu_ms`, summed over prefill's ranks): the Python the connector ran
+                    beside the forward for it, not a span of time
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from typing import Any, Iterable
 from connector.engine.timeline import parse_line
 
 COLUMNS = ("to_prefill", "queue", "compute", "exposed", "registered_after", "landed_after", "tell", "schedule",
-           "first_token", "ttft")
+           "first_token", "ttft", "loop_cpu")
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,9 @@ def breakdown(req: ClientRequest, sides: dict[str, list[dict[str, Any]]]) -> dic
             # Only registered_after has a sign. Elsewhere a point a hair "early" is the same moment: the last
             # layers' WRITEs can complete before the loop processes the sweep that marks the prompt computed.
             out[name] = round(ms if name == "registered_after" else max(0.0, ms), 3)
+    loop_cpu = [r["loop_cpu_ms"] for r in pre if isinstance(r.get("loop_cpu_ms"), (int, float))]
+    if loop_cpu:
+        out["loop_cpu"] = round(float(sum(loop_cpu)), 3)
     return out
 
 
