@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from connector.core.hf_config import load_model
+from connector.engine.config import SenderConfig
 from sparse_kv_lab.sim.cluster import Scenario, run_scenario
 from tests.helpers import scenario
 
@@ -106,3 +107,20 @@ def test_different_block_sizes_move_byte_exact(m3_index_v, sizes):
     for r in (dense, sparse):
         assert r.verified, r.problems
         assert r.bytes > 0 and r.staged_chunks == 0 and r.checksummed_blocks > 0
+
+
+def test_layers_within_the_wake_gap_go_out_together_and_none_is_lost(m3_index_v):
+    """SenderConfig.layer_wake_gap_us: a layer hook within the gap of the last wake only queues its layer. With a gap
+    longer than the whole forward, only the first layer wakes the loop (and goes out during compute); the other 11
+    wait for the end of the step and leave together, one WRITE, every byte in place. With no gap, each layer that
+    finds no WRITE in flight is its own. (The second request of each run: the first waits for decode's NIXL agent to
+    load, and everything it has then goes at once.)"""
+    def run(gap_us: int):
+        config = SenderConfig(layer_wake_gap_us=gap_us, record_timeline=True, write_timeout_s=60.0)
+        result = check(scenario(m3_index_v, tokens=256, layer_ms=1.0, fill_ahead=True, staging_mb=0, requests=2,
+                                sender_config=config))
+        return result.requests[-1]
+
+    together, each = run(10_000_000), run(0)
+    assert together["bytes"] == each["bytes"]
+    assert together["nixl_posts"] <= 2 < each["nixl_posts"], (together["nixl_posts"], each["nixl_posts"])
