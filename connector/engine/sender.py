@@ -19,6 +19,7 @@ from connector.engine.batch_writer import BatchWriter
 from connector.engine.config import SenderConfig
 from connector.engine.dispatch import Dispatch
 from connector.engine.inbox import Inbox
+from connector.engine.layer_events import LayerEvents
 from connector.engine.ownership import Ownership
 from connector.engine.peers import PeerTable
 from connector.engine.rank import LocalRank
@@ -61,6 +62,9 @@ class StreamSender:
         self._last_refusal = ""
         """The last decode rank refused at the handshake here, and why (named when a lease expires unread)."""
         self._trim = ParkedTrim()
+        self._events: LayerEvents[tuple[SendRequest, int | None, int]] = LayerEvents(
+            loop, self._tasks.spawn, lambda ready: self._mark_ready(*ready))
+        """Layers waiting for their CUDA event, one wait per loop turn (connector.engine.layer_events)."""
         self._to_pump: dict[str, SendRequest] = {}
         """Requests with layers marked ready this turn, pumped once it ends (`_pump_soon`)."""
         self.dispatch = Dispatch(me, config, self.writer, self.ownership, self.stats, self._tasks, self._inbox,
@@ -163,14 +167,10 @@ class StreamSender:
         if req is None:
             return  # aborted or finished: nothing to send
         tokens = req.computed_tokens
-        if event is not None:
-            self._tasks.spawn(self._after_event(req, global_layer, tokens, event))
+        if event is not None:  # (the tokens as of this call: a later begin_chunk in the same drain moves them on)
+            self._events.add((req, global_layer, tokens), event)
         else:
             self._mark_ready(req, global_layer, tokens)
-
-    async def _after_event(self, req: SendRequest, global_layer: int | None, tokens: int, event: Any) -> None:
-        await asyncio.to_thread(event.synchronize)  # never block the loop on the GPU
-        self._mark_ready(req, global_layer, tokens)
 
     def _mark_ready(self, req: SendRequest, global_layer: int | None, tokens: int) -> None:
         start, end = self.me.stage
