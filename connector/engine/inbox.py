@@ -22,8 +22,9 @@ forward step (`end_chunk` always wakes), and the sender pumps once per turn (Str
 one wake drains leave as one WRITE per decode rank. Layers longer than the gap still each wake as they finish: the
 gap bounds the wakes of short layers, where the loop's Python per wake was the forward's cost. Measured
 (`bench --model qwen3-8b --tokens 256 --layer-ms 1`, 36 layers of 1 ms, two runs each): the loop's CPU while layers
-stream 112 ms/s against 235-240 with a wake per layer, NIXL's threads 185-189 ms/s against 238-248, the hook p50
-2.5-3.0 us against 12-14; the compute's stretch over the same runs without hooks +0.014-0.017 against +0.020-0.026.
+stream 152-161 ms/s against 235-240 with a wake per layer, the other threads 208-212 ms/s against 238-248, the hook
+p50 6.5-9.3 us against 12-14; the compute's stretch over the same runs without hooks +0.013-0.021 against
++0.020-0.026 (docs/performance.md). A 2.5 ms gap, two layers and more per wake: 112 ms/s, 185-189, 2.5-3.0 us.
 A wake every 4th layer by count (tried before) stretched M3's 8 ms layers (1.062-1.069x against 1.027-1.028x): it
 posted four layers at once as one large WRITE that NIXL spread over its threads, which on DRAM copy on the
 forward's cores; a gap shorter than a layer never batches those. `os.eventfd_write` instead of the ctypes write:
