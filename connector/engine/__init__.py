@@ -14,6 +14,7 @@
   plans         transfer plans per peer layout, built off the loop and cached
   stats         the sender's counters and their per-interval deltas
   inbox         the hand-off from vLLM's forward thread to the loop (hooks append; a wake only when one is due)
+  layer_events  prefill on a GPU: the layers one loop turn holds wait for their CUDA events together
   agents        prefill: the decode ranks' NIXL agents it keeps loaded, bound to their engine key, capped
   trim          prefill: memory waiting registrations held, handed back to the system once they are gone
   timeline      per-request timelines: when each stage of a transfer happened, on each side
