@@ -43,10 +43,11 @@ class SenderConfig:
     """One WRITE (or staged chunk), from admission to completion."""
     max_writes_per_destination: int = 2
     layer_wake_gap_us: int = 2000
-    """A computed layer wakes the sender's loop only if no layer did in the last this many microseconds; the layers
-    in between go out with the next wake, as one WRITE per decode rank, at the latest at the end of their forward
-    step. Bounds the loop's wakes (and the Python each costs under the forward's GIL) to about 500 a second however
-    short the layers are; layers longer than this each wake it as they finish. 0: every layer wakes."""
+    """Prefill: a computed layer wakes the sender's loop only if no layer did in the last this many microseconds; the
+    layers in between go out with the next wake, as one WRITE per decode rank, at the latest at the end of their
+    forward step. Bounds the loop's wakes (and the Python each costs under the forward's GIL) to about 500 a second
+    however short the layers are; layers longer than this each wake it as they finish (docs/performance.md). 0: every
+    layer wakes."""
     released_memory_s: float = 600.0
     """How long a finished transfer id is remembered, so a late registration for it is refused clearly."""
     given_up_keep_s: float = 2.0

@@ -129,10 +129,6 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     transfer_timeout_s: Positive = _RECEIVER.transfer_timeout_s
     write_timeout_s: Positive = _SENDER.write_timeout_s
     layer_wake_gap_us: Annotated[int, Meta(ge=0, le=1_000_000)] = _SENDER.layer_wake_gap_us
-    """Prefill: a computed layer wakes the connector's event loop only if no layer did in the last this many
-    microseconds; the layers between go out together with the next wake (at the latest at the end of the forward
-    step), as one WRITE per decode rank. Caps the loop's Python under the forward's GIL at about 500 wakes a second
-    for short layers (docs/performance.md). 0: every layer wakes the loop as it finishes."""
     heartbeat_interval_s: Positive = _SIDE.heartbeat_interval_s
     """How often each side-channel connection sends a heartbeat (decode's also extend prefill's leases)."""
     dead_after_s: Positive = _SIDE.dead_after_s
