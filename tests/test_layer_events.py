@@ -29,11 +29,11 @@ def test_one_wait_per_turn_on_the_last_event_then_every_layer_in_order():
         assert ready == [] and events.waits == 0  # nothing waited for inside the turn itself
         await asyncio.sleep(0)
         await asyncio.gather(*tasks)
-        first = list(ready)
+        assert ready == [("req", 0, 256), ("req", 1, 256), ("req", 2, 256)]  # all three, once the last was waited for
         events.add(("req", None, 256), Event("sweep", waited))  # the next turn: a wait of its own
         await asyncio.sleep(0)
         await asyncio.gather(*tasks)
-        return waited, first + ready[len(first):], events, threading.get_ident()
+        return waited, ready, events, threading.get_ident()
 
     waited, ready, events, loop_thread = asyncio.run(main())
     assert [name for name, _ in waited] == ["e2", "sweep"]  # the last of each turn only
