@@ -109,7 +109,7 @@ class Inbox:
         """A layer hook: wakes the loop only if `transfer_id` has somewhere to send the layer now. Append first,
         then check: the order `stream` relies on."""
         self._calls.append((fn, transfer_id, *args))
-        if transfer_id in self.streaming:
+        if transfer_id in self.streaming and not self._kicked:  # (a wake on its way covers this layer: no clock)
             if self._layer_gap_ns:
                 now = time.monotonic_ns()
                 if now - self._last_layer_wake_ns < self._layer_gap_ns:
