@@ -208,3 +208,59 @@ def test_a_burst_of_hooks_sends_one_wake_per_drain() -> None:
     loop.run_until_complete(main())
     loop.close()
     assert ran == [("t", i) for i in range(100)]
+
+
+class Clocks:
+    """The wall clock the hooks read and the loop thread's CPU clock, both in ns, moved by hand."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.now_ns, self.cpu_ns = 10_000_000_000, 0
+        monkeypatch.setattr("connector.engine.inbox.time.monotonic_ns", lambda: self.now_ns)
+
+
+def _layers(box: Inbox, loop: CountingLoop, clocks: Clocks, count: int, layer_ms: float, wake_cpu_us: int) -> int:
+    """`count` layer hooks `layer_ms` apart; each wake they send is answered by the loop's turn, which costs the loop
+    `wake_cpu_us` of CPU. Returns how many woke the loop."""
+    woke = 0
+    for _ in range(count):
+        clocks.now_ns += int(layer_ms * 1e6)
+        before = loop.wakes
+        box.put_layer("a", lambda *_: None, 0)
+        if loop.wakes > before:
+            woke += 1
+            box._on_wake()  # the turn the wake starts: paces, then drains
+            clocks.cpu_ns += wake_cpu_us * 1000
+    return woke
+
+
+def test_the_layer_gap_widens_until_a_wake_costs_at_most_its_share_of_the_loop(monkeypatch: pytest.MonkeyPatch):
+    """SenderConfig.layer_wake_cpu_share: the loop measures its CPU from one wake to the next while layers stream
+    and widens the gap between layer wakes to cost / share, between layer_wake_gap_us and layer_wake_gap_max_us.
+    Where a wake is cheap the floor holds; idle time between requests is never counted as a wake's cost."""
+    clocks, loop = Clocks(monkeypatch), CountingLoop()
+    box = Inbox(loop, "test", layer_gap_us=2000, cpu_share=0.02, layer_gap_max_us=50_000,  # type: ignore[arg-type]
+                cpu_clock=lambda: clocks.cpu_ns)
+    box.streaming.add("a")
+    assert _layers(box, loop, clocks, 2, 8, wake_cpu_us=600) == 2  # 8 ms layers, a 2 ms floor: each wakes
+    assert box.cpu_per_wake_ns == 600_000 and box.layer_gap_us == 30_000  # 0.6 ms / 2% = 30 ms
+    assert _layers(box, loop, clocks, 12, 8, wake_cpu_us=600) == 3  # one wake per 4 layers of 8 ms now
+    assert box.layer_gap_us == 30_000
+
+    _layers(box, loop, clocks, 40, 8, wake_cpu_us=5_000)  # a wake costs 5 ms: the gap stops at the maximum
+    assert box.layer_gap_us == 50_000
+    _layers(box, loop, clocks, 400, 8, wake_cpu_us=20)  # 20 us a wake (a fast host): back to the floor
+    assert box.layer_gap_us == 2000
+
+    cost = box.cpu_per_wake_ns
+    box.streaming.discard("a")  # between requests: the loop's CPU meanwhile is no wake's cost
+    box.put(lambda: None, wake=True)
+    box._on_wake()
+    clocks.cpu_ns += 1_000_000_000
+    box.streaming.add("a")
+    _layers(box, loop, clocks, 1, 8, wake_cpu_us=20)  # its first wake only marks the clock
+    assert box.cpu_per_wake_ns == cost
+
+    every = Inbox(loop, "test", layer_gap_us=0, cpu_share=0.02, layer_gap_max_us=50_000,  # type: ignore[arg-type]
+                  cpu_clock=lambda: clocks.cpu_ns)
+    every.streaming.add("a")
+    assert _layers(every, loop, clocks, 10, 8, wake_cpu_us=5_000) == 10  # gap 0: every layer wakes, no pacing

@@ -120,6 +120,8 @@ def changed(value):
         raise AssertionError(f"no changed value for {value!r}")
     if isinstance(value, str):
         return value + "-x"
+    if isinstance(value, float) and 0 < value < 1:
+        return value / 2  # a share (layer_wake_cpu_share) stays within 0..1
     return value * 2 + 1
 
 

@@ -115,8 +115,8 @@ def test_layers_within_the_wake_gap_go_out_together_and_none_is_lost(m3_index_v)
     wait for the end of the step and leave together, one WRITE, every byte in place. With no gap, each layer that
     finds no WRITE in flight is its own. (The second request of each run: the first waits for decode's NIXL agent to
     load, and everything it has then goes at once.)"""
-    def run(gap_us: int):
-        config = SenderConfig(layer_wake_gap_us=gap_us, record_timeline=True, write_timeout_s=60.0)
+    def run(gap_us: int, **pacing: float):
+        config = SenderConfig(layer_wake_gap_us=gap_us, record_timeline=True, write_timeout_s=60.0, **pacing)
         result = check(scenario(m3_index_v, tokens=256, layer_ms=1.0, fill_ahead=True, staging_mb=0, requests=2,
                                 sender_config=config))
         return result.requests[-1]
@@ -124,3 +124,7 @@ def test_layers_within_the_wake_gap_go_out_together_and_none_is_lost(m3_index_v)
     together, each = run(10_000_000), run(0)
     assert together["bytes"] == each["bytes"]
     assert together["nixl_posts"] <= 2 < each["nixl_posts"], (together["nixl_posts"], each["nixl_posts"])
+    # SenderConfig.layer_wake_cpu_share: a loop allowed next to no CPU per wake widens the 1 ms floor to its maximum
+    # (10 s here) from the first request's wakes on, so the second request's layers wait for the end of the step
+    paced = run(1000, layer_wake_cpu_share=1e-9, layer_wake_gap_max_us=10_000_000)
+    assert paced["bytes"] == each["bytes"] and paced["nixl_posts"] <= 2, paced["nixl_posts"]

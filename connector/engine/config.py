@@ -46,8 +46,19 @@ class SenderConfig:
     """Prefill: a computed layer wakes the sender's loop only if no layer did in the last this many microseconds; the
     layers in between go out with the next wake, as one WRITE per decode rank, at the latest at the end of their
     forward step. Bounds the loop's wakes (and the Python each costs under the forward's GIL) to about 500 a second
-    however short the layers are; layers longer than this each wake it as they finish (docs/performance.md). 0: every
-    layer wakes."""
+    however short the layers are (docs/performance.md). The floor of the gap: `layer_wake_cpu_share` raises it where
+    a wake costs more. 0: every layer wakes (and no pacing)."""
+    layer_wake_cpu_share: float = 0.02
+    """Prefill: the share of a core the sender's loop may spend on layer wakes while layers stream. The loop
+    measures its CPU per wake and widens the gap between layer wakes (from `layer_wake_gap_us` up to
+    `layer_wake_gap_max_us`) until a wake's cost is at most this share of the time to the next one: the forward
+    pays for that CPU where it shares the core or the GIL. 0: the gap stays at `layer_wake_gap_us`."""
+    layer_wake_gap_max_us: int = 20_000
+    """Prefill: the widest gap between layer wakes that `layer_wake_cpu_share` may set. Layers computed within the
+    last gap go out at the end of their step at the latest, so this bounds what streaming leaves for after it. 20 ms:
+    on the M3 bench (8 ms layers) 30 and 50 ms stretched the forward to 1.03-1.06x, as several layers' copy at once
+    overlapped the next layers, against 1.019x at 20 ms; a CPU engine whose prefill owns one core gains from more
+    (docs/performance.md)."""
     released_memory_s: float = 600.0
     """How long a finished transfer id is remembered, so a late registration for it is refused clearly."""
     given_up_keep_s: float = 2.0

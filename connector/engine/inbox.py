@@ -16,21 +16,27 @@ blocks): the loop wakes in the kernel but runs only once the forward lets the GI
 sleep, a torch op that releases it), and at most one wake is outstanding (`_kicked`), so a burst of layers costs
 one syscall. Where that is not available (not Linux), `call_soon_threadsafe`.
 
-How often a layer wakes the loop: at most once per `layer_gap_us` (SenderConfig.layer_wake_gap_us, 2 ms). A layer
-that finishes sooner after the last wake only appends; it goes out with the next wake, at the latest the end of its
-forward step (`end_chunk` always wakes), and the sender pumps once per turn (StreamSender._pump_soon), so the layers
-one wake drains leave as one WRITE per decode rank. Layers longer than the gap still each wake as they finish: the
-gap bounds the wakes of short layers, where the loop's Python per wake was the forward's cost. Measured
-(`bench --model qwen3-8b --tokens 256 --layer-ms 1`, 36 layers of 1 ms, two runs each): the loop's CPU while layers
-stream 152-161 ms/s against 235-240 with a wake per layer, the other threads 208-212 ms/s against 238-248, the hook
-p50 6.5-9.3 us against 12-14; the compute's stretch over the same runs without hooks +0.013-0.021 against
-+0.020-0.026 (docs/performance.md). A 2.5 ms gap, two layers and more per wake: 112 ms/s, 185-189, 2.5-3.0 us.
-A wake every 4th layer by count (tried before) stretched M3's 8 ms layers (1.062-1.069x against 1.027-1.028x): it
-posted four layers at once as one large WRITE that NIXL spread over its threads, which on DRAM copy on the
-forward's cores; a gap shorter than a layer never batches those. `os.eventfd_write` instead of the ctypes write:
-hook p50 38-41 us against 50-65, but p90 586-959 us against 70-90 (the woken loop took the GIL while the write had
-let it go) and the compute 1.040-1.065x. On this VM a no-op timed the same way after a layer's sleep costs 4-5 us
-(`hook_floor_us`).
+How often a layer wakes the loop: at most once per gap. A layer that finishes sooner after the last wake only
+appends; it goes out with the next wake, at the latest the end of its forward step (`end_chunk` always wakes), and
+the sender pumps once per turn (StreamSender._pump_soon), so the layers one wake drains leave as one WRITE per
+decode rank. The gap starts at `layer_gap_us` (SenderConfig.layer_wake_gap_us, 2 ms), which bounds the wakes of
+short layers. It then follows what a wake costs: the loop reads its own CPU clock once per wake while layers stream,
+and sets the gap to that cost over `cpu_share` (SenderConfig.layer_wake_cpu_share, 2% of a core), up to
+`layer_gap_max_us` (20 ms; `_pace`). A wake is a fixed sum of syscalls and Python whatever it carries (the drain, the
+WRITE's post, its completion), and the forward pays it where it shares the core or the GIL. Measured on vLLM's CPU
+engine here (deep model, 16 layers of 3-20 ms, prefill on one core): 0.5-0.7 ms of the loop's CPU per wake, so a
+wake per layer made the compute stage 27% (600 tokens) and 7% (3,000) longer than the sequential flow's; paced, the
+gap reaches its 20 ms and that is 5% and 4% (docs/performance.md). Where a wake costs 40 us the gap stays at its
+2 ms floor.
+Short layers at the floor (`bench --model qwen3-8b --tokens 256 --layer-ms 1`, 36 layers of 1 ms, two runs each):
+the loop's CPU while layers stream 152-161 ms/s against 235-240 with a wake per layer, the hook p50 6.5-9.3 us
+against 12-14. A wake every 4th layer by count (tried before) stretched M3's 8 ms layers (1.062-1.069x against
+1.027-1.028x) in a bench whose simulated forward then ran torch's spinning OpenMP pool beside NIXL's copy; with the
+forward on one thread, a 20 ms gap gives 1.017-1.020x against 1.020-1.022x at 2 ms. `os.eventfd_write` instead of
+the ctypes write: hook p50 38-41 us against 50-65, but p90 586-959 us against 70-90 (the woken loop took the GIL
+while the write had let it go) and the compute 1.040-1.065x. On this VM a no-op timed the same way after a layer's
+sleep costs 2-5 us (`hook_floor_us`); a hook that wakes the loop costs 28-35 us of its own CPU (the wake of a
+sleeping thread), one that only appends 10-15 us (its code cold after the layer's fill).
 
 The one race, closed without a timer. A hook appends first, then reads `streaming`; the loop adds a transfer to
 `streaming` first (`stream`), then drains on its next turn. A hook whose append came before the add is drained by
@@ -70,12 +76,24 @@ def _gil_keeping_write() -> Callable[[int], Any] | None:
 
 
 class Inbox:
-    def __init__(self, loop: asyncio.AbstractEventLoop, name: str, layer_gap_us: int = 0) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, name: str, layer_gap_us: int = 0, cpu_share: float = 0.0,
+                 layer_gap_max_us: int = 0, cpu_clock: Callable[[], int] = time.thread_time_ns) -> None:
         """`layer_gap_us`: a streaming layer's hook wakes the loop only if no layer hook did in the last this many
         microseconds (0: every streaming layer wakes); a layer that does not wake goes out with the next wake, at
-        the latest the end of its chunk (`put(..., wake=True)`)."""
+        the latest the end of its chunk (`put(..., wake=True)`). `cpu_share` > 0: the gap grows, up to
+        `layer_gap_max_us`, until the loop's CPU per wake while layers stream is at most this share of the time
+        between wakes (`_pace`); `cpu_clock`, the loop thread's CPU clock, is for tests."""
         self.loop, self.name = loop, name
-        self._layer_gap_ns = layer_gap_us * 1000
+        self._gap_floor_ns = layer_gap_us * 1000
+        self._layer_gap_ns = self._gap_floor_ns
+        self._cpu_share = cpu_share if layer_gap_us else 0.0  # (gap 0: every layer wakes, as asked)
+        self._gap_max_ns = max(layer_gap_max_us * 1000, self._gap_floor_ns)
+        self._cpu_clock = cpu_clock
+        self._cpu_mark_ns: int | None = None
+        """The loop's CPU clock at the last wake while something streamed (None: none since streaming began)."""
+        self.cpu_per_wake_ns = 0
+        """What a wake costs the loop while layers stream: its CPU from one wake to the next (that wake's drain, the
+        WRITE it posts and the WRITE's completion), averaged over recent wakes."""
         self._last_layer_wake_ns = 0
         self._calls: deque = deque()
         self.streaming: set[str] = set()
@@ -110,7 +128,7 @@ class Inbox:
         then check: the order `stream` relies on."""
         self._calls.append((fn, transfer_id, *args))
         if transfer_id in self.streaming and not self._kicked:  # (a wake on its way covers this layer: no clock)
-            if self._layer_gap_ns:
+            if self._layer_gap_ns:  # (set by the loop: one int, read atomically)
                 now = time.monotonic_ns()
                 if now - self._last_layer_wake_ns < self._layer_gap_ns:
                     return  # a layer woke the loop a moment ago: this one goes with the next wake
@@ -150,13 +168,39 @@ class Inbox:
                 self._reading = False
                 self.loop.remove_reader(self._efd)
 
+    @property
+    def layer_gap_us(self) -> float:
+        """The gap between layer wakes now (the floor, or what `_pace` raised it to)."""
+        return self._layer_gap_ns / 1000
+
     def _on_wake(self) -> None:
         if self._efd >= 0:
             try:
                 os.eventfd_read(self._efd)
             except BlockingIOError:  # read already (two wakes, one drain): nothing to consume
                 pass
+        if self._cpu_share:
+            self._pace()
         self.drain()
+
+    def _pace(self) -> None:
+        """(loop, each wake) Sets the layer gap from what a wake costs the loop here: its CPU since the previous
+        wake while layers streamed, averaged (1/4 new), over `cpu_share`, between the floor and the maximum. A wake
+        costs a fixed sum of Python and syscalls whatever it carries, and on a core the forward shares (or under its
+        GIL) that sum is the forward's: measured on this 2-vCPU VM 0.5-0.7 ms per wake on vLLM's CPU engine, so a
+        wake per 3-15 ms layer cost its compute 5-20% (docs/performance.md). The gap keeps the share bounded on any
+        machine: where a wake costs 40 us the floor holds; here the gap grows to tens of ms and a wake carries
+        several layers. Reads the thread's CPU clock once per wake, never in a hook."""
+        if not self.streaming:
+            self._cpu_mark_ns = None  # idle between requests is not a wake's cost
+            return
+        cpu = self._cpu_clock()
+        if self._cpu_mark_ns is not None:
+            spent = cpu - self._cpu_mark_ns
+            self.cpu_per_wake_ns = spent if not self.cpu_per_wake_ns else (3 * self.cpu_per_wake_ns + spent) // 4
+            gap = int(self.cpu_per_wake_ns / self._cpu_share)
+            self._layer_gap_ns = min(max(gap, self._gap_floor_ns), self._gap_max_ns)
+        self._cpu_mark_ns = cpu
 
     def drain(self) -> None:
         """Run the queued calls, in order (on the loop)."""

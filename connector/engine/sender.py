@@ -56,7 +56,8 @@ class StreamSender:
         """Requests started and not released (the ownership's table, read here on every path)."""
         self._tasks = OwnedTasks(f"prefill rank {me.rank}")
         self._server: ControlServer | None = None
-        self._inbox = Inbox(loop, f"prefill rank {me.rank}", config.layer_wake_gap_us)
+        self._inbox = Inbox(loop, f"prefill rank {me.rank}", config.layer_wake_gap_us, config.layer_wake_cpu_share,
+                            config.layer_wake_gap_max_us)
         self.hello = me.hello("prefill", transport)
         self._table = PeerTable(transport, self.hello, me.model, me.rank, config)
         self._last_refusal = ""

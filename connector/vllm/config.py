@@ -129,6 +129,8 @@ class ConnectorSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     transfer_timeout_s: Positive = _RECEIVER.transfer_timeout_s
     write_timeout_s: Positive = _SENDER.write_timeout_s
     layer_wake_gap_us: Annotated[int, Meta(ge=0, le=1_000_000)] = _SENDER.layer_wake_gap_us
+    layer_wake_cpu_share: Annotated[float, Meta(ge=0.0, le=1.0)] = _SENDER.layer_wake_cpu_share
+    layer_wake_gap_max_us: Annotated[int, Meta(ge=0, le=1_000_000)] = _SENDER.layer_wake_gap_max_us
     heartbeat_interval_s: Positive = _SIDE.heartbeat_interval_s
     """How often each side-channel connection sends a heartbeat (decode's also extend prefill's leases)."""
     dead_after_s: Positive = _SIDE.dead_after_s
