@@ -200,7 +200,8 @@ class Dispatch:
         # (a failed transfer's stages say nothing of the path: its failure is logged on its own)
         close(log, "prefill", req.transfer_id, req.points, "released", self.config.log_timeline,
               self.stats if ok else None, rank=list(self.me.rank), ok=ok, tokens=req.num_tokens,
-              loop_cpu_ms=round(req.loop_cpu_ns / 1e6, 3) if req.points.computed else None)
+              loop_cpu_ms=round(req.loop_cpu_ns / 1e6, 3) if req.points.computed else None,
+              wake_gap_ms=round(self._inbox.layer_gap_us / 1000, 2))
         if not req.finished.done():
             req.finished.set_result(ok)
         self._on_finished(req.transfer_id, ok)

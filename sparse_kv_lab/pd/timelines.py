@@ -18,6 +18,8 @@ All points are wall-clock seconds on one machine (the engines and the client sha
   loop_cpu          CPU the prefill connector's event loop thread used from the request's start until its prompt
                     was computed (its `loop_cpu_ms`, summed over prefill's ranks): the Python the connector ran
                     beside the forward for it, not a span of time
+  wake_gap          the gap between layer wakes prefill's loop had reached when the request was released (its
+                    `wake_gap_ms`, the widest over prefill's ranks; SenderConfig.layer_wake_cpu_share): not a span
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import Any, Iterable
 from connector.engine.timeline import parse_line
 
 COLUMNS = ("to_prefill", "queue", "compute", "exposed", "registered_after", "landed_after", "tell", "schedule",
-           "first_token", "ttft", "loop_cpu")
+           "first_token", "ttft", "loop_cpu", "wake_gap")
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,9 @@ def breakdown(req: ClientRequest, sides: dict[str, list[dict[str, Any]]]) -> dic
     loop_cpu = [r["loop_cpu_ms"] for r in pre if isinstance(r.get("loop_cpu_ms"), (int, float))]
     if loop_cpu:
         out["loop_cpu"] = round(float(sum(loop_cpu)), 3)
+    gaps = [r["wake_gap_ms"] for r in pre if isinstance(r.get("wake_gap_ms"), (int, float))]
+    if gaps:
+        out["wake_gap"] = round(float(max(gaps)), 3)
     return out
 
 
