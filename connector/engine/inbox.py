@@ -35,8 +35,8 @@ against 12-14. A wake every 4th layer by count (tried before) stretched M3's 8 m
 forward on one thread, a 20 ms gap gives 1.017-1.020x against 1.020-1.022x at 2 ms. `os.eventfd_write` instead of
 the ctypes write: hook p50 38-41 us against 50-65, but p90 586-959 us against 70-90 (the woken loop took the GIL
 while the write had let it go) and the compute 1.040-1.065x. On this VM a no-op timed the same way after a layer's
-sleep costs 2-5 us (`hook_floor_us`); a hook that wakes the loop costs 28-35 us of its own CPU (the wake of a
-sleeping thread), one that only appends 10-15 us (its code cold after the layer's fill).
+sleep costs 2-5 us (`hook_floor_us`); on M3's 8 ms layers a hook that wakes the loop costs 33-42 us, nearly all its
+own CPU (the wake of a sleeping thread), one that only appends 8-15 us (its code cold after the layer's fill).
 
 The one race, closed without a timer. A hook appends first, then reads `streaming`; the loop adds a transfer to
 `streaming` first (`stream`), then drains on its next turn. A hook whose append came before the add is drained by
@@ -188,9 +188,11 @@ class Inbox:
         wake while layers streamed, averaged (1/4 new), over `cpu_share`, between the floor and the maximum. A wake
         costs a fixed sum of Python and syscalls whatever it carries, and on a core the forward shares (or under its
         GIL) that sum is the forward's: measured on this 2-vCPU VM 0.5-0.7 ms per wake on vLLM's CPU engine, so a
-        wake per 3-15 ms layer cost its compute 5-20% (docs/performance.md). The gap keeps the share bounded on any
-        machine: where a wake costs 40 us the floor holds; here the gap grows to tens of ms and a wake carries
-        several layers. Reads the thread's CPU clock once per wake, never in a hook."""
+        wake per 3-20 ms layer cost its compute 4-27% (docs/performance.md). The gap keeps the share bounded on any
+        machine: where a wake costs 40 us the floor holds; here the gap reaches its maximum and a wake carries up to
+        seven layers. Also counted: whatever else the loop ran between the two wakes (the receiver's work where one
+        loop serves both roles), which only widens the gap. Reads the thread's CPU clock once per wake, never in a
+        hook."""
         if not self.streaming:
             self._cpu_mark_ns = None  # idle between requests is not a wake's cost
             return
