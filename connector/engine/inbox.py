@@ -185,14 +185,10 @@ class Inbox:
 
     def _pace(self) -> None:
         """(loop, each wake) Sets the layer gap from what a wake costs the loop here: its CPU since the previous
-        wake while layers streamed, averaged (1/4 new), over `cpu_share`, between the floor and the maximum. A wake
-        costs a fixed sum of Python and syscalls whatever it carries, and on a core the forward shares (or under its
-        GIL) that sum is the forward's: measured on this 2-vCPU VM 0.5-0.7 ms per wake on vLLM's CPU engine, so a
-        wake per 3-20 ms layer cost its compute 4-27% (docs/performance.md). The gap keeps the share bounded on any
-        machine: where a wake costs 40 us the floor holds; here the gap reaches its maximum and a wake carries up to
-        seven layers. Also counted: whatever else the loop ran between the two wakes (the receiver's work where one
-        loop serves both roles), which only widens the gap. Reads the thread's CPU clock once per wake, never in a
-        hook."""
+        wake while layers streamed, averaged (1/4 new), over `cpu_share`, between the floor and the maximum (why and
+        what it measured: the module docstring). Also counted: whatever else the loop ran between the two wakes (the
+        receiver's work where one loop serves both roles), which only widens the gap. Reads the thread's CPU clock
+        once per wake, never in a hook."""
         if not self.streaming:
             self._cpu_mark_ns = None  # idle between requests is not a wake's cost
             return
